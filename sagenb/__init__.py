@@ -1,0 +1,47 @@
+"""sagenb: distributed PyTorch training from a Jupyter cell on a warm ipyparallel engine pool.
+
+    %load_ext sagenb
+    %smp_cluster start -n 2
+    %%smp_train --strategy data --batch-size 64 --epochs 1
+
+or, from a script, `sagenb.train(job, strategy="data", engines=2, batch_size=64)`.
+
+This module imports nothing heavy: the engine side (`sagenb.engine`) must load without IPython,
+ipywidgets or plotly, and the public names below are resolved on first use.
+"""
+
+from __future__ import annotations
+
+from importlib import import_module
+from typing import Any
+
+__version__ = "0.1.0"
+
+_PUBLIC = {
+    "train": "sagenb.session",
+    "TrainingError": "sagenb.session",
+    "TrainConfig": "sagenb.config",
+    "ConfigError": "sagenb.config",
+    "JobError": "sagenb.job",
+    "TrainResult": "sagenb.result",
+    "start_pool": "sagenb.cluster",
+    "stop_pool": "sagenb.cluster",
+    "restart_pool": "sagenb.cluster",
+    "current_pool": "sagenb.cluster",
+    "Dashboard": "sagenb.dashboard",
+}
+
+__all__ = [*sorted(_PUBLIC), "load_ipython_extension"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _PUBLIC:
+        return getattr(import_module(_PUBLIC[name]), name)
+    raise AttributeError(f"module 'sagenb' has no attribute {name!r}")
+
+
+def load_ipython_extension(ipython: Any) -> None:
+    """`%load_ext sagenb`: registers %smp_cluster and %%smp_train."""
+    from sagenb.magics import SmpMagics
+
+    ipython.register_magics(SmpMagics)

@@ -1,0 +1,5 @@
+"""The engine side: code that runs inside each ipyparallel engine.
+
+Nothing here imports IPython, ipywidgets or plotly (a test checks it); the only link back to the
+notebook is `publish.py`, which imports ipyparallel's data publisher lazily on the engine.
+"""

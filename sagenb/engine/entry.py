@@ -1,0 +1,105 @@
+"""The function each engine runs for one training run: set up, train, report, clean up.
+
+ipyparallel calls `run_rank` on every engine as its own task, so the notebook sees the first
+failure on its own. Whatever happens, the process group is destroyed before the task returns,
+so a failing rank releases its peers instead of leaving them in a collective until the timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from dataclasses import dataclass
+
+import torch
+
+from sagenb.config import TrainConfig
+from sagenb.engine import process_group
+from sagenb.engine.loop import train_loop
+from sagenb.engine.publish import Publisher
+from sagenb.engine.strategies import make_strategy
+from sagenb.engine.workspace import build_workspace
+from sagenb.job import Job, JobError
+
+__all__ = ["RankSpec", "RankResult", "RankFailure", "run_rank", "probe"]
+
+
+@dataclass(frozen=True)
+class RankSpec:
+    """Everything one engine needs for one run."""
+
+    rank: int
+    world_size: int
+    addr: str
+    port: int
+    threads: int
+    config: TrainConfig
+    job: Job
+
+
+@dataclass
+class RankResult:
+    rank: int
+    steps: int
+    published: int
+    state_dict: dict[str, torch.Tensor] | None
+    device: str
+
+
+class RankFailure(RuntimeError):
+    """A rank failed; carries the original traceback as text (no live frames, no tensors)."""
+
+
+def run_rank(spec: RankSpec, publish: Publisher | None = None) -> RankResult:
+    publish = publish if publish is not None else Publisher()
+    error: Exception | None = None
+    try:
+        return _train(spec, publish)
+    except JobError as exc:
+        error = JobError(str(exc))
+    except BaseException:  # noqa: BLE001 - KeyboardInterrupt too: release the peers either way
+        error = RankFailure(f"rank {spec.rank} failed:\n{traceback.format_exc()}")
+    finally:
+        process_group.shutdown()
+    raise error
+
+
+def _train(spec: RankSpec, publish: Publisher) -> RankResult:
+    torch.set_num_threads(spec.threads)
+    device = process_group.pick_device(spec.rank, spec.world_size)
+    process_group.init_process_group(
+        rank=spec.rank,
+        world_size=spec.world_size,
+        addr=spec.addr,
+        port=spec.port,
+        timeout_s=spec.config.timeout,
+        device=device,
+    )
+    ws = build_workspace(spec.job, spec.config.seed)
+    strategy = make_strategy(spec.config, rank=spec.rank, world_size=spec.world_size, device=device)
+    strategy.setup(ws.model)
+    steps = train_loop(ws, strategy, spec.config, device=device, publish=publish)
+    return RankResult(
+        rank=spec.rank,
+        steps=steps,
+        published=publish.count,
+        state_dict=strategy.full_state_dict(),
+        device=str(device),
+    )
+
+
+def probe() -> dict:
+    """What `%smp_cluster status` shows of one engine; also warms torch's import."""
+    import psutil
+
+    cuda = torch.cuda.is_available()
+    return {
+        "pid": os.getpid(),
+        "host": socket.gethostname(),
+        "threads": torch.get_num_threads(),
+        "device": torch.cuda.get_device_name(0) if cuda else "cpu",
+        "cuda_devices": torch.cuda.device_count() if cuda else 0,
+        "rss_mib": psutil.Process().memory_info().rss / 2**20,
+        "torch": torch.__version__,
+    }

@@ -1,0 +1,97 @@
+"""The training loop every strategy shares: the contract of ../shared/MISSION.md, step by step.
+
+An optimizer step takes one global batch of the fixed sample order, cut into `grad_accum`
+slices; each slice's loss is scaled by 1/grad_accum so the accumulated gradient is that of the
+mean over the whole global batch. Then: clip (global norm), optimizer, scheduler, metrics.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from sagenb.config import TrainConfig
+from sagenb.engine.data import fetch, plan_steps, to_device, total_steps
+from sagenb.engine.memory import MemoryMeter
+from sagenb.engine.strategies import Strategy
+from sagenb.engine.workspace import Workspace
+
+__all__ = ["train_loop", "make_optimizer"]
+
+
+def make_optimizer(ws: Workspace, strategy: Strategy, lr: float) -> torch.optim.Optimizer:
+    params = list(strategy.parameters())
+    if ws.make_optimizer is not None:
+        return ws.make_optimizer(params)
+    return torch.optim.AdamW(params, lr=lr)
+
+
+def train_loop(
+    ws: Workspace,
+    strategy: Strategy,
+    config: TrainConfig,
+    *,
+    device: torch.device,
+    publish: Callable[[dict[str, Any]], None],
+) -> int:
+    """Train to the end of the plan, publishing one metrics dict per step; returns the steps."""
+    optimizer = make_optimizer(ws, strategy, config.lr)
+    scheduler = ws.make_scheduler(optimizer) if ws.make_scheduler is not None else None
+    meter = MemoryMeter(strategy.module, optimizer, device)
+    n = len(ws.dataset)
+    total = total_steps(n, batch_size=config.batch_size, epochs=config.epochs, steps=config.steps)
+    plan = plan_steps(
+        n, batch_size=config.batch_size, epochs=config.epochs, steps=config.steps, seed=config.seed
+    )
+    for step in plan:
+        started = time.perf_counter()
+        meter.start_step()
+        loss, samples = _accumulate(ws, strategy, meter, step.indices, config.grad_accum, device)
+        metrics: dict[str, Any] = {
+            "step": step.number, "total_steps": total, "epoch": step.epoch, "loss": loss
+        }
+        if config.clip_grad_norm is not None:
+            metrics["grad_norm"] = strategy.clip_grad_norm(config.clip_grad_norm)
+        metrics["lr"] = optimizer.param_groups[0]["lr"]
+        optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
+        metrics.update(meter.snapshot())
+        optimizer.zero_grad(set_to_none=True)
+        if _eval_due(ws, config, step.number, total):
+            metrics["eval_loss"] = strategy.evaluate(ws.eval_dataset, ws.loss_fn, config.batch_size)
+        elapsed = time.perf_counter() - started
+        metrics["step_time(s)"] = elapsed
+        metrics["samples"] = samples
+        metrics["throughput(samples/s)"] = samples / elapsed
+        publish(metrics)
+    return total
+
+
+def _accumulate(ws, strategy, meter, indices, grad_accum, device) -> tuple[float, int]:
+    """Forward and backward over the grad_accum slices of one global batch."""
+    losses = []
+    samples = 0
+    slices = indices.chunk(grad_accum)
+    for k, piece in enumerate(slices):
+        local = strategy.local_indices(piece)
+        batch = to_device(fetch(ws.dataset, local), device)
+        with meter.track():
+            loss = strategy.forward_backward(
+                batch, ws.loss_fn, scale=1.0 / grad_accum, sync=k == len(slices) - 1
+            )
+        losses.append(loss)
+        samples += len(local)
+    # one host sync per step, not per slice
+    return float(torch.stack(losses).mean()), samples
+
+
+def _eval_due(ws: Workspace, config: TrainConfig, step: int, total: int) -> bool:
+    if ws.eval_dataset is None:
+        return False
+    if config.eval_every:
+        return step % config.eval_every == 0 or step == total
+    return step == total

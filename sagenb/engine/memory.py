@@ -1,0 +1,101 @@
+"""Exact memory per engine: parameters, gradients, optimizer state and saved activations.
+
+torch keeps no allocator statistics on the CPU, so the bytes are counted from the tensors
+themselves; the peak of activations saved for backward is tracked with saved-tensor hooks,
+deduplicated by storage and leaving parameters out (../shared/FACTS.md, "Memory per partition").
+On CUDA the allocator's own peak is reported beside it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+__all__ = ["MemoryMeter"]
+
+MIB = 1024 * 1024
+
+
+def _tensor_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+class _Saved:
+    __slots__ = ("tensor", "key")
+
+    def __init__(self, tensor: torch.Tensor, key: int | None) -> None:
+        self.tensor, self.key = tensor, key
+
+
+class MemoryMeter:
+    """Counts one engine's training memory; `track()` wraps each forward+backward."""
+
+    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device):
+        self.module, self.optimizer, self.device = module, optimizer, device
+        self._param_storages = {p.untyped_storage().data_ptr() for p in module.parameters()}
+        self._live: dict[int, list[int]] = {}  # storage ptr -> [bytes, references]
+        self._current = 0
+        self.peak_activations = 0
+        try:
+            import psutil
+
+            self._process = psutil.Process(os.getpid())
+        except ImportError:  # psutil is a dependency; RSS is secondary
+            self._process = None
+
+    def _pack(self, tensor: torch.Tensor) -> _Saved:
+        storage = tensor.untyped_storage()
+        key = storage.data_ptr()
+        if key in self._param_storages or key == 0:
+            return _Saved(tensor, None)
+        entry = self._live.get(key)
+        if entry is None:
+            self._live[key] = [storage.nbytes(), 1]
+            self._current += storage.nbytes()
+            self.peak_activations = max(self.peak_activations, self._current)
+        else:
+            entry[1] += 1
+        return _Saved(tensor, key)
+
+    def _unpack(self, saved: _Saved) -> torch.Tensor:
+        entry = self._live.get(saved.key) if saved.key is not None else None
+        if entry is not None:
+            entry[1] -= 1
+            if entry[1] == 0:
+                self._current -= entry[0]
+                del self._live[saved.key]
+        return saved.tensor
+
+    @contextmanager
+    def track(self) -> Iterator[None]:
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            yield
+
+    def start_step(self) -> None:
+        self._live.clear()
+        self._current = 0
+        self.peak_activations = 0
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+
+    def snapshot(self) -> dict[str, float]:
+        """MiB per kind, taken after backward and before gradients are cleared."""
+        params = list(self.module.parameters())
+        state = (
+            v for s in self.optimizer.state.values() for v in s.values() if torch.is_tensor(v)
+        )
+        out = {
+            "memory/params(MiB)": _tensor_bytes(params) / MIB,
+            "memory/grads(MiB)": _tensor_bytes(p.grad for p in params) / MIB,
+            "memory/optimizer(MiB)": _tensor_bytes(state) / MIB,
+            "memory/activations(MiB)": self.peak_activations / MIB,
+        }
+        if self._process is not None:
+            out["memory/rss(MiB)"] = self._process.memory_info().rss / MIB
+        if self.device.type == "cuda":
+            out["memory/device_peak(MiB)"] = torch.cuda.max_memory_allocated(self.device) / MIB
+        return out

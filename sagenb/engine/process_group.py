@@ -1,0 +1,47 @@
+"""The torch.distributed process group of one training run on one engine."""
+
+from __future__ import annotations
+
+import gc
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["init_process_group", "shutdown", "pick_device"]
+
+
+def pick_device(rank: int, world_size: int) -> torch.device:
+    """One CUDA device per engine when the host has enough of them, else the CPU."""
+    if torch.cuda.is_available() and torch.cuda.device_count() >= world_size:
+        return torch.device("cuda", rank % torch.cuda.device_count())
+    return torch.device("cpu")
+
+
+def init_process_group(
+    *, rank: int, world_size: int, addr: str, port: int, timeout_s: float, device: torch.device
+) -> None:
+    """nccl when every engine has its own CUDA device, gloo otherwise; a fresh port each run."""
+    if dist.is_initialized():  # a previous run on this engine died before cleaning up
+        shutdown()
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group(
+        backend,
+        init_method=f"tcp://{addr}:{port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=timeout_s),
+    )
+
+
+def shutdown() -> None:
+    """Destroy the process group; peers blocked in a collective then fail within about a second.
+
+    Collect garbage first: a traceback or tensor still holding the group keeps its sockets open
+    (measured in ../shared/FACTS.md, "Failures").
+    """
+    gc.collect()
+    if dist.is_initialized():
+        dist.destroy_process_group()

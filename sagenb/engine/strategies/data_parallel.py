@@ -1,0 +1,74 @@
+"""Data parallel: every engine holds the whole model and a slice of each global batch.
+
+DistributedDataParallel averages gradients across engines after each backward. Each engine
+takes an equal, contiguous share of every slice of the global batch, so the averaged gradient
+of equal-sized means is exactly the gradient of the mean over the whole batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from sagenb.engine.data import fetch, to_device
+
+__all__ = ["DataParallel"]
+
+
+class DataParallel:
+    def __init__(self, *, rank: int, world_size: int, device: torch.device) -> None:
+        self.rank, self.world_size, self.device = rank, world_size, device
+        self.module: nn.Module
+        self._ddp: DistributedDataParallel
+
+    def setup(self, model: nn.Module) -> None:
+        self.module = model.to(self.device)
+        device_ids = [self.device.index] if self.device.type == "cuda" else None
+        self._ddp = DistributedDataParallel(self.module, device_ids=device_ids)
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        return self.module.parameters()
+
+    def local_indices(self, slice_indices: torch.Tensor) -> torch.Tensor:
+        share = len(slice_indices) // self.world_size
+        return slice_indices[self.rank * share : (self.rank + 1) * share]
+
+    def forward_backward(
+        self, batch: Any, loss_fn: Callable[..., torch.Tensor], *, scale: float, sync: bool
+    ) -> torch.Tensor:
+        inputs, targets = batch
+        with nullcontext() if sync else self._ddp.no_sync():
+            loss = loss_fn(self._ddp(inputs), targets)
+            (loss * scale).backward()
+        return loss.detach()
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        # After DDP's all-reduce every engine holds the same full gradient, so the local norm
+        # is the global norm one process would compute.
+        return float(torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm))
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        if self.rank != 0:
+            return None
+        return {k: v.detach().to("cpu", copy=True) for k, v in self.module.state_dict().items()}
+
+    @torch.no_grad()
+    def evaluate(self, dataset: Any, loss_fn: Callable[..., torch.Tensor], batch_size: int) -> float:
+        mine = torch.tensor_split(torch.arange(len(dataset)), self.world_size)[self.rank]
+        was_training = self.module.training
+        self.module.eval()
+        total = torch.zeros(2, dtype=torch.float64, device=self.device)  # sum of losses, count
+        for start in range(0, len(mine), batch_size):
+            idx = mine[start : start + batch_size]
+            inputs, targets = to_device(fetch(dataset, idx), self.device)
+            total[0] += loss_fn(self.module(inputs), targets).double() * len(idx)
+            total[1] += len(idx)
+        self.module.train(was_training)
+        dist.all_reduce(total)
+        return float(total[0] / total[1])

@@ -1,0 +1,75 @@
+"""The job's objects on one engine: the cell run after seeding, and its names checked."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from sagenb.job import Job, JobError
+
+__all__ = ["Workspace", "build_workspace", "seed_everything"]
+
+
+@dataclass
+class Workspace:
+    """What the cell defined; the optional hooks are None when the cell left them out."""
+
+    model: nn.Module
+    dataset: Any
+    loss_fn: Callable[[Any, Any], torch.Tensor]
+    make_optimizer: Callable[..., torch.optim.Optimizer] | None = None
+    make_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None
+    eval_dataset: Any = None
+
+
+def seed_everything(seed: int) -> None:
+    """torch's RNG is the contract; Python's and numpy's are seeded too for cells that use them."""
+    torch.manual_seed(seed)
+    random.seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed)
+    except ImportError:  # numpy is optional for the engine side
+        pass
+
+
+def build_workspace(job: Job, seed: int) -> Workspace:
+    seed_everything(seed)
+    ns = job.namespace()
+    missing = [n for n in ("model", "dataset", "loss_fn") if n not in ns]
+    if missing:
+        raise JobError(f"the job defines no {', '.join(missing)}")
+    ws = Workspace(
+        model=ns["model"],
+        dataset=ns["dataset"],
+        loss_fn=ns["loss_fn"],
+        make_optimizer=ns.get("make_optimizer"),
+        make_scheduler=ns.get("make_scheduler"),
+        eval_dataset=ns.get("eval_dataset"),
+    )
+    _check(ws)
+    return ws
+
+
+def _check(ws: Workspace) -> None:
+    if not isinstance(ws.model, nn.Module):
+        raise JobError(f"model must be a torch.nn.Module, got {type(ws.model).__name__}")
+    for name in ("dataset", "eval_dataset"):
+        data = getattr(ws, name)
+        if data is not None and not (hasattr(data, "__len__") and hasattr(data, "__getitem__")):
+            raise JobError(
+                f"{name} must be a map-style Dataset (with __len__ and __getitem__), "
+                f"got {type(data).__name__}"
+            )
+    for name in ("loss_fn", "make_optimizer", "make_scheduler"):
+        value = getattr(ws, name)
+        if value is not None and not callable(value):
+            raise JobError(f"{name} must be callable, got {type(value).__name__}")
+    if not any(p.requires_grad for p in ws.model.parameters()):
+        raise JobError("model has no trainable parameters")

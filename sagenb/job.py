@@ -1,0 +1,94 @@
+"""What to train: the cell body (source code) or a Python callable, checked before any engine runs it.
+
+A job travels to every engine and is executed there after seeding, so every engine builds the
+same model and data. The check here is static (the cell's top-level bindings), so a cell that
+forgets to define `model` fails in the notebook, not on the engines.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["REQUIRED_NAMES", "OPTIONAL_NAMES", "Job", "JobError", "defined_names"]
+
+REQUIRED_NAMES = ("model", "dataset", "loss_fn")
+OPTIONAL_NAMES = ("make_optimizer", "make_scheduler", "eval_dataset")
+
+
+class JobError(ValueError):
+    """The job itself is unusable (missing names, wrong types, a dataset too small): fix the cell."""
+
+
+@dataclass(frozen=True)
+class Job:
+    """A cell's source, or a cloudpickled callable returning a mapping of the same names."""
+
+    source: str | None = None
+    payload: bytes | None = None
+
+    @classmethod
+    def from_cell(cls, source: str) -> Job:
+        missing = [n for n in REQUIRED_NAMES if n not in defined_names(source)]
+        if missing and "*" not in defined_names(source):
+            raise JobError(
+                f"the cell defines no {', '.join(missing)}: it must assign model (a torch.nn.Module), "
+                "dataset (a map-style Dataset of (input, target)) and loss_fn (loss_fn(output, target) "
+                "-> scalar tensor)"
+            )
+        return cls(source=source)
+
+    @classmethod
+    def from_callable(cls, fn: Callable[[], Any]) -> Job:
+        """`fn()` runs on every engine after seeding and returns {'model': ..., 'dataset': ..., ...}."""
+        if not callable(fn):
+            raise JobError(f"a job is cell source (str) or a callable, not {type(fn).__name__}")
+        import cloudpickle  # by value for functions defined in a script or notebook
+
+        return cls(payload=cloudpickle.dumps(fn))
+
+    def namespace(self) -> dict[str, Any]:
+        """Run the job (on an engine) and return its namespace."""
+        if self.source is not None:
+            ns: dict[str, Any] = {"__name__": "__smp_cell__"}
+            exec(compile(self.source, "<smp_train cell>", "exec"), ns)
+            return ns
+        import cloudpickle
+
+        result = cloudpickle.loads(self.payload)()
+        if not isinstance(result, dict):
+            raise JobError(
+                f"the job function must return a dict with {', '.join(REQUIRED_NAMES)}; "
+                f"it returned {type(result).__name__}"
+            )
+        return result
+
+
+def defined_names(source: str) -> set[str]:
+    """Names bound at the top level of `source` ('*' when a star import makes it unknowable)."""
+    try:
+        tree = ast.parse(source, "<smp_train cell>")
+    except SyntaxError as exc:
+        raise JobError(f"the cell does not parse: {exc.msg} (line {exc.lineno})") from None
+    names: set[str] = set()
+    _collect(tree.body, names)
+    return names
+
+
+def _collect(body: list[ast.stmt], names: set[str]) -> None:
+    for stmt in body:
+        if isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(stmt.name)
+        elif isinstance(stmt, (ast.Import, ast.ImportFrom)):
+            for alias in stmt.names:
+                names.add(alias.asname or alias.name.split(".")[0])
+        else:
+            for node in ast.walk(stmt):
+                if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                    names.add(node.id)
+            for field in ("body", "orelse", "finalbody", "handlers"):
+                nested = getattr(stmt, field, None)
+                if isinstance(nested, list) and nested and isinstance(nested[0], ast.stmt):
+                    _collect(nested, names)

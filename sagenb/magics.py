@@ -1,0 +1,127 @@
+"""`%smp_cluster` and `%%smp_train`: thin adapters from a magic line to the plain Python API.
+
+The flags are generated from TrainConfig's fields, so the magic, the Python call and the help
+text (`%%smp_train?`) cannot drift apart. Bad input raises UsageError before any engine runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import shlex
+import types
+import typing
+from typing import Any
+
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
+from IPython.core.magic_arguments import MagicArgumentParser
+
+from sagenb import cluster
+from sagenb.config import ConfigError, TrainConfig, flag_name
+from sagenb.job import JobError
+from sagenb.session import train
+
+__all__ = ["SmpMagics", "train_parser", "cluster_parser", "parse_train_line"]
+
+
+def _field_type(f: dataclasses.Field) -> type:
+    hint = typing.get_type_hints(TrainConfig)[f.name]
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        return args[0]
+    return hint
+
+
+def train_parser() -> MagicArgumentParser:
+    parser = MagicArgumentParser(
+        prog="%%smp_train",
+        description=(
+            "Train the model the cell defines on the engine pool. The cell runs on every engine "
+            "after seeding torch and must define model, dataset and loss_fn; optionally "
+            "make_optimizer(params), make_scheduler(optimizer) and eval_dataset."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        allow_abbrev=False,
+    )
+    for f in dataclasses.fields(TrainConfig):
+        help_text = f.metadata["help"]
+        if f.name == "dashboard":
+            parser.add_argument("--no-dashboard", dest="dashboard", action="store_false", help=help_text)
+            continue
+        kind = _field_type(f)
+        extra = {"choices": f.metadata["choices"]} if "choices" in f.metadata else {}
+        parser.add_argument(
+            flag_name(f.name), dest=f.name, type=kind, default=f.default, help=help_text,
+            metavar=f.name.upper(), **extra,
+        )
+    return parser
+
+
+def cluster_parser() -> MagicArgumentParser:
+    parser = MagicArgumentParser(
+        prog="%smp_cluster",
+        description="Manage the warm pool of local ipyparallel engines that %%smp_train uses.",
+        allow_abbrev=False,
+    )
+    parser.add_argument("action", choices=("start", "status", "stop", "restart"))
+    parser.add_argument("-n", "--engines", type=int, default=None, help="number of engines")
+    return parser
+
+
+def parse_train_line(line: str) -> TrainConfig:
+    """The TrainConfig of a `%%smp_train` line; UsageError names the flag and what is allowed."""
+    try:
+        args = train_parser().parse_args(shlex.split(line))
+    except ValueError as exc:  # shlex: an unclosed quote
+        raise UsageError(f"%%smp_train: cannot read the line: {exc}") from None
+    try:
+        return TrainConfig(**vars(args))
+    except ConfigError as exc:
+        raise UsageError(f"%%smp_train: {exc}") from None
+
+
+@magics_class
+class SmpMagics(Magics):
+    @line_magic
+    def smp_cluster(self, line: str) -> Any:
+        args = cluster_parser().parse_args(shlex.split(line))
+        if args.engines is not None and args.engines < 1:
+            raise UsageError(f"%smp_cluster: -n {args.engines}: must be an integer >= 1")
+        if args.action == "start":
+            pool = cluster.start_pool(args.engines or cluster.DEFAULT_ENGINES)
+        elif args.action == "restart":
+            pool = cluster.restart_pool(args.engines)
+        elif args.action == "stop":
+            print("stopped the engine pool" if cluster.stop_pool() else "no engine pool was running")
+            return None
+        else:
+            pool = cluster.current_pool()
+            if pool is None:
+                print("no engine pool is running: %smp_cluster start -n N")
+                return None
+        _print_status(pool)
+        return None
+
+    @cell_magic
+    def smp_train(self, line: str, cell: str) -> None:
+        config = parse_train_line(line)
+        pool = cluster.current_pool()
+        try:
+            result = train(cell, config, pool=pool)
+        except (ConfigError, JobError) as exc:
+            raise UsageError(f"%%smp_train: {exc}") from None
+        self.shell.user_ns[config.out] = result
+        print(f"{result.summary()}\nresult in `{config.out}`")
+
+
+def _print_status(pool: cluster.EnginePool) -> None:
+    rows = pool.status()
+    print(f"{len(rows)} engines (ipyparallel, controller on {cluster.LOOPBACK})")
+    print(f"{'rank':>4} {'engine':>6} {'pid':>8} {'threads':>7} {'device':<8} {'memory(MiB)':>11}  host")
+    for r in rows:
+        print(f"{r.rank:>4} {r.engine_id:>6} {r.pid:>8} {r.threads:>7} {r.device:<8} {r.rss_mib:>11.0f}  {r.host}")
+
+
+SmpMagics.smp_train.__doc__ = train_parser().format_help()
+SmpMagics.smp_cluster.__doc__ = cluster_parser().format_help()

@@ -1,0 +1,83 @@
+"""Metrics on the notebook side: read the engines' streams in order, aggregate, fan out to sinks.
+
+Each rank publishes one dict per step under its sequence number (engine/publish.py). A
+`RankStream` reads them back in order from the rank's AsyncResult, so nothing is lost however
+slowly the notebook polls. Sinks (the dashboard, the history) receive `(metrics, step, rank)`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+__all__ = ["StepMetrics", "MetricSink", "RankStream", "History"]
+
+
+@dataclass(frozen=True)
+class StepMetrics:
+    step: int
+    rank: int
+    values: Mapping[str, Any]
+
+
+class MetricSink(Protocol):
+    def log(self, metrics: Mapping[str, Any], step: int, rank: int) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class RankStream:
+    """The messages one rank has published so far, each read once, in order."""
+
+    def __init__(self, rank: int, async_result: Any) -> None:
+        self.rank, self._ar, self.received = rank, async_result, 0
+
+    def drain(self) -> list[StepMetrics]:
+        data = self._ar.data
+        out = []
+        while (values := data.get(str(self.received))) is not None:
+            out.append(StepMetrics(step=values["step"], rank=self.rank, values=values))
+            self.received += 1
+        return out
+
+
+class History:
+    """Per-step records across ranks: the `history` of a result.
+
+    The loss of a step is the mean of the ranks' losses: each rank's loss is the mean over an
+    equal share of the global batch, so this is the loss over the whole global batch.
+    """
+
+    def __init__(self, world_size: int, batch_size: int) -> None:
+        self.world_size, self.batch_size = world_size, batch_size
+        self._pending: dict[int, dict[int, Mapping[str, Any]]] = {}
+        self.steps: list[dict[str, Any]] = []
+        self.records: list[StepMetrics] = []
+
+    def log(self, metrics: Mapping[str, Any], step: int, rank: int) -> None:
+        self.records.append(StepMetrics(step, rank, metrics))
+        ranks = self._pending.setdefault(step, {})
+        ranks[rank] = metrics
+        if len(ranks) == self.world_size:
+            self.steps.append(self._combine(step, self._pending.pop(step)))
+
+    def _combine(self, step: int, ranks: dict[int, Mapping[str, Any]]) -> dict[str, Any]:
+        first = ranks[0]
+        slowest = max(m["step_time(s)"] for m in ranks.values())
+        row: dict[str, Any] = {
+            "step": step,
+            "epoch": first["epoch"],
+            "loss": sum(m["loss"] for m in ranks.values()) / len(ranks),
+            "rank_losses": [ranks[r]["loss"] for r in sorted(ranks)],
+            "lr": first["lr"],
+            "step_time(s)": slowest,
+            "throughput(samples/s)": self.batch_size / slowest,
+        }
+        for key in ("grad_norm", "eval_loss"):
+            if key in first:
+                row[key] = first[key]
+        return row
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,58 @@
+"""What a training run leaves in the notebook: history, full parameters, time and cost."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from sagenb.config import TrainConfig
+from sagenb.metrics import StepMetrics
+
+__all__ = ["TrainResult"]
+
+
+@dataclass
+class TrainResult:
+    """The result of `%%smp_train` (`smp_result`) or `sagenb.train`."""
+
+    config: TrainConfig
+    #: one row per optimizer step: step, epoch, loss (whole global batch), rank_losses, lr,
+    #: step_time(s), throughput(samples/s), and grad_norm / eval_loss when measured
+    history: list[dict[str, Any]]
+    #: every rank's raw metrics, (step, rank, values), in arrival order
+    metrics: list[StepMetrics]
+    #: seconds from submitting the run to the last rank's result
+    wall_time_s: float
+    #: seconds from submitting the run to the first step's metrics
+    time_to_first_step_s: float
+    cost_usd: float
+    cost_label: str
+    engines: int
+    device: str
+    _state_dict: dict[str, torch.Tensor] = field(repr=False)
+    dashboard: Any = field(default=None, repr=False)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The full trained model's state_dict, with the keys of `model.state_dict()`."""
+        return dict(self._state_dict)
+
+    @property
+    def losses(self) -> list[float]:
+        return [row["loss"] for row in self.history]
+
+    @property
+    def eval_losses(self) -> list[tuple[int, float]]:
+        return [(row["step"], row["eval_loss"]) for row in self.history if "eval_loss" in row]
+
+    def summary(self) -> str:
+        last = self.history[-1] if self.history else {}
+        loss = f"final loss {last['loss']:.4g}" if last else "no steps"
+        return (
+            f"{self.config.strategy} parallel: {len(self.history)} steps on {self.engines} engines "
+            f"({self.device}) in {self.wall_time_s:.1f} s, {loss}; est. {self.cost_label}"
+        )
+
+    def __repr__(self) -> str:
+        return f"<TrainResult {self.summary()}>"

@@ -1,0 +1,207 @@
+"""The client side of one training run: check, submit to the pool, stream metrics, collect.
+
+`train()` is the plain Python API; `%%smp_train` is a thin adapter over it. Everything that can
+be checked without engines is checked before any engine runs user code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from datetime import datetime
+import socket
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from sagenb import cluster
+from sagenb.config import ConfigError, TrainConfig
+from sagenb.cost import CostMeter, instance_price
+from sagenb.engine.entry import RankResult, RankSpec, run_rank
+from sagenb.job import Job, JobError
+from sagenb.metrics import History, MetricSink, RankStream
+from sagenb.result import TrainResult
+
+__all__ = ["train", "prepare", "TrainingError"]
+
+POLL_S = 0.05  # metric polling period; the dashboard throttles its own redraws
+RELEASE_S = 10.0  # how long the other ranks get to stop after one fails
+OUTPUT_S = 10.0  # how long to wait for the last published metrics after a rank returns
+
+
+class TrainingError(RuntimeError):
+    """A rank failed; the message carries its rank, engine id and traceback."""
+
+    def __init__(self, rank: int, engine_id: int, detail: str) -> None:
+        self.rank, self.engine_id, self.detail = rank, engine_id, detail
+        super().__init__(f"rank {rank} (engine {engine_id}) failed:\n{detail}")
+
+
+def prepare(job: str | Callable[[], Any] | Job, config: TrainConfig) -> Job:
+    """The job, checked without running it (a cell that defines no model fails here)."""
+    if isinstance(job, Job):
+        return job
+    return Job.from_cell(job) if isinstance(job, str) else Job.from_callable(job)
+
+
+def train(
+    job: str | Callable[[], Any] | Job,
+    config: TrainConfig | None = None,
+    *,
+    pool: cluster.EnginePool | None = None,
+    sinks: Sequence[MetricSink] = (),
+    **options: Any,
+) -> TrainResult:
+    """Train `job` (cell source, or a callable returning {'model', 'dataset', 'loss_fn', ...}).
+
+    Options are the fields of TrainConfig (`batch_size=64, strategy="data"`), or pass a config.
+    Uses the running pool (or `pool`), starting one of `engines` engines when none runs.
+    """
+    if config is None:
+        config = TrainConfig(**options)
+    elif options:
+        config = dataclasses.replace(config, **options)
+    prepared = prepare(job, config)
+    if pool is None:
+        pool = cluster.ensure_pool(config.engines or cluster.DEFAULT_ENGINES)
+    config = _resolve_engines(config, pool)
+    return _Run(pool, config, prepared, list(sinks)).execute()
+
+
+def _resolve_engines(config: TrainConfig, pool: cluster.EnginePool) -> TrainConfig:
+    engines = config.engines if config.engines is not None else pool.size
+    if engines > pool.size:
+        raise ConfigError(
+            "engines",
+            engines,
+            f"the running pool has {pool.size} engines: lower --engines or run "
+            f"`%smp_cluster restart -n {engines}` (sagenb.restart_pool({engines}))",
+        )
+    return config.with_engines(engines)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((cluster.LOOPBACK, 0))
+        return s.getsockname()[1]
+
+
+class _Run:
+    def __init__(
+        self, pool: cluster.EnginePool, config: TrainConfig, job: Job, sinks: list[MetricSink]
+    ) -> None:
+        self.pool, self.config, self.job = pool, config, job
+        self.engines = config.engines or pool.size
+        self.cost = CostMeter(instance_price(config.instance), self.engines)
+        self.history = History(self.engines, config.batch_size)
+        self.dashboard = _make_dashboard(config, self.cost) if config.dashboard else None
+        self.sinks = [self.history, *sinks, *([self.dashboard] if self.dashboard else [])]
+        self.first_step_s: float | None = None
+
+    def execute(self) -> TrainResult:
+        threads = self.config.threads or max(1, (os.cpu_count() or 1) // self.engines)
+        port = _free_port()
+        specs = [
+            (RankSpec(r, self.engines, cluster.LOOPBACK, port, threads, self.config, self.job),)
+            for r in range(self.engines)
+        ]
+        started = time.perf_counter()
+        ars = self.pool.submit(run_rank, specs)
+        streams = [RankStream(r, ar) for r, ar in enumerate(ars)]
+        try:
+            self._follow(ars, streams, started)
+            results = self._collect(ars, streams)
+        except BaseException:
+            self._close_sinks(time.perf_counter() - started, failed=True)
+            raise
+        wall = time.perf_counter() - started
+        self._close_sinks(wall, failed=False)
+        return TrainResult(
+            config=self.config,
+            history=self.history.steps,
+            metrics=self.history.records,
+            wall_time_s=wall,
+            time_to_first_step_s=self.first_step_s if self.first_step_s is not None else wall,
+            cost_usd=self.cost.cost(wall),
+            cost_label=self.cost.label(wall),
+            engines=self.engines,
+            device=results[0].device,
+            _state_dict=results[0].state_dict,
+            dashboard=self.dashboard,
+        )
+
+    def _follow(self, ars: list, streams: list[RankStream], started: float) -> None:
+        """Stream metrics to the sinks until every rank is done; stop all on the first failure."""
+        try:
+            while True:
+                done = [ar.ready() for ar in ars]
+                self._drain(streams, started)
+                failed = [r for r, ar in enumerate(ars) if done[r] and not ar.successful()]
+                if failed:
+                    self._fail(ars, failed)
+                if all(done):
+                    return
+                if self.dashboard is not None:
+                    self.dashboard.tick(time.perf_counter() - started)
+                time.sleep(POLL_S)
+        except KeyboardInterrupt:
+            self._release(ars)
+            raise
+
+    def _drain(self, streams: list[RankStream], started: float) -> None:
+        for stream in streams:
+            for rec in stream.drain():
+                if self.first_step_s is None:
+                    self.first_step_s = time.perf_counter() - started
+                for sink in self.sinks:
+                    sink.log(rec.values, rec.step, rec.rank)
+
+    def _collect(self, ars: list, streams: list[RankStream]) -> list[RankResult]:
+        results: list[RankResult] = [ar.get() for ar in ars]
+        for ar in ars:  # published data can trail the result on ipyparallel's IOPub channel
+            ar.wait_for_output(timeout=OUTPUT_S)
+        self._drain(streams, 0.0)
+        for stream, res in zip(streams, results):
+            if stream.received != res.published:
+                raise RuntimeError(
+                    f"rank {res.rank} published {res.published} metric messages but "
+                    f"{stream.received} arrived within {OUTPUT_S:.0f} s"
+                )
+        return results
+
+    def _release(self, ars: list) -> None:
+        """Interrupt ranks still running, then give them RELEASE_S to return."""
+        ids = self.pool.engine_ids
+        running = [ids[r] for r, ar in enumerate(ars) if not ar.ready()]
+        if running:
+            self.pool.interrupt(running)
+        deadline = time.monotonic() + RELEASE_S
+        while not all(ar.ready() for ar in ars) and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+
+    def _fail(self, ars: list, failed: list[int]) -> None:
+        # Failing ranks destroy their process group, so peers fail within about a second.
+        deadline = time.monotonic() + RELEASE_S
+        while not all(ar.ready() for ar in ars) and time.monotonic() < deadline:
+            time.sleep(POLL_S)
+        self._release(ars)
+        failed = [r for r, ar in enumerate(ars) if ar.ready() and not ar.successful()]
+        first = min(failed, key=lambda r: ars[r].metadata.get("completed") or datetime.max)
+        err = ars[first].exception()
+        ename = getattr(err, "ename", type(err).__name__)
+        evalue = getattr(err, "evalue", str(err))
+        if ename == "JobError":
+            raise JobError(evalue)
+        raise TrainingError(first, self.pool.engine_ids[first], evalue)
+
+    def _close_sinks(self, elapsed: float, *, failed: bool) -> None:
+        if self.dashboard is not None:
+            self.dashboard.finish(elapsed, failed=failed)
+        for sink in self.sinks:
+            sink.close()
+
+
+def _make_dashboard(config: TrainConfig, cost: CostMeter):
+    from sagenb.dashboard import Dashboard  # plotly is imported only when a dashboard is shown
+
+    return Dashboard(config, cost)

@@ -1,0 +1,71 @@
+"""A single-process reference, written from the contract in ../shared/MISSION.md with plain torch.
+
+Deliberately independent of sagenb's engine code: if the engine's sample order, accumulation,
+clipping or scheduling drifted from the contract, the comparison with this would fail.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def namespace(cell: str, seed: int) -> dict:
+    torch.manual_seed(seed)
+    ns: dict = {}
+    exec(cell, ns)
+    return ns
+
+
+def batch(dataset, idx):
+    xs, ys = zip(*(dataset[i] for i in idx.tolist()))
+    return torch.stack(xs), torch.stack(ys)
+
+
+def eval_loss(model, dataset, loss_fn) -> float:
+    model.eval()
+    with torch.no_grad():
+        x, y = batch(dataset, torch.arange(len(dataset)))
+        value = float(loss_fn(model(x), y))
+    model.train()
+    return value
+
+
+def train_reference(
+    cell: str,
+    *,
+    batch_size: int,
+    epochs: int = 1,
+    steps: int | None = None,
+    lr: float = 1e-3,
+    seed: int = 0,
+    grad_accum: int = 1,
+    clip_grad_norm: float | None = None,
+) -> tuple[torch.nn.Module, list[float], dict]:
+    """Returns the trained model, the loss of every step and the cell's namespace."""
+    ns = namespace(cell, seed)
+    model, dataset, loss_fn = ns["model"], ns["dataset"], ns["loss_fn"]
+    params = list(model.parameters())
+    opt = ns["make_optimizer"](params) if "make_optimizer" in ns else torch.optim.AdamW(params, lr=lr)
+    sched = ns["make_scheduler"](opt) if "make_scheduler" in ns else None
+    losses: list[float] = []
+    n = len(dataset)
+    for epoch in range(epochs):
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch))
+        for b in range(n // batch_size):
+            if steps is not None and len(losses) == steps:
+                return model, losses, ns
+            idx = order[b * batch_size : (b + 1) * batch_size]
+            step_loss = 0.0
+            for piece in idx.chunk(grad_accum):
+                x, y = batch(dataset, piece)
+                loss = loss_fn(model(x), y)
+                (loss / grad_accum).backward()
+                step_loss += float(loss.detach()) / grad_accum
+            if clip_grad_norm is not None:
+                torch.nn.utils.clip_grad_norm_(params, clip_grad_norm)
+            opt.step()
+            if sched is not None:
+                sched.step()
+            opt.zero_grad()
+            losses.append(step_loss)
+    return model, losses, ns
