@@ -44,8 +44,8 @@ class EngineStatus:
 class EnginePool:
     """A running ipyparallel cluster (controller + engines) bound to 127.0.0.1."""
 
-    def __init__(self, cluster: ipp.Cluster, client: ipp.Client) -> None:
-        self.cluster, self.client = cluster, client
+    def __init__(self, cluster: ipp.Cluster, client: ipp.Client, size: int) -> None:
+        self.cluster, self.client, self.target_size = cluster, client, size
 
     @classmethod
     def start(cls, n: int, *, timeout: float = 120.0) -> EnginePool:
@@ -56,7 +56,7 @@ class EnginePool:
         try:
             client = cluster.connect_client_sync()
             client.wait_for_engines(n, timeout=timeout, interactive=False)
-            pool = cls(cluster, client)
+            pool = cls(cluster, client, n)
             pool.status()  # imports torch and sagenb on every engine: the pool is warm
         except BaseException:
             cluster.stop_cluster_sync()
@@ -106,6 +106,32 @@ class EnginePool:
                 self.client.send_signal(signal.SIGINT, targets=[eid], block=True)
             except Exception:  # noqa: BLE001 - an engine that is already gone needs no signal
                 pass
+
+    def kill(self, engine_ids: Sequence[int], *, timeout: float = 10.0) -> None:
+        """SIGKILL engines and wait until the controller has dropped them.
+
+        A rank that failed inside a torch.distributed run can keep its gloo connections open
+        (destroy_process_group does not close them while the process lives), leaving peers
+        blocked in a collective until the timeout; killing its process releases them within
+        a fraction of a second.
+        """
+        for eid in engine_ids:
+            try:
+                self.client.send_signal(signal.SIGKILL, targets=[eid], block=True)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+        deadline = time.monotonic() + timeout
+        while set(engine_ids) & set(self.client.ids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    def heal(self, *, timeout: float = 120.0) -> None:
+        """Start engines until the pool is back to its size, and warm them."""
+        missing = self.target_size - self.size
+        if missing <= 0:
+            return
+        self.cluster.start_engines_sync(n=missing)
+        self.client.wait_for_engines(self.target_size, timeout=timeout, interactive=False)
+        self.status()
 
     def stop(self) -> None:
         try:

@@ -15,14 +15,13 @@ from typing import Any
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
-from IPython.core.magic_arguments import MagicArgumentParser
 
 from sagenb import cluster
 from sagenb.config import ConfigError, TrainConfig, flag_name
 from sagenb.job import JobError
 from sagenb.session import train
 
-__all__ = ["SmpMagics", "train_parser", "cluster_parser", "parse_train_line"]
+__all__ = ["SmpMagics", "MagicParser", "train_parser", "cluster_parser", "parse_train_line"]
 
 
 def _field_type(f: dataclasses.Field) -> type:
@@ -33,8 +32,24 @@ def _field_type(f: dataclasses.Field) -> type:
     return hint
 
 
-def train_parser() -> MagicArgumentParser:
-    parser = MagicArgumentParser(
+class _HelpShown(Exception):
+    """`--help` printed the help text; nothing else is to be done."""
+
+
+class MagicParser(argparse.ArgumentParser):
+    """argparse whose errors are IPython UsageErrors (no SystemExit inside a kernel)."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        raise UsageError(f"{self.prog}: {message}")
+
+    def exit(self, status: int = 0, message: str | None = None) -> typing.NoReturn:
+        if status:
+            raise UsageError(message or f"{self.prog}: error")
+        raise _HelpShown()
+
+
+def train_parser() -> MagicParser:
+    parser = MagicParser(
         prog="%%smp_train",
         description=(
             "Train the model the cell defines on the engine pool. The cell runs on every engine "
@@ -58,8 +73,8 @@ def train_parser() -> MagicArgumentParser:
     return parser
 
 
-def cluster_parser() -> MagicArgumentParser:
-    parser = MagicArgumentParser(
+def cluster_parser() -> MagicParser:
+    parser = MagicParser(
         prog="%smp_cluster",
         description="Manage the warm pool of local ipyparallel engines that %%smp_train uses.",
         allow_abbrev=False,
@@ -69,12 +84,22 @@ def cluster_parser() -> MagicArgumentParser:
     return parser
 
 
-def parse_train_line(line: str) -> TrainConfig:
-    """The TrainConfig of a `%%smp_train` line; UsageError names the flag and what is allowed."""
+def _parse(parser: MagicParser, line: str) -> argparse.Namespace | None:
+    """Parsed flags, or None when the line asked for --help (printed)."""
     try:
-        args = train_parser().parse_args(shlex.split(line))
+        return parser.parse_args(shlex.split(line))
     except ValueError as exc:  # shlex: an unclosed quote
-        raise UsageError(f"%%smp_train: cannot read the line: {exc}") from None
+        raise UsageError(f"{parser.prog}: cannot read the line: {exc}") from None
+    except _HelpShown:
+        return None
+
+
+def parse_train_line(line: str) -> TrainConfig | None:
+    """The TrainConfig of a `%%smp_train` line (None for --help); UsageError names the flag
+    and what is allowed."""
+    args = _parse(train_parser(), line)
+    if args is None:
+        return None
     try:
         return TrainConfig(**vars(args))
     except ConfigError as exc:
@@ -85,7 +110,9 @@ def parse_train_line(line: str) -> TrainConfig:
 class SmpMagics(Magics):
     @line_magic
     def smp_cluster(self, line: str) -> Any:
-        args = cluster_parser().parse_args(shlex.split(line))
+        args = _parse(cluster_parser(), line)
+        if args is None:
+            return None
         if args.engines is not None and args.engines < 1:
             raise UsageError(f"%smp_cluster: -n {args.engines}: must be an integer >= 1")
         if args.action == "start":
@@ -106,6 +133,8 @@ class SmpMagics(Magics):
     @cell_magic
     def smp_train(self, line: str, cell: str) -> None:
         config = parse_train_line(line)
+        if config is None:
+            return
         pool = cluster.current_pool()
         try:
             result = train(cell, config, pool=pool)

@@ -25,7 +25,8 @@ from sagenb.result import TrainResult
 __all__ = ["train", "prepare", "TrainingError"]
 
 POLL_S = 0.05  # metric polling period; the dashboard throttles its own redraws
-RELEASE_S = 10.0  # how long the other ranks get to stop after one fails
+SETTLE_S = 1.0  # after a failure, how long the other ranks get to end on their own
+RELEASE_S = 5.0  # how long ranks get to end after the engines blocking them are killed
 OUTPUT_S = 10.0  # how long to wait for the last published metrics after a rank returns
 
 
@@ -106,6 +107,7 @@ class _Run:
             for r in range(self.engines)
         ]
         started = time.perf_counter()
+        self.ids = self.pool.engine_ids[: self.engines]
         ars = self.pool.submit(run_rank, specs)
         streams = [RankStream(r, ar) for r, ar in enumerate(ars)]
         try:
@@ -136,16 +138,16 @@ class _Run:
             while True:
                 done = [ar.ready() for ar in ars]
                 self._drain(streams, started)
-                failed = [r for r, ar in enumerate(ars) if done[r] and not ar.successful()]
-                if failed:
-                    self._fail(ars, failed)
+                if any(d and not ar.successful() for d, ar in zip(done, ars)):
+                    self._fail(ars)
                 if all(done):
                     return
                 if self.dashboard is not None:
                     self.dashboard.tick(time.perf_counter() - started)
                 time.sleep(POLL_S)
         except KeyboardInterrupt:
-            self._release(ars)
+            self.pool.interrupt([self.ids[r] for r, ar in enumerate(ars) if not ar.ready()])
+            self._contain(ars)
             raise
 
     def _drain(self, streams: list[RankStream], started: float) -> None:
@@ -169,22 +171,31 @@ class _Run:
                 )
         return results
 
-    def _release(self, ars: list) -> None:
-        """Interrupt ranks still running, then give them RELEASE_S to return."""
-        ids = self.pool.engine_ids
-        running = [ids[r] for r, ar in enumerate(ars) if not ar.ready()]
-        if running:
-            self.pool.interrupt(running)
-        deadline = time.monotonic() + RELEASE_S
-        while not all(ar.ready() for ar in ars) and time.monotonic() < deadline:
-            time.sleep(POLL_S)
+    def _contain(self, ars: list) -> None:
+        """After a failure or an interrupt: every rank ends within seconds, the pool heals."""
+        if self._wait_all(ars, SETTLE_S):
+            return
+        # Peers are blocked in a collective: kill the failed ranks' engines to release them
+        # (their gloo connections outlive destroy_process_group), then any rank still stuck.
+        failed = [self.ids[r] for r, ar in enumerate(ars) if ar.ready() and not ar.successful()]
+        self.pool.kill(failed)
+        if not self._wait_all(ars, RELEASE_S):
+            stuck = [self.ids[r] for r, ar in enumerate(ars) if not ar.ready()]
+            self.pool.kill(stuck)
+            self._wait_all(ars, RELEASE_S)
+        self.pool.heal()
 
-    def _fail(self, ars: list, failed: list[int]) -> None:
-        # Failing ranks destroy their process group, so peers fail within about a second.
-        deadline = time.monotonic() + RELEASE_S
-        while not all(ar.ready() for ar in ars) and time.monotonic() < deadline:
+    @staticmethod
+    def _wait_all(ars: list, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while not all(ar.ready() for ar in ars):
+            if time.monotonic() > deadline:
+                return False
             time.sleep(POLL_S)
-        self._release(ars)
+        return True
+
+    def _fail(self, ars: list) -> None:
+        self._contain(ars)
         failed = [r for r, ar in enumerate(ars) if ar.ready() and not ar.successful()]
         first = min(failed, key=lambda r: ars[r].metadata.get("completed") or datetime.max)
         err = ars[first].exception()
@@ -192,7 +203,7 @@ class _Run:
         evalue = getattr(err, "evalue", str(err))
         if ename == "JobError":
             raise JobError(evalue)
-        raise TrainingError(first, self.pool.engine_ids[first], evalue)
+        raise TrainingError(first, self.ids[first], evalue)
 
     def _close_sinks(self, elapsed: float, *, failed: bool) -> None:
         if self.dashboard is not None:

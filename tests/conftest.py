@@ -1,0 +1,44 @@
+"""Fixtures: one real ipyparallel pool of 2 engines, shared, always torn down."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sagenb import cluster
+
+REGRESSION_CELL = """
+import torch
+from torch import nn
+model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+X = torch.randn(192, 8)
+Y = X @ torch.randn(8, 1) + 0.1 * torch.randn(192, 1)
+dataset = torch.utils.data.TensorDataset(X, Y)
+loss_fn = nn.functional.mse_loss
+"""
+
+SGD_MOMENTUM = """
+def make_optimizer(params):
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+"""
+
+
+@pytest.fixture(scope="session")
+def _stop_pool_at_end():
+    yield
+    cluster.stop_pool()
+
+
+@pytest.fixture
+def pool(_stop_pool_at_end) -> cluster.EnginePool:
+    """The shared pool of 2 engines (started again if a test stopped or resized it)."""
+    current = cluster.current_pool()
+    if current is None or current.size != 2:
+        current = cluster.start_pool(2)
+    return current
+
+
+def max_param_diff(state: dict, model: torch.nn.Module) -> float:
+    ref = model.state_dict()
+    assert state.keys() == ref.keys()
+    return max((state[k] - v).abs().max().item() for k, v in ref.items())

@@ -1,0 +1,65 @@
+"""Config validation, the job check, cost and the sample order, without engines."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sagenb.config import ConfigError, TrainConfig
+from sagenb.cost import CostMeter, instance_price
+from sagenb.engine.data import plan_steps
+from sagenb.job import Job, JobError, defined_names
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(batch_size=0), "--batch-size 0: must be an integer >= 1"),
+        (dict(epochs=True), "--epochs True: must be an integer >= 1"),
+        (dict(lr=float("nan")), "--lr nan: must be a finite number >= 0"),
+        (dict(clip_grad_norm=0.0), "--clip-grad-norm 0.0: must be a finite number > 0"),
+        (dict(strategy="zero"), "--strategy 'zero': must be one of data, model"),
+        (dict(out="2x"), "--out '2x': must be a valid Python identifier"),
+        (dict(engines=4, batch_size=6), "try 4 or 8"),
+    ],
+)
+def test_config_errors_name_the_option_value_and_rule(options, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+        TrainConfig(**options)
+
+
+def test_defined_names_sees_every_binding_form():
+    source = """
+import torch
+from torch import nn as tnn
+model, (dataset, other) = 1, (2, 3)
+if True:
+    def loss_fn(a, b): ...
+for eval_dataset in []: pass
+class make_optimizer: ...
+"""
+    assert {"torch", "tnn", "model", "dataset", "loss_fn", "eval_dataset", "make_optimizer"} <= defined_names(source)
+
+
+def test_syntax_error_is_a_job_error():
+    with pytest.raises(JobError, match=r"does not parse.*line 1"):
+        Job.from_cell("model = (")
+
+
+def test_cost_follows_the_formula():
+    price = instance_price("ml.g5.xlarge")  # 1 GPU per instance
+    meter = CostMeter(price, engines=3)
+    assert meter.instances == 3
+    assert meter.cost(3600) == pytest.approx(3 * price.usd_per_hour)
+    assert meter.projected(10, 5, 20) == pytest.approx(meter.cost(40))
+    assert CostMeter(instance_price("ml.p4d.24xlarge"), engines=8).instances == 1
+    assert price.as_of in meter.label(1.0)
+
+
+def test_sample_order_is_the_contract():
+    steps = list(plan_steps(10, batch_size=3, epochs=2, steps=5, seed=4))
+    assert [s.number for s in steps] == [1, 2, 3, 4, 5]
+    order0 = torch.randperm(10, generator=torch.Generator().manual_seed(4))
+    order1 = torch.randperm(10, generator=torch.Generator().manual_seed(5))
+    assert torch.equal(steps[1].indices, order0[3:6])
+    assert torch.equal(steps[3].indices, order1[0:3])  # epoch 1 starts over, dropping sample 10
