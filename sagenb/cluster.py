@@ -57,7 +57,7 @@ class EnginePool:
             client = cluster.connect_client_sync()
             client.wait_for_engines(n, timeout=timeout, interactive=False)
             pool = cls(cluster, client, n)
-            pool.status()  # imports torch and sagenb on every engine: the pool is warm
+            pool.warm()
         except BaseException:
             cluster.stop_cluster_sync()
             raise
@@ -77,6 +77,14 @@ class EnginePool:
         if len(per_rank_args) > len(ids):
             raise ValueError(f"{len(per_rank_args)} ranks but the pool has {len(ids)} engines")
         return [self.client[ids[r]].apply_async(fn, *args) for r, args in enumerate(per_rank_args)]
+
+    def warm(self, engine_ids: Sequence[int] | None = None) -> None:
+        """Import torch, sagenb and DDP's lazy imports on the engines, all at once."""
+        from sagenb.engine.entry import warm
+
+        ids = self.engine_ids if engine_ids is None else engine_ids
+        for ar in [self.client[e].apply_async(warm) for e in ids]:
+            ar.get(timeout=120)
 
     def status(self) -> list[EngineStatus]:
         from sagenb.engine.entry import probe
@@ -100,7 +108,7 @@ class EnginePool:
         return rows
 
     def interrupt(self, engine_ids: Sequence[int]) -> None:
-        """SIGINT to engines (through their nannies): Python code on them raises KeyboardInterrupt."""
+        """SIGINT to engines (through their nannies): their Python code raises KeyboardInterrupt."""
         for eid in engine_ids:
             try:
                 self.client.send_signal(signal.SIGINT, targets=[eid], block=True)
@@ -131,7 +139,7 @@ class EnginePool:
             return
         self.cluster.start_engines_sync(n=missing)
         self.client.wait_for_engines(self.target_size, timeout=timeout, interactive=False)
-        self.status()
+        self.warm()
 
     def stop(self) -> None:
         try:
@@ -153,7 +161,9 @@ def start_pool(n: int = DEFAULT_ENGINES) -> EnginePool:
     stop_pool()
     started = time.perf_counter()
     _current = EnginePool.start(n)
-    logging.getLogger(__name__).info("pool of %d engines in %.1f s", n, time.perf_counter() - started)
+    logging.getLogger(__name__).info(
+        "pool of %d engines in %.1f s", n, time.perf_counter() - started
+    )
     return _current
 
 

@@ -115,8 +115,15 @@ class Dashboard:
         ranks = [f"rank {r}" for r in range(self.engines)]
         for kind in MEMORY_KINDS:
             key = f"memory/{kind}(MiB)"
-            traces.append({"x": ranks, "y": [self.memory.get(r, {}).get(key, 0.0) for r in range(self.engines)]})
-        traces.append({"x": [t for t, _ in self.cost_points], "y": [c for _, c in self.cost_points]})
+            traces.append(
+                {
+                    "x": ranks,
+                    "y": [self.memory.get(r, {}).get(key, 0.0) for r in range(self.engines)],
+                }
+            )
+        traces.append(
+            {"x": [t for t, _ in self.cost_points], "y": [c for _, c in self.cost_points]}
+        )
         return traces
 
     def to_figure(self) -> go.Figure:
@@ -135,14 +142,50 @@ class Dashboard:
         data = self._traces()
         for r in range(self.engines):
             colour = RANK_COLOURS[r % len(RANK_COLOURS)]
-            fig.add_trace(go.Scatter(name=f"rank {r} loss", mode="lines", line={"width": 1, "color": colour}, **data[r]), 1, 1)
+            fig.add_trace(
+                go.Scatter(
+                    name=f"rank {r} loss",
+                    mode="lines",
+                    line={"width": 1, "color": colour},
+                    **data[r],
+                ),
+                1,
+                1,
+            )
         n = self.engines
-        fig.add_trace(go.Scatter(name="loss (global batch)", mode="lines+markers", marker={"size": 4}, line={"width": 2.5, "color": "#1f3b73"}, **data[n]), 1, 1)
-        fig.add_trace(go.Scatter(name="eval loss", mode="markers", marker={"size": 9, "symbol": "diamond", "color": "#d62728"}, **data[n + 1]), 1, 1)
-        fig.add_trace(go.Scatter(name="samples/s", mode="lines", line={"color": "#2ca02c"}, **data[n + 2]), 1, 2)
+        fig.add_trace(
+            go.Scatter(
+                name="loss (global batch)",
+                mode="lines",
+                marker={"size": 4},
+                line={"width": 2.5, "color": "#1f3b73"},
+                **data[n],
+            ),
+            1,
+            1,
+        )
+        fig.add_trace(
+            go.Scatter(
+                name="eval loss",
+                mode="markers",
+                marker={"size": 9, "symbol": "diamond", "color": "#d62728"},
+                **data[n + 1],
+            ),
+            1,
+            1,
+        )
+        fig.add_trace(
+            go.Scatter(name="samples/s", mode="lines", line={"color": "#2ca02c"}, **data[n + 2]),
+            1,
+            2,
+        )
         for i, (kind, colour) in enumerate(zip(MEMORY_KINDS, MEMORY_COLOURS)):
             fig.add_trace(go.Bar(name=kind, marker_color=colour, **data[n + 3 + i]), 2, 1)
-        fig.add_trace(go.Scatter(name="cost so far", mode="lines", line={"color": "#8c564b"}, **data[-1]), 2, 2)
+        fig.add_trace(
+            go.Scatter(name="cost so far", mode="lines", line={"color": "#8c564b"}, **data[-1]),
+            2,
+            2,
+        )
         fig.update_layout(
             barmode="stack",
             height=620,

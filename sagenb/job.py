@@ -1,4 +1,4 @@
-"""What to train: the cell body (source code) or a Python callable, checked before any engine runs it.
+"""What to train: the cell body or a Python callable, checked before any engine runs it.
 
 A job travels to every engine and is executed there after seeding, so every engine builds the
 same model and data. The check here is static (the cell's top-level bindings), so a cell that
@@ -19,7 +19,7 @@ OPTIONAL_NAMES = ("make_optimizer", "make_scheduler", "eval_dataset")
 
 
 class JobError(ValueError):
-    """The job itself is unusable (missing names, wrong types, a dataset too small): fix the cell."""
+    """The job is unusable (missing names, wrong types, a dataset too small): fix the cell."""
 
 
 @dataclass(frozen=True)
@@ -34,15 +34,15 @@ class Job:
         missing = [n for n in REQUIRED_NAMES if n not in defined_names(source)]
         if missing and "*" not in defined_names(source):
             raise JobError(
-                f"the cell defines no {', '.join(missing)}: it must assign model (a torch.nn.Module), "
-                "dataset (a map-style Dataset of (input, target)) and loss_fn (loss_fn(output, target) "
-                "-> scalar tensor)"
+                f"the cell defines no {', '.join(missing)}: it must assign model (a "
+                "torch.nn.Module), dataset (a map-style Dataset of (input, target)) and loss_fn "
+                "(loss_fn(output, target) -> scalar tensor)"
             )
         return cls(source=source)
 
     @classmethod
     def from_callable(cls, fn: Callable[[], Any]) -> Job:
-        """`fn()` runs on every engine after seeding and returns {'model': ..., 'dataset': ..., ...}."""
+        """`fn()` runs on every engine after seeding; returns {'model': ..., ...}."""
         if not callable(fn):
             raise JobError(f"a job is cell source (str) or a callable, not {type(fn).__name__}")
         import cloudpickle  # by value for functions defined in a script or notebook

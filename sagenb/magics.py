@@ -62,13 +62,20 @@ def train_parser() -> MagicParser:
     for f in dataclasses.fields(TrainConfig):
         help_text = f.metadata["help"]
         if f.name == "dashboard":
-            parser.add_argument("--no-dashboard", dest="dashboard", action="store_false", help=help_text)
+            parser.add_argument(
+                "--no-dashboard", dest="dashboard", action="store_false", help=help_text
+            )
             continue
         kind = _field_type(f)
         extra = {"choices": f.metadata["choices"]} if "choices" in f.metadata else {}
         parser.add_argument(
-            flag_name(f.name), dest=f.name, type=kind, default=f.default, help=help_text,
-            metavar=f.name.upper(), **extra,
+            flag_name(f.name),
+            dest=f.name,
+            type=kind,
+            default=f.default,
+            help=help_text,
+            metavar=f.name.upper(),
+            **extra,
         )
     return parser
 
@@ -120,7 +127,9 @@ class SmpMagics(Magics):
         elif args.action == "restart":
             pool = cluster.restart_pool(args.engines)
         elif args.action == "stop":
-            print("stopped the engine pool" if cluster.stop_pool() else "no engine pool was running")
+            print(
+                "stopped the engine pool" if cluster.stop_pool() else "no engine pool was running"
+            )
             return None
         else:
             pool = cluster.current_pool()
@@ -147,9 +156,11 @@ class SmpMagics(Magics):
 def _print_status(pool: cluster.EnginePool) -> None:
     rows = pool.status()
     print(f"{len(rows)} engines (ipyparallel, controller on {cluster.LOOPBACK})")
-    print(f"{'rank':>4} {'engine':>6} {'pid':>8} {'threads':>7} {'device':<8} {'memory(MiB)':>11}  host")
+    columns = ("rank", "engine", "pid", "threads", "device", "memory(MiB)", "host")
+    print("{:>4} {:>6} {:>8} {:>7} {:<8} {:>11}  {}".format(*columns))
     for r in rows:
-        print(f"{r.rank:>4} {r.engine_id:>6} {r.pid:>8} {r.threads:>7} {r.device:<8} {r.rss_mib:>11.0f}  {r.host}")
+        row = (r.rank, r.engine_id, r.pid, r.threads, r.device, f"{r.rss_mib:.0f}", r.host)
+        print("{:>4} {:>6} {:>8} {:>7} {:<8} {:>11}  {}".format(*row))
 
 
 SmpMagics.smp_train.__doc__ = train_parser().format_help()

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from datetime import datetime
-import socket
 import time
 from collections.abc import Callable, Sequence
+from datetime import datetime, timedelta
 from typing import Any
+
+from torch.distributed import TCPStore
 
 from sagenb import cluster
 from sagenb.config import ConfigError, TrainConfig
@@ -81,10 +82,16 @@ def _resolve_engines(config: TrainConfig, pool: cluster.EnginePool) -> TrainConf
     return config.with_engines(engines)
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((cluster.LOOPBACK, 0))
-        return s.getsockname()[1]
+def _rendezvous(world_size: int, timeout_s: float) -> TCPStore:
+    """A fresh torch.distributed store on 127.0.0.1, on a port the OS picks, for one run."""
+    return TCPStore(
+        cluster.LOOPBACK,
+        0,
+        world_size,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=timedelta(seconds=timeout_s),
+    )
 
 
 class _Run:
@@ -101,9 +108,13 @@ class _Run:
 
     def execute(self) -> TrainResult:
         threads = self.config.threads or max(1, (os.cpu_count() or 1) // self.engines)
-        port = _free_port()
+        store = _rendezvous(self.engines, self.config.timeout)  # kept alive for the whole run
         specs = [
-            (RankSpec(r, self.engines, cluster.LOOPBACK, port, threads, self.config, self.job),)
+            (
+                RankSpec(
+                    r, self.engines, cluster.LOOPBACK, store.port, threads, self.config, self.job
+                ),
+            )
             for r in range(self.engines)
         ]
         started = time.perf_counter()

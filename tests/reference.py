@@ -45,7 +45,9 @@ def train_reference(
     ns = namespace(cell, seed)
     model, dataset, loss_fn = ns["model"], ns["dataset"], ns["loss_fn"]
     params = list(model.parameters())
-    opt = ns["make_optimizer"](params) if "make_optimizer" in ns else torch.optim.AdamW(params, lr=lr)
+    opt = (
+        ns["make_optimizer"](params) if "make_optimizer" in ns else torch.optim.AdamW(params, lr=lr)
+    )
     sched = ns["make_scheduler"](opt) if "make_scheduler" in ns else None
     losses: list[float] = []
     n = len(dataset)

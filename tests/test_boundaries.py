@@ -23,7 +23,9 @@ def test_engine_side_imports_no_notebook_libraries():
     assert out.stdout.strip() == "[]"
 
 
-FAILING_CELL = REGRESSION_CELL + """
+FAILING_CELL = (
+    REGRESSION_CELL
+    + """
 import torch.distributed as dist
 calls = [0]
 def loss_fn(output, target):
@@ -32,11 +34,14 @@ def loss_fn(output, target):
         raise ValueError("bad batch on purpose")
     return torch.nn.functional.mse_loss(output, target)
 """
+)
 
 
 def test_a_failing_rank_is_reported_and_the_pool_stays_usable(pool):
     started = time.perf_counter()
-    with pytest.raises(TrainingError, match=r"(?s)rank 1 \(engine \d+\) failed.*bad batch on purpose"):
+    with pytest.raises(
+        TrainingError, match=r"(?s)rank 1 \(engine \d+\) failed.*bad batch on purpose"
+    ):
         sagenb.train(FAILING_CELL, batch_size=16, steps=20, dashboard=False)
     assert time.perf_counter() - started < 15  # not the process-group timeout
     result = sagenb.train(REGRESSION_CELL, batch_size=16, steps=3, dashboard=False)

@@ -33,7 +33,9 @@ def test_sgd_momentum_matches_reference(pool):
 
 
 def test_default_adamw_matches_reference(pool):
-    result = sagenb.train(REGRESSION_CELL, batch_size=16, epochs=3, steps=25, lr=0.01, dashboard=False)
+    result = sagenb.train(
+        REGRESSION_CELL, batch_size=16, epochs=3, steps=25, lr=0.01, dashboard=False
+    )
     assert len(result.history) == 25
     check_equal(result, REGRESSION_CELL, batch_size=16, epochs=3, steps=25, lr=0.01)
 
@@ -96,7 +98,9 @@ def test_eval_once_after_training_by_default(pool):
 
 
 def test_uneven_split_is_refused_before_training(pool):
-    with pytest.raises(ConfigError, match=r"--batch-size 30: must be divisible by engines x grad-accum = 2 x 2"):
+    with pytest.raises(
+        ConfigError, match=r"--batch-size 30: must be divisible by engines x grad-accum = 2 x 2"
+    ):
         sagenb.train(REGRESSION_CELL, batch_size=30, grad_accum=2, dashboard=False)
 
 

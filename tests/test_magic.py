@@ -24,7 +24,11 @@ def shell():
 
 def test_magic_trains_and_stores_the_result(shell, pool):
     cell = REGRESSION_CELL + SGD_MOMENTUM
-    shell.run_cell_magic("smp_train", "--strategy data --batch-size 32 --steps 20 --epochs 4 --out res --no-dashboard", cell)
+    shell.run_cell_magic(
+        "smp_train",
+        "--strategy data --batch-size 32 --steps 20 --epochs 4 --out res --no-dashboard",
+        cell,
+    )
     result = shell.user_ns["res"]
     assert isinstance(result, TrainResult)
     model, losses, _ = train_reference(cell, batch_size=32, steps=20, epochs=4)
@@ -113,7 +117,9 @@ def test_cluster_magic_lifecycle(shell, capsys):
     cluster.stop_pool()
     shell.run_line_magic("smp_cluster", "status")
     assert "no engine pool is running" in capsys.readouterr().out
-    shell.run_cell_magic("smp_train", "--engines 1 --batch-size 32 --steps 2 --no-dashboard", REGRESSION_CELL)
+    shell.run_cell_magic(
+        "smp_train", "--engines 1 --batch-size 32 --steps 2 --no-dashboard", REGRESSION_CELL
+    )
     assert cluster.current_pool().size == 1  # a cold start of --engines engines
     shell.run_line_magic("smp_cluster", "restart -n 2")
     out = capsys.readouterr().out

@@ -38,7 +38,15 @@ if True:
 for eval_dataset in []: pass
 class make_optimizer: ...
 """
-    assert {"torch", "tnn", "model", "dataset", "loss_fn", "eval_dataset", "make_optimizer"} <= defined_names(source)
+    assert {
+        "torch",
+        "tnn",
+        "model",
+        "dataset",
+        "loss_fn",
+        "eval_dataset",
+        "make_optimizer",
+    } <= defined_names(source)
 
 
 def test_syntax_error_is_a_job_error():

@@ -42,7 +42,9 @@ def total_steps(n: int, *, batch_size: int, epochs: int, steps: int | None) -> i
     return min(per_epoch * epochs, steps) if steps is not None else per_epoch * epochs
 
 
-def plan_steps(n: int, *, batch_size: int, epochs: int, steps: int | None, seed: int) -> Iterator[Step]:
+def plan_steps(
+    n: int, *, batch_size: int, epochs: int, steps: int | None, seed: int
+) -> Iterator[Step]:
     total = total_steps(n, batch_size=batch_size, epochs=epochs, steps=steps)
     per_epoch = n // batch_size
     number = 0

@@ -51,7 +51,10 @@ def train_loop(
         meter.start_step()
         loss, samples = _accumulate(ws, strategy, meter, step.indices, config.grad_accum, device)
         metrics: dict[str, Any] = {
-            "step": step.number, "total_steps": total, "epoch": step.epoch, "loss": loss
+            "step": step.number,
+            "total_steps": total,
+            "epoch": step.epoch,
+            "loss": loss,
         }
         if config.clip_grad_norm is not None:
             metrics["grad_norm"] = strategy.clip_grad_norm(config.clip_grad_norm)

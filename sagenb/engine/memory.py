@@ -85,9 +85,7 @@ class MemoryMeter:
     def snapshot(self) -> dict[str, float]:
         """MiB per kind, taken after backward and before gradients are cleared."""
         params = list(self.module.parameters())
-        state = (
-            v for s in self.optimizer.state.values() for v in s.values() if torch.is_tensor(v)
-        )
+        state = (v for s in self.optimizer.state.values() for v in s.values() if torch.is_tensor(v))
         out = {
             "memory/params(MiB)": _tensor_bytes(params) / MIB,
             "memory/grads(MiB)": _tensor_bytes(p.grad for p in params) / MIB,

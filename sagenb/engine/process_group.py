@@ -21,18 +21,25 @@ def pick_device(rank: int, world_size: int) -> torch.device:
 def init_process_group(
     *, rank: int, world_size: int, addr: str, port: int, timeout_s: float, device: torch.device
 ) -> None:
-    """nccl when every engine has its own CUDA device, gloo otherwise; a fresh port each run."""
+    """nccl when every engine has its own CUDA device, gloo otherwise.
+
+    The rendezvous store is hosted by the notebook (session.py), already listening before any
+    engine connects: with rank 0 hosting it, the other ranks could arrive first and back off
+    for ~0.5 s before retrying.
+    """
     if dist.is_initialized():  # a previous run on this engine died before cleaning up
         shutdown()
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    timeout = timedelta(seconds=timeout_s)
+    store = dist.TCPStore(addr, port, world_size, is_master=False, timeout=timeout)
     dist.init_process_group(
         backend,
-        init_method=f"tcp://{addr}:{port}",
+        store=store,
         rank=rank,
         world_size=world_size,
-        timeout=timedelta(seconds=timeout_s),
+        timeout=timeout,
     )
 
 

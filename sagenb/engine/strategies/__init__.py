@@ -12,7 +12,9 @@ from .data_parallel import DataParallel
 __all__ = ["Strategy", "DataParallel", "make_strategy"]
 
 
-def make_strategy(config: TrainConfig, *, rank: int, world_size: int, device: torch.device) -> Strategy:
+def make_strategy(
+    config: TrainConfig, *, rank: int, world_size: int, device: torch.device
+) -> Strategy:
     if config.strategy == "data":
         return DataParallel(rank=rank, world_size=world_size, device=device)
     raise NotImplementedError(f"strategy {config.strategy!r} has no engine implementation yet")

@@ -39,5 +39,7 @@ class Strategy(Protocol):
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """The whole model's state_dict on rank 0 (keys of model.state_dict()), None elsewhere."""
 
-    def evaluate(self, dataset: Any, loss_fn: Callable[..., torch.Tensor], batch_size: int) -> float:
+    def evaluate(
+        self, dataset: Any, loss_fn: Callable[..., torch.Tensor], batch_size: int
+    ) -> float:
         """Mean loss over the whole dataset, in order (every rank returns the same value)."""

@@ -59,7 +59,9 @@ class DataParallel:
         return {k: v.detach().to("cpu", copy=True) for k, v in self.module.state_dict().items()}
 
     @torch.no_grad()
-    def evaluate(self, dataset: Any, loss_fn: Callable[..., torch.Tensor], batch_size: int) -> float:
+    def evaluate(
+        self, dataset: Any, loss_fn: Callable[..., torch.Tensor], batch_size: int
+    ) -> float:
         mine = torch.tensor_split(torch.arange(len(dataset)), self.world_size)[self.rank]
         was_training = self.module.training
         self.module.eval()

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Create .venv (if needed) and install sagenb with its test tools; a no-op when nothing changed.
+# torch is pinned through scripts/constraints.txt: an unpinned torch would pull a multi-GB CUDA
+# build on machines where the CPU wheel is what we want.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+stamp=.venv/.sagenb-installed
+want=$(cat pyproject.toml scripts/constraints.txt | sha256sum | cut -d' ' -f1)
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && .venv/bin/python -c 'import sagenb' 2>/dev/null; then
+  exit 0
+fi
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+log=$(mktemp)
+echo "installing sagenb and its dependencies into .venv (about a minute the first time)"
+if ! { .venv/bin/python -m pip install --upgrade pip &&
+       .venv/bin/python -m pip install -c scripts/constraints.txt -e '.[test]'; } >"$log" 2>&1; then
+  cat "$log"; exit 1
+fi
+echo "$want" > "$stamp"
