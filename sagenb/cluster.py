@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import ipyparallel as ipp
+import psutil
 
 __all__ = [
     "EnginePool",
@@ -118,10 +119,10 @@ class EnginePool:
     def kill(self, engine_ids: Sequence[int], *, timeout: float = 10.0) -> None:
         """SIGKILL engines and wait until the controller has dropped them.
 
-        A rank that failed inside a torch.distributed run can keep its gloo connections open
-        (destroy_process_group does not close them while the process lives), leaving peers
-        blocked in a collective until the timeout; killing its process releases them within
-        a fraction of a second.
+        The last resort after a failure: a process's death closes every connection it held, so
+        peers blocked in a collective with it fail within a fraction of a second. (Seen here:
+        with DDP and rank 0 hosting the rendezvous store, a failed rank's destroy_process_group
+        left its gloo connections open and its peer blocked until the process-group timeout.)
         """
         for eid in engine_ids:
             try:
@@ -141,11 +142,29 @@ class EnginePool:
         self.client.wait_for_engines(self.target_size, timeout=timeout, interactive=False)
         self.warm()
 
-    def stop(self) -> None:
+    def stop(self, *, timeout: float = 10.0) -> None:
+        """Stop controller, nannies and engines, and wait until every one of them has exited."""
+        procs = _pool_processes()
         try:
             self.client.close()
         finally:
             self.cluster.stop_cluster_sync()
+            _, alive = psutil.wait_procs(procs, timeout=timeout)
+            for proc in alive:  # an engine stuck in C++ ignores SIGTERM
+                proc.kill()
+            psutil.wait_procs(alive, timeout=timeout)
+
+
+def _pool_processes() -> list[psutil.Process]:
+    """This process's ipyparallel children: controller, nannies, engines."""
+    found = []
+    for child in psutil.Process().children(recursive=True):
+        try:
+            if "ipyparallel" in " ".join(child.cmdline()):
+                found.append(child)
+        except psutil.Error:
+            pass
+    return found
 
 
 _current: EnginePool | None = None

@@ -186,8 +186,9 @@ class _Run:
         """After a failure or an interrupt: every rank ends within seconds, the pool heals."""
         if self._wait_all(ars, SETTLE_S):
             return
-        # Peers are blocked in a collective: kill the failed ranks' engines to release them
-        # (their gloo connections outlive destroy_process_group), then any rank still stuck.
+        # Some rank is still running: blocked in a collective with a failed rank whose
+        # connections stayed open, or busy in user code. Kill the failed ranks' engines (their
+        # death closes every connection), then any rank that still does not stop.
         failed = [self.ids[r] for r, ar in enumerate(ars) if ar.ready() and not ar.successful()]
         self.pool.kill(failed)
         if not self._wait_all(ars, RELEASE_S):

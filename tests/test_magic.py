@@ -129,8 +129,9 @@ def test_cluster_magic_lifecycle(shell, capsys):
     shell.run_line_magic("smp_cluster", "stop")
     assert "stopped" in capsys.readouterr().out
     assert cluster.current_pool() is None
-    psutil.wait_procs([psutil.Process(p) for p in pids if psutil.pid_exists(p)], timeout=10)
+    # nothing left behind once stop returns: no engine, nanny or controller process
     assert not any(psutil.pid_exists(p) for p in pids)
+    assert cluster._pool_processes() == []
     with pytest.raises(UsageError, match="-n 0"):
         shell.run_line_magic("smp_cluster", "start -n 0")
     with pytest.raises(UsageError, match="invalid choice"):
