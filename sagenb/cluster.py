@@ -52,7 +52,9 @@ class EnginePool:
     def start(cls, n: int, *, timeout: float = 120.0) -> EnginePool:
         if n < 1:
             raise ValueError(f"an engine pool needs at least 1 engine, got {n}")
-        cluster = ipp.Cluster(n=n, controller_ip=LOOPBACK, log_level=logging.WARNING)
+        # ERROR: at stop, ipyparallel logs each engine's whole output as a warning (engines
+        # stopped by SIGTERM exit with code 1), which buried the cell's own output.
+        cluster = ipp.Cluster(n=n, controller_ip=LOOPBACK, log_level=logging.ERROR)
         cluster.start_cluster_sync()
         try:
             client = cluster.connect_client_sync()

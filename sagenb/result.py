@@ -31,6 +31,8 @@ class TrainResult:
     cost_label: str
     engines: int
     device: str
+    #: the cell's source, when the job was a cell (None for a callable)
+    source: str | None
     _state_dict: dict[str, torch.Tensor] = field(repr=False)
     dashboard: Any = field(default=None, repr=False)
 

@@ -139,6 +139,7 @@ class _Run:
             cost_label=self.cost.label(wall),
             engines=self.engines,
             device=results[0].device,
+            source=self.job.source,
             _state_dict=results[0].state_dict,
             dashboard=self.dashboard,
         )

@@ -47,3 +47,38 @@ def test_dashboard_records_every_step(pool):
     assert {len(t.x) for t in bars} == {2}  # one bar per engine, per memory kind
     assert board.status == "done"
     assert board.cost_points[-1][1] == result.cost_usd
+
+
+def test_live_dashboard_redraws_are_throttled():
+    import time
+
+    from sagenb.config import TrainConfig
+    from sagenb.cost import CostMeter, instance_price
+    from sagenb.dashboard import REDRAW_S, Dashboard
+
+    config = TrainConfig(engines=2, batch_size=8)
+    board = Dashboard(config, CostMeter(instance_price(config.instance), 2), live=True)
+    started = time.perf_counter()
+    steps = 3000
+    for step in range(1, steps + 1):
+        for rank in (0, 1):
+            board.log(
+                {
+                    "step": step,
+                    "total_steps": steps,
+                    "epoch": 0,
+                    "loss": 1.0 / step,
+                    "lr": 0.1,
+                    "step_time(s)": 0.001,
+                    "memory/params(MiB)": 1.0,
+                },
+                step,
+                rank,
+            )
+        board.tick(time.perf_counter() - started)
+    elapsed = time.perf_counter() - started
+    board.finish(elapsed, failed=False)
+    assert board.redraws <= elapsed / REDRAW_S + 2  # a fast run does not flood the browser
+    widget_trace = board._figure_widget.data[2]  # the global-batch loss, as the browser has it
+    assert len(widget_trace.x) == steps
+    assert "done" in board._header.value and f"step {steps}/{steps}" in board._header.value
