@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = [
+    "PIPELINED",
     "STRATEGIES",
     "AVAILABLE_STRATEGIES",
     "ConfigError",
@@ -23,7 +24,22 @@ __all__ = [
 
 #: Every strategy of the contract, and the ones this version can run.
 STRATEGIES = ("data", "model", "hybrid", "sharded", "tensor")
-AVAILABLE_STRATEGIES = ("data",)
+AVAILABLE_STRATEGIES = ("data", "model", "hybrid")
+PIPELINED = ("model", "hybrid")
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+PARTITION_METHODS = ("auto", "parameters", "uniform", "manual")
+
+
+def parse_cuts(text: str | tuple[int, ...]) -> tuple[int, ...]:
+    """'2,5' -> (2, 5): the blocks where stages 2, 3, ... begin (for --partition-by manual)."""
+    if isinstance(text, tuple):
+        return text
+    try:
+        return tuple(int(part) for part in text.replace(" ", "").split(",") if part)
+    except ValueError:
+        raise ConfigError(
+            "cuts", text, "must be block indices separated by commas, e.g. 2,4"
+        ) from None
 
 
 class ConfigError(ValueError):
@@ -72,6 +88,29 @@ class TrainConfig:
     timeout: float = _opt(
         300.0, "seconds a collective may wait for a peer before the run fails (process group)"
     )
+    partitions: int = _opt(1, "pipeline stages the model is split into (model, hybrid)")
+    microbatches: int = _opt(4, "microbatches each pipeline splits a batch slice into")
+    schedule: str = _opt(
+        "1f1b",
+        "pipeline schedule: gpipe (all forwards, then all backwards), 1f1b (backwards as early "
+        "as possible), interleaved (1F1B over --virtual-stages chunks per engine)",
+        choices=SCHEDULES,
+    )
+    virtual_stages: int = _opt(2, "model chunks per engine with --schedule interleaved")
+    partition_by: str = _opt(
+        "auto",
+        "how cut points are chosen: auto (balance measured time within --memory-budget), "
+        "parameters (balance parameter counts), uniform (equal block counts), manual (--cuts)",
+        choices=PARTITION_METHODS,
+    )
+    cuts: tuple[int, ...] = _opt(
+        (),
+        "blocks where stages 2, 3, ... begin, e.g. 2,4 (with --partition-by manual)",
+        parse=parse_cuts,
+    )
+    memory_budget: float | None = _opt(
+        None, "GiB one engine may hold (auto partitioning keeps every stage within it)"
+    )
     dashboard: bool = _opt(True, "show the live dashboard under the cell", flag="--no-dashboard")
     out: str = _opt("smp_result", "name of the notebook variable that receives the result")
 
@@ -101,19 +140,105 @@ class TrainConfig:
             raise ConfigError("instance", self.instance, f"must be one of {known}")
         if not self.out.isidentifier():
             raise ConfigError("out", self.out, "must be a valid Python identifier")
+        self._check_pipeline()
         if self.engines is not None:
             self.check_split(self.engines)
+        elif self.strategy == "model":
+            self.check_split(self.partitions)
+
+    @property
+    def stages(self) -> int:
+        """Pipeline stages in all (partitions x virtual stages when interleaved)."""
+        return self.partitions * (self.virtual_stages if self.schedule == "interleaved" else 1)
+
+    def replicas(self, engines: int) -> int:
+        """Data-parallel replicas on `engines` engines (each a whole pipeline)."""
+        return engines // self.partitions if self.strategy in PIPELINED else engines
+
+    def _check_pipeline(self) -> None:
+        for name in ("partitions", "microbatches", "virtual_stages"):
+            _check_int(self, name, minimum=1)
+        _check_choice(self, "schedule", SCHEDULES)
+        _check_choice(self, "partition_by", PARTITION_METHODS)
+        object.__setattr__(self, "cuts", parse_cuts(self.cuts))
+        if self.memory_budget is not None:
+            _check_positive(self, "memory_budget")
+        if self.strategy not in PIPELINED:
+            if self.partitions != 1:
+                raise ConfigError("partitions", self.partitions, "needs --strategy model or hybrid")
+            return
+        if self.partitions < 2:
+            raise ConfigError(
+                "partitions", self.partitions, f"--strategy {self.strategy} needs at least 2"
+            )
+        if self.schedule == "1f1b" and self.microbatches < self.partitions:
+            raise ConfigError(
+                "microbatches",
+                self.microbatches,
+                f"1f1b needs at least one microbatch per stage: must be >= --partitions "
+                f"({self.partitions}); raise --microbatches or use --schedule gpipe",
+            )
+        if self.schedule == "interleaved":
+            if self.virtual_stages < 2:
+                raise ConfigError(
+                    "virtual_stages", self.virtual_stages, "interleaved needs at least 2"
+                )
+            rounds = max(1, self.microbatches // self.partitions)
+            if self.microbatches % rounds:
+                raise ConfigError(
+                    "microbatches",
+                    self.microbatches,
+                    f"interleaved needs a multiple of the rounds ({rounds}); try "
+                    f"{rounds * self.partitions}",
+                )
+        self._check_cuts()
+        if self.strategy == "model" and self.engines not in (None, self.partitions):
+            raise ConfigError(
+                "engines",
+                self.engines,
+                f"--strategy model uses one engine per partition: must equal --partitions "
+                f"({self.partitions}); for data parallel across pipelines use --strategy hybrid",
+            )
+        if self.engines is not None and self.engines % self.partitions:
+            raise ConfigError(
+                "engines",
+                self.engines,
+                f"must be a multiple of --partitions ({self.partitions}): each replica is a "
+                f"whole pipeline",
+            )
+
+    def _check_cuts(self) -> None:
+        if self.partition_by != "manual":
+            if self.cuts:
+                raise ConfigError("cuts", self.cuts, "is used only with --partition-by manual")
+            return
+        cuts = self.cuts
+        if len(cuts) != self.stages - 1 or list(cuts) != sorted(set(cuts)) or cuts[0] < 1:
+            raise ConfigError(
+                "cuts",
+                ",".join(map(str, cuts)),
+                f"needs {self.stages - 1} increasing block indices >= 1 (one per stage after "
+                f"the first)",
+            )
 
     def check_split(self, engines: int) -> None:
-        """The global batch must split evenly into grad-accum slices across `engines`."""
-        pieces = engines * self.grad_accum
+        """The global batch must split evenly into grad-accum slices across the replicas,
+        and (for pipelines) each replica's slice into microbatches."""
+        replicas = self.replicas(engines)
+        pieces = replicas * self.grad_accum
+        what = "engines" if self.strategy not in PIPELINED else "replicas"
+        if self.strategy in PIPELINED:
+            pieces *= self.microbatches
+            detail = f"{what} x grad-accum x microbatches = {replicas} x {self.grad_accum} x "
+            detail += f"{self.microbatches}"
+        else:
+            detail = f"{what} x grad-accum = {replicas} x {self.grad_accum}"
         if self.batch_size % pieces:
             lower = (self.batch_size // pieces) * pieces or pieces
             raise ConfigError(
                 "batch_size",
                 self.batch_size,
-                f"must be divisible by engines x grad-accum = {engines} x {self.grad_accum} "
-                f"= {pieces}; try {lower} or {lower + pieces}",
+                f"must be divisible by {detail} = {pieces}; try {lower} or {lower + pieces}",
             )
 
     def with_engines(self, engines: int) -> TrainConfig:
@@ -129,6 +254,8 @@ class TrainConfig:
                 continue
             if f.name == "dashboard":
                 parts.append("--no-dashboard")
+            elif f.name == "cuts":
+                parts.append(f"--cuts {','.join(map(str, value))}")
             else:
                 parts.append(f"{flag_name(f.name)} {value}")
         return " ".join(["%%smp_train", *parts])

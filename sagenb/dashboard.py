@@ -61,7 +61,8 @@ class Dashboard:
         self.status = "training"
         self.total_steps = metrics.get("total_steps", self.total_steps)
         self.history.log(metrics, step, rank)
-        self.rank_steps[rank].append((step, metrics["loss"]))
+        if "loss" in metrics:  # pipelines: only the last stage computes the loss
+            self.rank_steps[rank].append((step, metrics["loss"]))
         self.memory[rank] = metrics
         self._dirty = True
 

@@ -66,7 +66,7 @@ def train_parser() -> MagicParser:
                 "--no-dashboard", dest="dashboard", action="store_false", help=help_text
             )
             continue
-        kind = _field_type(f)
+        kind = f.metadata.get("parse") or _field_type(f)
         extra = {"choices": f.metadata["choices"]} if "choices" in f.metadata else {}
         parser.add_argument(
             flag_name(f.name),

@@ -65,11 +65,13 @@ class History:
     def _combine(self, step: int, ranks: dict[int, Mapping[str, Any]]) -> dict[str, Any]:
         first = ranks[0]
         slowest = max(m["step_time(s)"] for m in ranks.values())
+        # every data-parallel rank reports a loss; in a pipeline, only each replica's last stage
+        losses = [ranks[r]["loss"] for r in sorted(ranks) if "loss" in ranks[r]]
         row: dict[str, Any] = {
             "step": step,
             "epoch": first["epoch"],
-            "loss": sum(m["loss"] for m in ranks.values()) / len(ranks),
-            "rank_losses": [ranks[r]["loss"] for r in sorted(ranks)],
+            "loss": sum(losses) / len(losses),
+            "rank_losses": losses,
             "lr": first["lr"],
             "step_time(s)": slowest,
             "throughput(samples/s)": self.batch_size / slowest,

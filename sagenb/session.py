@@ -65,13 +65,27 @@ def train(
         config = dataclasses.replace(config, **options)
     prepared = prepare(job, config)
     if pool is None:
-        pool = cluster.ensure_pool(config.engines or cluster.DEFAULT_ENGINES)
+        pool = cluster.ensure_pool(_pool_size_for(config))
     config = _resolve_engines(config, pool)
     return _Run(pool, config, prepared, list(sinks)).execute()
 
 
+def _pool_size_for(config: TrainConfig) -> int:
+    """Engines to start when no pool runs."""
+    if config.engines is not None:
+        return config.engines
+    if config.strategy == "model":
+        return config.partitions
+    if config.strategy == "hybrid":
+        return 2 * config.partitions
+    return cluster.DEFAULT_ENGINES
+
+
 def _resolve_engines(config: TrainConfig, pool: cluster.EnginePool) -> TrainConfig:
-    engines = config.engines if config.engines is not None else pool.size
+    if config.strategy == "model":
+        engines = config.partitions
+    else:
+        engines = config.engines if config.engines is not None else pool.size
     if engines > pool.size:
         raise ConfigError(
             "engines",
@@ -140,7 +154,7 @@ class _Run:
             engines=self.engines,
             device=results[0].device,
             source=self.job.source,
-            _state_dict=results[0].state_dict,
+            _state_dict=_merge_state(results),
             dashboard=self.dashboard,
         )
 
@@ -223,6 +237,17 @@ class _Run:
             self.dashboard.finish(elapsed, failed=failed)
         for sink in self.sinks:
             sink.close()
+
+
+def _merge_state(results: list[RankResult]) -> dict:
+    """The full state_dict from the ranks' parts, in the unsplit model's key order."""
+    parts: dict = {}
+    for res in results:
+        parts.update(res.state_dict or {})
+    missing = [k for k in results[0].key_order if k not in parts]
+    if missing:
+        raise RuntimeError(f"no rank returned {', '.join(missing[:5])}")
+    return {k: parts[k] for k in results[0].key_order}
 
 
 def _make_dashboard(config: TrainConfig, cost: CostMeter):

@@ -41,4 +41,4 @@ def pool(_stop_pool_at_end) -> cluster.EnginePool:
 def max_param_diff(state: dict, model: torch.nn.Module) -> float:
     ref = model.state_dict()
     assert state.keys() == ref.keys()
-    return max((state[k] - v).abs().max().item() for k, v in ref.items())
+    return max((state[k].double() - v.double()).abs().max().item() for k, v in ref.items())

@@ -44,6 +44,7 @@ class RankResult:
     steps: int
     published: int
     state_dict: dict[str, torch.Tensor] | None
+    key_order: list[str]
     device: str
 
 
@@ -78,13 +79,14 @@ def _train(spec: RankSpec, publish: Publisher) -> RankResult:
     )
     ws = build_workspace(spec.job, spec.config.seed)
     strategy = make_strategy(spec.config, rank=spec.rank, world_size=spec.world_size, device=device)
-    strategy.setup(ws.model)
+    strategy.setup(ws)
     steps = train_loop(ws, strategy, spec.config, device=device, publish=publish)
     return RankResult(
         rank=spec.rank,
         steps=steps,
         published=publish.count,
         state_dict=strategy.full_state_dict(),
+        key_order=strategy.key_order,
         device=str(device),
     )
 

@@ -54,8 +54,9 @@ def train_loop(
             "step": step.number,
             "total_steps": total,
             "epoch": step.epoch,
-            "loss": loss,
         }
+        if loss is not None:
+            metrics["loss"] = loss
         if config.clip_grad_norm is not None:
             metrics["grad_norm"] = strategy.clip_grad_norm(config.clip_grad_norm)
         metrics["lr"] = optimizer.param_groups[0]["lr"]
@@ -70,11 +71,12 @@ def train_loop(
         metrics["step_time(s)"] = elapsed
         metrics["samples"] = samples
         metrics["throughput(samples/s)"] = samples / elapsed
+        metrics.update(strategy.step_metrics())
         publish(metrics)
     return total
 
 
-def _accumulate(ws, strategy, meter, indices, grad_accum, device) -> tuple[float, int]:
+def _accumulate(ws, strategy, meter, indices, grad_accum, device) -> tuple[float | None, int]:
     """Forward and backward over the grad_accum slices of one global batch."""
     losses = []
     samples = 0
@@ -86,10 +88,11 @@ def _accumulate(ws, strategy, meter, indices, grad_accum, device) -> tuple[float
             loss = strategy.forward_backward(
                 batch, ws.loss_fn, scale=1.0 / grad_accum, sync=k == len(slices) - 1
             )
-        losses.append(loss)
+        if loss is not None:
+            losses.append(loss)
         samples += len(local)
     # one host sync per step, not per slice
-    return float(torch.stack(losses).mean()), samples
+    return (float(torch.stack(losses).mean()) if losses else None), samples
 
 
 def _eval_due(ws: Workspace, config: TrainConfig, step: int, total: int) -> bool:

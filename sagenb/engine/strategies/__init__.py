@@ -8,8 +8,9 @@ from sagenb.config import TrainConfig
 
 from .base import Strategy
 from .data_parallel import DataParallel
+from .pipeline import Pipeline
 
-__all__ = ["Strategy", "DataParallel", "make_strategy"]
+__all__ = ["Strategy", "DataParallel", "Pipeline", "make_strategy"]
 
 
 def make_strategy(
@@ -17,4 +18,6 @@ def make_strategy(
 ) -> Strategy:
     if config.strategy == "data":
         return DataParallel(rank=rank, world_size=world_size, device=device)
+    if config.strategy in ("model", "hybrid"):
+        return Pipeline(config, rank=rank, world_size=world_size, device=device)
     raise NotImplementedError(f"strategy {config.strategy!r} has no engine implementation yet")

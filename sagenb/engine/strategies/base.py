@@ -17,8 +17,12 @@ class Strategy(Protocol):
     #: the module whose parameters this engine holds (for the optimizer and memory accounting)
     module: nn.Module
 
-    def setup(self, model: nn.Module) -> None:
-        """Take the full model built by the cell and keep (and wrap) this engine's part."""
+    #: the keys of the unsplit model's state_dict, in order
+    key_order: list[str]
+
+    def setup(self, ws: Any) -> None:
+        """Take the full model the cell built (ws.model) and keep (and wrap) this engine's
+        part; ws also gives the dataset and loss for profiling."""
 
     def parameters(self) -> Iterator[nn.Parameter]:
         """The parameters this engine's optimizer updates."""
@@ -28,16 +32,21 @@ class Strategy(Protocol):
 
     def forward_backward(
         self, batch: Any, loss_fn: Callable[..., torch.Tensor], *, scale: float, sync: bool
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | None:
         """Run forward and backward on this engine's samples; `sync=False` defers gradient
         communication (all slices but the last of an accumulated step). Returns the detached
-        mean loss of this engine's samples."""
+        mean loss of this engine's samples, or None on an engine that computes no loss (a
+        pipeline stage before the last)."""
+
+    def step_metrics(self) -> dict[str, Any]:
+        """Strategy-specific metrics of the step just done (pipeline: busy/idle, timeline)."""
 
     def clip_grad_norm(self, max_norm: float) -> float:
         """Clip to `max_norm` the norm over every parameter of the whole model; return the norm."""
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
-        """The whole model's state_dict on rank 0 (keys of model.state_dict()), None elsewhere."""
+        """This engine's part of the full state_dict (keys of model.state_dict()), or None;
+        the notebook merges the parts of every rank."""
 
     def evaluate(
         self, dataset: Any, loss_fn: Callable[..., torch.Tensor], batch_size: int

@@ -17,6 +17,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from sagenb.engine.data import fetch, to_device
+from sagenb.engine.workspace import Workspace
 
 __all__ = ["DataParallel"]
 
@@ -27,8 +28,9 @@ class DataParallel:
         self.module: nn.Module
         self._ddp: DistributedDataParallel
 
-    def setup(self, model: nn.Module) -> None:
-        self.module = model.to(self.device)
+    def setup(self, ws: Workspace) -> None:
+        self.key_order = list(ws.model.state_dict().keys())
+        self.module = ws.model.to(self.device)
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         self._ddp = DistributedDataParallel(self.module, device_ids=device_ids)
 
@@ -52,6 +54,9 @@ class DataParallel:
         # After DDP's all-reduce every engine holds the same full gradient, so the local norm
         # is the global norm one process would compute.
         return float(torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm))
+
+    def step_metrics(self) -> dict[str, Any]:
+        return {}
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         if self.rank != 0:

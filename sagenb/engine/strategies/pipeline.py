@@ -1,0 +1,295 @@
+"""Pipeline model parallel (and hybrid: data parallel across pipeline replicas).
+
+The model is split at block boundaries into `partitions x virtual stages` stages
+(engine/partition.py); engine r holds stages r, r + P, ... of its replica and runs them with
+torch.distributed.pipelining's PipelineStage and schedules (GPipe, 1F1B, interleaved 1F1B).
+
+Why the gradients equal one process's: the schedule's loss for a microbatch is scaled by
+1 / (microbatches x grad-accum) and gradient scaling is left off (it would also rescale the
+slices already accumulated), so each optimizer step holds the gradient of the mean loss over the
+replica's share of the global batch. Replicas then average (equal shares), and a weight tied
+across stages gets the sum of the contributions of every stage that uses it.
+
+Ranks are laid out replica-major: rank = replica x P + stage position, so one pipeline's
+stages are neighbours (SageMaker's "cluster" placement).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+)
+
+from sagenb.config import TrainConfig
+from sagenb.engine.balance import choose_starts, profile_blocks
+from sagenb.engine.data import fetch, to_device
+from sagenb.engine.partition import find_blocks, split_model, tied_groups
+from sagenb.engine.workspace import Workspace
+from sagenb.job import JobError
+
+__all__ = ["Pipeline"]
+
+#: bytes held per parameter byte, for the memory budget: the parameter, its gradient and
+#: AdamW's two moments (an upper bound for SGD with momentum, which keeps one)
+MEMORY_FACTOR = 4.0
+
+
+class Pipeline:
+    def __init__(self, config: TrainConfig, *, rank: int, world_size: int, device: torch.device):
+        self.config, self.rank, self.device = config, rank, device
+        P = config.partitions
+        self.P, self.S, self.D = P, config.stages, world_size // P
+        self.replica, self.position = divmod(rank, P)
+        self.stage_ids = list(range(self.position, self.S, P))
+        self.pp_group, self.dp_group = self._groups()
+        self.events: list[tuple[str, int, int, float, float]] = []
+        self._step_started = 0.0
+        self._scale = 1.0
+
+    def _groups(self) -> tuple[Any, Any]:
+        """Every rank creates every group, in the same order (torch.distributed requires it)."""
+        pp = dp = None
+        for d in range(self.D):
+            group = dist.new_group([d * self.P + s for s in range(self.P)])
+            pp = group if d == self.replica else pp
+        for s in range(self.P):
+            group = dist.new_group([d * self.P + s for d in range(self.D)])
+            dp = group if s == self.position else dp
+        return pp, dp
+
+    def _global(self, stage: int) -> int:
+        return self.replica * self.P + stage % self.P
+
+    # -- setup -----------------------------------------------------------------------------
+    def setup(self, ws: Workspace) -> None:
+        model = ws.model
+        self.key_order = list(model.state_dict().keys())
+        starts = self._choose_starts(ws)
+        stages, self.blocks = split_model(model, starts)
+        self.starts = starts
+        self.modules = [stages[i].to(self.device) for i in self.stage_ids]
+        self.module = nn.ModuleList(self.modules)
+        self._setup_tied(model, stages)
+        self.schedule = self._schedule(ws.loss_fn)
+
+    def _choose_starts(self, ws: Workspace) -> list[int]:
+        cfg = self.config
+        n = len(find_blocks(ws.model))
+        if n < self.S:
+            raise JobError(
+                f"the model has {n} blocks, fewer than the {self.S} pipeline stages asked for: "
+                f"lower --partitions{' or --virtual-stages' if self.S > self.P else ''}"
+            )
+        if cfg.partition_by == "manual" and cfg.cuts[-1] >= n:
+            raise JobError(f"--cuts {cfg.cuts}: the model has only {n} blocks (0..{n - 1})")
+        box: list[Any] = [None]
+        if self.rank == 0:  # one rank measures; all use its cut points
+            profile = None
+            if cfg.partition_by in ("auto", "parameters"):
+                mb = cfg.batch_size // (self.D * cfg.grad_accum * cfg.microbatches)
+                x, y = fetch(ws.dataset, torch.arange(min(mb, len(ws.dataset))))
+                profile = profile_blocks(ws.model, x, y, ws.loss_fn)
+            budget = cfg.memory_budget * 2**30 if cfg.memory_budget else None
+            try:
+                box[0] = choose_starts(
+                    cfg.partition_by,
+                    self.S,
+                    profile,
+                    blocks=n,
+                    cuts=cfg.cuts,
+                    memory_budget_bytes=budget,
+                    memory_factor=MEMORY_FACTOR,
+                )
+            except ValueError as exc:
+                box[0] = exc
+        dist.broadcast_object_list(box, src=0)
+        if isinstance(box[0], Exception):
+            raise JobError(f"--memory-budget {cfg.memory_budget}: {box[0]}")
+        return box[0]
+
+    def _setup_tied(self, model: nn.Module, stages: list[nn.Module]) -> None:
+        """Process groups over the ranks that hold each weight tied across stages."""
+        self.tied: list[tuple[nn.Parameter, Any, bool]] = []  # (param, group, owner)
+        stage_of: dict[str, int] = {}
+        for s, st in enumerate(stages):
+            for name, _ in st.named_parameters(remove_duplicate=False):
+                stage_of.setdefault(name, s)
+        local = {}
+        for st in self.modules:
+            for name, p in st.named_parameters(remove_duplicate=False):
+                local[name] = p
+        for names in tied_groups(model):
+            holders = sorted({stage_of[name] for name in names if name in stage_of})
+            for d in range(self.D):
+                ranks = sorted({d * self.P + s % self.P for s in holders})
+                group = dist.new_group(ranks) if len(ranks) > 1 else None
+                mine = [local[n] for n in names if n in local]
+                if d == self.replica and mine and group is not None:
+                    self.tied.append((mine[0], group, self.rank == ranks[0]))
+
+    def _schedule(self, loss_fn: Callable[..., torch.Tensor]):
+        stages = [
+            PipelineStage(m, i, self.S, self.device, group=self.pp_group)
+            for i, m in zip(self.stage_ids, self.modules)
+        ]
+        for st in stages:
+            self._time(st)
+
+        def scaled(output, target):
+            return loss_fn(output, target) * self._scale
+
+        kind, M = self.config.schedule, self.config.microbatches
+        if kind == "interleaved":
+            return ScheduleInterleaved1F1B(stages, M, loss_fn=scaled, scale_grads=False)
+        cls = ScheduleGPipe if kind == "gpipe" else Schedule1F1B
+        return cls(stages[0], M, loss_fn=scaled, scale_grads=False)
+
+    def _time(self, stage: PipelineStage) -> None:
+        """Record every microbatch's forward and backward (the schedule timeline)."""
+        forward, backward = stage.forward_one_chunk, stage.backward_one_chunk
+
+        def timed_forward(chunk, *args, **kwargs):
+            t0 = time.perf_counter()
+            out = forward(chunk, *args, **kwargs)
+            self.events.append(("F", stage.stage_index, chunk, t0, time.perf_counter()))
+            return out
+
+        def timed_backward(chunk, *args, **kwargs):
+            t0 = time.perf_counter()
+            out = backward(chunk, *args, **kwargs)
+            self.events.append(("B", stage.stage_index, chunk, t0, time.perf_counter()))
+            return out
+
+        stage.forward_one_chunk, stage.backward_one_chunk = timed_forward, timed_backward
+
+    # -- a step ----------------------------------------------------------------------------
+    def parameters(self) -> Iterator[nn.Parameter]:
+        return self.module.parameters()
+
+    def local_indices(self, slice_indices: torch.Tensor) -> torch.Tensor:
+        share = len(slice_indices) // self.D
+        return slice_indices[self.replica * share : (self.replica + 1) * share]
+
+    @property
+    def has_first(self) -> bool:
+        return 0 in self.stage_ids
+
+    @property
+    def has_last(self) -> bool:
+        return self.S - 1 in self.stage_ids
+
+    def forward_backward(
+        self, batch: Any, loss_fn: Callable[..., torch.Tensor], *, scale: float, sync: bool
+    ) -> torch.Tensor | None:
+        inputs, targets = batch
+        if not self.events:
+            self._step_started = time.perf_counter()
+        self._scale = scale / self.config.microbatches
+        losses: list[torch.Tensor] = []
+        args = (inputs,) if self.has_first else ()
+        kwargs = {"target": targets, "losses": losses} if self.has_last else {}
+        self.schedule.step(*args, return_outputs=False, **kwargs)
+        if sync:
+            self._sync_grads()
+        if not self.has_last:
+            return None
+        return torch.stack(losses).sum().detach() / scale  # the slice's mean loss, unscaled
+
+    def _sync_grads(self) -> None:
+        for p, group, _ in self.tied:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad, group=group)
+        if self.D > 1:
+            for p in self.module.parameters():
+                if p.grad is not None:
+                    dist.all_reduce(p.grad, group=self.dp_group)
+                    p.grad.div_(self.D)
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        # A tied weight's summed gradient lives on several ranks: count it once, on its owner.
+        shared = {id(p): owner for p, _, owner in self.tied}
+        squares = torch.zeros((), dtype=torch.float64, device=self.device)
+        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
+        for p in self.module.parameters():
+            if p.grad is not None and shared.get(id(p), True):
+                squares += p.grad.double().pow(2).sum()
+        dist.all_reduce(squares, group=self.pp_group)
+        norm = float(squares.sqrt())
+        coef = min(1.0, max_norm / (norm + 1e-6))
+        for g in grads:
+            g.mul_(coef)
+        return norm
+
+    def step_metrics(self) -> dict[str, Any]:
+        """Busy and idle time of this engine's stages in the last step, and its timeline."""
+        events, self.events = self.events, []
+        if not events:
+            return {}
+        t0 = self._step_started
+        busy_f = sum(e[4] - e[3] for e in events if e[0] == "F")
+        busy_b = sum(e[4] - e[3] for e in events if e[0] == "B")
+        span = max(e[4] for e in events) - t0
+        return {
+            "stages": self.stage_ids,
+            "busy/forward(s)": busy_f,
+            "busy/backward(s)": busy_b,
+            "idle(s)": max(0.0, span - busy_f - busy_b),
+            "timeline": [[k, s, c, round(a - t0, 6), round(b - t0, 6)] for k, s, c, a, b in events],
+        }
+
+    # -- results ---------------------------------------------------------------------------
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """This engine's part of the full state_dict (replica 0 only); the notebook merges."""
+        if self.replica != 0:
+            return None
+        out = {}
+        for m in self.modules:
+            out.update({k: v.detach().to("cpu", copy=True) for k, v in m.state_dict().items()})
+        return out
+
+    @torch.no_grad()
+    def evaluate(
+        self, dataset: Any, loss_fn: Callable[..., torch.Tensor], batch_size: int
+    ) -> float:
+        """Forward only, stage by stage with point-to-point sends (any batch shape)."""
+        mine = torch.tensor_split(torch.arange(len(dataset)), self.D)[self.replica]
+        total = torch.zeros(2, dtype=torch.float64)
+        for m in self.modules:
+            m.eval()
+        for start in range(0, len(mine), batch_size):
+            idx = mine[start : start + batch_size]
+            inputs, targets = to_device(fetch(dataset, idx), self.device)
+            value: Any = inputs
+            for i in self.stage_ids:
+                if i > 0:
+                    box = [None]
+                    dist.recv_object_list(box, src=self._global(i - 1))
+                    value = to_device(box[0], self.device)
+                module = self.modules[self.stage_ids.index(i)]
+                value = module(*value) if isinstance(value, tuple) else module(value)
+                if i == self.S - 1:
+                    total[0] += float(loss_fn(value, targets)) * len(idx)
+                    total[1] += len(idx)
+                else:
+                    dist.send_object_list([_to_cpu(value)], dst=self._global(i + 1))
+        for m in self.modules:
+            m.train()
+        dist.all_reduce(total)
+        return float(total[0] / total[1])
+
+
+def _to_cpu(value: Any) -> Any:
+    if isinstance(value, tuple):
+        return tuple(_to_cpu(v) for v in value)
+    return value.cpu() if torch.is_tensor(value) else value

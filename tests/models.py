@@ -1,0 +1,59 @@
+"""Model cells shared by the model-parallel tests: an nn.Sequential and a small GPT."""
+
+SEQUENTIAL_CELL = """
+import torch
+from torch import nn
+model = nn.Sequential(
+    nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh(),
+    nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 1),
+)
+X = torch.randn(256, 8)
+dataset = torch.utils.data.TensorDataset(X, X @ torch.randn(8, 1) + 0.1 * torch.randn(256, 1))
+loss_fn = nn.functional.mse_loss
+def make_optimizer(params):
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+"""
+
+GPT_CELL = """
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+VOCAB, CONTEXT, WIDTH = 64, 16, 32
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(WIDTH)
+        self.attn = nn.MultiheadAttention(WIDTH, 4, batch_first=True)
+        self.ln2 = nn.LayerNorm(WIDTH)
+        self.mlp = nn.Sequential(nn.Linear(WIDTH, 4 * WIDTH), nn.GELU(), nn.Linear(4 * WIDTH, WIDTH))
+        self.register_buffer("mask", torch.triu(torch.ones(CONTEXT, CONTEXT, dtype=torch.bool), 1))
+    def forward(self, x):
+        h = self.ln1(x)
+        x = x + self.attn(h, h, h, attn_mask=self.mask, need_weights=False)[0]
+        return x + self.mlp(self.ln2(x))
+
+class GPT(nn.Module):
+    def __init__(self, layers=4):
+        super().__init__()
+        self.wte = nn.Embedding(VOCAB, WIDTH)
+        self.wpe = nn.Parameter(torch.randn(CONTEXT, WIDTH) * 0.02)
+        self.blocks = nn.ModuleList(Block() for _ in range(layers))
+        self.ln_f = nn.LayerNorm(WIDTH)
+        self.head = nn.Linear(WIDTH, VOCAB, bias=False)
+        self.head.weight = self.wte.weight  # tied input and output embeddings
+    def forward(self, idx):
+        x = self.wte(idx) + self.wpe
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+model = GPT()
+tokens = torch.randint(0, VOCAB, (128, CONTEXT + 1))
+dataset = torch.utils.data.TensorDataset(tokens[:, :-1], tokens[:, 1:])
+def loss_fn(logits, targets):
+    return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
+def make_optimizer(params):
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+"""
