@@ -152,6 +152,34 @@ class SmpMagics(Magics):
         self.shell.user_ns[config.out] = result
         print(f"{result.summary()}\nresult in `{config.out}`")
 
+    @cell_magic
+    def smp_plan(self, line: str, cell: str) -> None:
+        """Show how `%%smp_train` with the same flags would cut the cell's model into pipeline
+        stages (cut points, memory and time per stage, the bubble), without training. The plan
+        is stored in the variable named by --out (default smp_plan_result)."""
+        config = parse_train_line(line)
+        if config is None:
+            return
+        from sagenb.plan import plan
+
+        try:
+            result = plan(cell, config, pool=cluster.current_pool())
+        except (ConfigError, JobError) as exc:
+            raise UsageError(f"%%smp_plan: {exc}") from None
+        name = config.out if config.out != "smp_result" else "smp_plan_result"
+        self.shell.user_ns[name] = result
+        _show_plan(result)
+
+
+def _show_plan(plan_result) -> None:
+    print(plan_result.table())
+    from sagenb.dashboard import _in_kernel
+
+    if _in_kernel():
+        from IPython.display import display
+
+        display(plan_result.figure())
+
 
 def _print_status(pool: cluster.EnginePool) -> None:
     rows = pool.status()

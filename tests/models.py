@@ -27,7 +27,9 @@ class Block(nn.Module):
         self.ln1 = nn.LayerNorm(WIDTH)
         self.attn = nn.MultiheadAttention(WIDTH, 4, batch_first=True)
         self.ln2 = nn.LayerNorm(WIDTH)
-        self.mlp = nn.Sequential(nn.Linear(WIDTH, 4 * WIDTH), nn.GELU(), nn.Linear(4 * WIDTH, WIDTH))
+        self.mlp = nn.Sequential(
+            nn.Linear(WIDTH, 4 * WIDTH), nn.GELU(), nn.Linear(4 * WIDTH, WIDTH)
+        )
         self.register_buffer("mask", torch.triu(torch.ones(CONTEXT, CONTEXT, dtype=torch.bool), 1))
     def forward(self, x):
         h = self.ln1(x)
@@ -42,6 +44,7 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block() for _ in range(layers))
         self.ln_f = nn.LayerNorm(WIDTH)
         self.head = nn.Linear(WIDTH, VOCAB, bias=False)
+        nn.init.normal_(self.wte.weight, std=0.1)
         self.head.weight = self.wte.weight  # tied input and output embeddings
     def forward(self, idx):
         x = self.wte(idx) + self.wpe

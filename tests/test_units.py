@@ -71,3 +71,57 @@ def test_sample_order_is_the_contract():
     order1 = torch.randperm(10, generator=torch.Generator().manual_seed(5))
     assert torch.equal(steps[1].indices, order0[3:6])
     assert torch.equal(steps[3].indices, order1[0:3])  # epoch 1 starts over, dropping sample 10
+
+
+UNEQUAL = """
+import torch
+from torch import nn
+# two heavy blocks at the front, eight light ones behind: equal block counts are unbalanced
+model = nn.Sequential(
+    nn.Linear(64, 768), nn.Linear(768, 768), nn.Linear(768, 64),
+    *[nn.Linear(64, 64) for _ in range(8)], nn.Linear(64, 1),
+)
+X = torch.randn(256, 64)
+dataset = torch.utils.data.TensorDataset(X, X.sum(1, keepdim=True))
+loss_fn = nn.functional.mse_loss
+"""
+
+
+def test_auto_partitioning_balances_unequal_layers():
+    from sagenb.engine.balance import choose_starts, profile_blocks
+
+    ns: dict = {}
+    torch.manual_seed(0)
+    exec(UNEQUAL, ns)
+    x, y = ns["dataset"][:64]
+    profile = profile_blocks(ns["model"], x, y, ns["loss_fn"], repeats=5)
+    uniform = choose_starts("uniform", 2, profile, blocks=12)
+    auto = choose_starts("auto", 2, profile, blocks=12)
+    by_params = choose_starts("parameters", 2, profile, blocks=12)
+    assert uniform == [0, 6]
+    assert auto != uniform and auto[1] <= 3  # the heavy blocks get a stage of their own
+    assert by_params == [0, 2]  # 768x768 alone outweighs everything after it
+
+    def slowest(starts):
+        return max(profile.stage_sums(starts)["seconds"])
+
+    assert slowest(auto) < slowest(uniform)
+
+
+def test_memory_budget_moves_the_cut():
+    from sagenb.engine.balance import BlockProfile, choose_starts
+
+    # four equal-time blocks; block 0 is memory-heavy
+    profile = BlockProfile((1.0, 1.0, 1.0, 1.0), (100, 10, 10, 10), (0, 0, 0, 0))
+    assert choose_starts("auto", 2, profile, blocks=4) == [0, 2]
+    assert choose_starts("auto", 2, profile, blocks=4, memory_budget_bytes=105) == [0, 1]
+    with pytest.raises(ValueError, match="no split fits"):
+        choose_starts("auto", 2, profile, blocks=4, memory_budget_bytes=50)
+
+
+def test_bubble_formula():
+    from sagenb.plan import bubble_fraction
+
+    assert bubble_fraction(2, 4) == pytest.approx(1 / 5)
+    assert bubble_fraction(4, 4) == pytest.approx(3 / 7)
+    assert bubble_fraction(4, 4, virtual=2) == pytest.approx(3 / 11)

@@ -1,0 +1,184 @@
+"""The partition planner: where the model is cut, what each stage holds and costs, before
+any training. `sagenb.plan(cell, strategy="model", partitions=2)` or `%%smp_plan` with the
+flags of `%%smp_train`.
+
+The pipeline bubble is the idle fraction of a GPipe/1F1B step, (p - 1) / (m + p - 1) for p
+stages and m microbatches (Huang et al. 2019, GPipe, section 2.2); interleaving v chunks per
+engine shrinks it to (p - 1) / (v m + p - 1) (Narayanan et al. 2021, section 2.2).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from sagenb import cluster
+from sagenb.config import PIPELINED, ConfigError, TrainConfig
+from sagenb.engine.balance import BlockProfile
+from sagenb.engine.planning import plan_on_engine
+from sagenb.engine.strategies.pipeline import MEMORY_FACTOR
+from sagenb.session import prepare
+
+__all__ = ["Plan", "StagePlan", "plan", "bubble_fraction"]
+
+MIB = 2**20
+
+
+def bubble_fraction(stages: int, microbatches: int, virtual: int = 1) -> float:
+    return (stages - 1) / (virtual * microbatches + stages - 1)
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    stage: int
+    engine: int
+    blocks: tuple[str, ...]
+    params_mib: float
+    #: parameters + gradients + optimizer state (AdamW), MiB
+    training_state_mib: float
+    #: activations saved for backward by one microbatch, MiB
+    activations_per_microbatch_mib: float
+    #: forward + backward of one microbatch, seconds (measured)
+    seconds_per_microbatch: float
+
+
+@dataclass(frozen=True)
+class Plan:
+    config: TrainConfig
+    method: str
+    starts: tuple[int, ...]
+    stages: tuple[StagePlan, ...]
+    bubble: float
+    #: slowest stage time / mean stage time (1.0 is perfect balance)
+    balance: float
+    estimated_step_s: float
+    alternatives: dict[str, Any]
+
+    def table(self) -> str:
+        cfg = self.config
+        lines = [
+            f"{cfg.partitions} partitions x {cfg.stages // cfg.partitions} chunk(s), "
+            f"{cfg.microbatches} microbatches, {cfg.schedule}, partition by {self.method}: "
+            f"cut before blocks {list(self.starts[1:])}",
+            f"bubble {self.bubble:.1%}, balance (slowest/mean stage) {self.balance:.2f}, "
+            f"estimated {self.estimated_step_s * 1e3:.1f} ms per optimizer step",
+            f"{'stage':>5} {'engine':>6} {'blocks':<24} {'params MiB':>10} {'train MiB':>10} "
+            f"{'act/mb MiB':>10} {'ms/mb':>7}",
+        ]
+        for s in self.stages:
+            names = f"{s.blocks[0]}..{s.blocks[-1]}" if len(s.blocks) > 1 else s.blocks[0]
+            lines.append(
+                f"{s.stage:>5} {s.engine:>6} {names:<24} {s.params_mib:>10.3f} "
+                f"{s.training_state_mib:>10.3f} {s.activations_per_microbatch_mib:>10.3f} "
+                f"{s.seconds_per_microbatch * 1e3:>7.2f}"
+            )
+        for method, starts in self.alternatives.items():
+            shown = starts[1:] if isinstance(starts, list) else starts
+            lines.append(f"  with --partition-by {method}: cut before blocks {shown}")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+    def figure(self):
+        """A bar chart of each stage's time and memory (plotly)."""
+        import plotly.graph_objects as go
+        from plotly.subplots import make_subplots
+
+        labels = [f"stage {s.stage} (engine {s.engine})" for s in self.stages]
+        fig = make_subplots(rows=1, cols=2, subplot_titles=("Time per microbatch", "Memory"))
+        fig.add_trace(
+            go.Bar(
+                x=labels,
+                y=[s.seconds_per_microbatch * 1e3 for s in self.stages],
+                name="forward+backward (ms)",
+                marker_color="#4C78A8",
+            ),
+            1,
+            1,
+        )
+        fig.add_trace(
+            go.Bar(
+                x=labels,
+                y=[s.training_state_mib for s in self.stages],
+                name="params+grads+optimizer (MiB)",
+                marker_color="#54A24B",
+            ),
+            1,
+            2,
+        )
+        fig.add_trace(
+            go.Bar(
+                x=labels,
+                y=[s.activations_per_microbatch_mib for s in self.stages],
+                name="activations per microbatch (MiB)",
+                marker_color="#B279A2",
+            ),
+            1,
+            2,
+        )
+        fig.update_layout(
+            barmode="stack",
+            height=360,
+            template="plotly_white",
+            title=f"Partition plan ({self.method}); bubble {self.bubble:.1%}",
+        )
+        fig.update_yaxes(title_text="ms", row=1, col=1)
+        fig.update_yaxes(title_text="MiB", row=1, col=2)
+        return fig
+
+
+def plan(job: Any, config: TrainConfig | None = None, *, pool=None, **options: Any) -> Plan:
+    """Profile the cell's blocks on one engine and show how `config` would cut the model."""
+    config = TrainConfig(**options) if config is None else dataclasses.replace(config, **options)
+    if config.strategy not in PIPELINED:
+        raise ConfigError("strategy", config.strategy, "the planner is for model or hybrid")
+    prepared = prepare(job, config)
+    pool = pool or cluster.ensure_pool(config.partitions)
+    engines = config.partitions if config.strategy == "model" else (config.engines or pool.size)
+    config = config.with_engines(engines)
+    raw = (
+        pool.client[pool.engine_ids[0]]
+        .apply_async(plan_on_engine, prepared, config, config.replicas(engines))
+        .get(timeout=600)
+    )
+    return _assemble(config, raw)
+
+
+def _assemble(config: TrainConfig, raw: dict[str, Any]) -> Plan:
+    profile = BlockProfile(**{k: tuple(v) for k, v in raw["profile"].items()})
+    starts = raw["starts"][config.partition_by]
+    if isinstance(starts, str):
+        raise ConfigError("memory_budget", config.memory_budget, starts)
+    sums = profile.stage_sums(starts)
+    bounds = [*starts, len(raw["blocks"])]
+    stages = tuple(
+        StagePlan(
+            stage=s,
+            engine=s % config.partitions,
+            blocks=tuple(raw["blocks"][bounds[s] : bounds[s + 1]]),
+            params_mib=sums["param_bytes"][s] / MIB,
+            training_state_mib=sums["param_bytes"][s] * MEMORY_FACTOR / MIB,
+            activations_per_microbatch_mib=sums["activation_bytes"][s] / MIB,
+            seconds_per_microbatch=sums["seconds"][s],
+        )
+        for s in range(len(starts))
+    )
+    per_engine = [0.0] * config.partitions
+    for s in stages:
+        per_engine[s.engine] += s.seconds_per_microbatch
+    virtual = config.stages // config.partitions
+    bubble = bubble_fraction(config.partitions, config.microbatches, virtual)
+    slowest = max(per_engine)
+    step = config.grad_accum * config.microbatches * slowest / (1 - bubble)
+    return Plan(
+        config=config,
+        method=config.partition_by,
+        starts=tuple(starts),
+        stages=stages,
+        bubble=bubble,
+        balance=slowest / (sum(per_engine) / len(per_engine)),
+        estimated_step_s=step,
+        alternatives={k: v for k, v in raw["starts"].items() if k != config.partition_by},
+    )
