@@ -111,6 +111,11 @@ class TrainConfig:
     memory_budget: float | None = _opt(
         None, "GiB one engine may hold (auto partitioning keeps every stage within it)"
     )
+    delay_init: bool = _opt(
+        False,
+        "build the model's parameters on the meta device and materialise only each engine's "
+        "own stage (a model larger than one engine); initial values as documented",
+    )
     dashboard: bool = _opt(True, "show the live dashboard under the cell", flag="--no-dashboard")
     out: str = _opt("smp_result", "name of the notebook variable that receives the result")
 
@@ -254,6 +259,8 @@ class TrainConfig:
                 continue
             if f.name == "dashboard":
                 parts.append("--no-dashboard")
+            elif f.name == "delay_init":
+                parts.append("--delay-init")
             elif f.name == "cuts":
                 parts.append(f"--cuts {','.join(map(str, value))}")
             else:

@@ -66,6 +66,9 @@ def train_parser() -> MagicParser:
                 "--no-dashboard", dest="dashboard", action="store_false", help=help_text
             )
             continue
+        if f.name == "delay_init":
+            parser.add_argument("--delay-init", action="store_true", help=help_text)
+            continue
         kind = f.metadata.get("parse") or _field_type(f)
         extra = {"choices": f.metadata["choices"]} if "choices" in f.metadata else {}
         parser.add_argument(

@@ -9,10 +9,19 @@ from __future__ import annotations
 import torch
 
 
-def namespace(cell: str, seed: int) -> dict:
+def namespace(cell: str, seed: int, delay_init: bool = False) -> dict:
     torch.manual_seed(seed)
     ns: dict = {}
-    exec(cell, ns)
+    if not delay_init:
+        exec(cell, ns)
+        return ns
+    # --delay-init defines its own initial values (sagenb/engine/delayed.py): take them from
+    # there, materialising the whole model in this one process; the training below is plain
+    from sagenb.engine.delayed import materialize, meta_parameters
+
+    with meta_parameters():
+        exec(cell, ns)
+    materialize(ns["model"], [ns["model"]], seed=seed, device=torch.device("cpu"))
     return ns
 
 
@@ -40,9 +49,10 @@ def train_reference(
     seed: int = 0,
     grad_accum: int = 1,
     clip_grad_norm: float | None = None,
+    delay_init: bool = False,
 ) -> tuple[torch.nn.Module, list[float], dict]:
     """Returns the trained model, the loss of every step and the cell's namespace."""
-    ns = namespace(cell, seed)
+    ns = namespace(cell, seed, delay_init)
     model, dataset, loss_fn = ns["model"], ns["dataset"], ns["loss_fn"]
     params = list(model.parameters())
     opt = (

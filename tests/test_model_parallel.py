@@ -176,6 +176,18 @@ def test_errors_name_the_numbers(pool):
         sagenb.train(UNSPLITTABLE_CELL, strategy="model", partitions=2, batch_size=32)
 
 
+def test_delay_init_holds_one_stage_per_engine(pool):
+    options = dict(batch_size=32, steps=8, epochs=2)
+    result = sagenb.train(
+        GPT_CELL, strategy="model", partitions=2, delay_init=True, dashboard=False, **options
+    )
+    model, _ = check_equal(result, GPT_CELL, delay_init=True, **options)
+    total = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+    held = {rec.rank: rec.values["memory/params(MiB)"] for rec in result.metrics if rec.step == 8}
+    # about half each: the blocks split evenly; the tied embedding sits on both stages
+    assert all(0.4 * total < mib < 0.6 * total for mib in held.values()), (held, total)
+
+
 def test_manual_cuts(pool):
     result = sagenb.train(
         SEQUENTIAL_CELL,

@@ -81,6 +81,16 @@ def profile_blocks(
     return BlockProfile(seconds, params, tuple(saved))
 
 
+def static_profile(model: nn.Module) -> BlockProfile:
+    """Parameter bytes per block without running anything (meta parameters allowed)."""
+    from sagenb.engine.partition import find_blocks
+
+    n = len(find_blocks(model))
+    pieces, _ = split_model(model, list(range(n)))
+    params = tuple(sum(p.numel() * p.element_size() for p in pc.parameters()) for pc in pieces)
+    return BlockProfile((0.0,) * n, params, (0,) * n)
+
+
 class _SavedBytes:
     def __init__(self) -> None:
         self.total, self._seen = 0, set()

@@ -77,7 +77,7 @@ def _train(spec: RankSpec, publish: Publisher) -> RankResult:
         timeout_s=spec.config.timeout,
         device=device,
     )
-    ws = build_workspace(spec.job, spec.config.seed)
+    ws = build_workspace(spec.job, spec.config.seed, delay_init=spec.config.delay_init)
     strategy = make_strategy(spec.config, rank=spec.rank, world_size=spec.world_size, device=device)
     strategy.setup(ws)
     steps = train_loop(ws, strategy, spec.config, device=device, publish=publish)

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from sagenb.engine.delayed import meta_parameters
 from sagenb.job import Job, JobError
 
 __all__ = ["Workspace", "build_workspace", "seed_everything"]
@@ -39,9 +41,11 @@ def seed_everything(seed: int) -> None:
         pass
 
 
-def build_workspace(job: Job, seed: int) -> Workspace:
+def build_workspace(job: Job, seed: int, *, delay_init: bool = False) -> Workspace:
+    """Run the job after seeding; with delay_init its parameters are left on the meta device."""
     seed_everything(seed)
-    ns = job.namespace()
+    with meta_parameters() if delay_init else nullcontext():
+        ns = job.namespace()
     missing = [n for n in ("model", "dataset", "loss_fn") if n not in ns]
     if missing:
         raise JobError(f"the job defines no {', '.join(missing)}")

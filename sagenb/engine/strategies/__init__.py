@@ -17,7 +17,7 @@ def make_strategy(
     config: TrainConfig, *, rank: int, world_size: int, device: torch.device
 ) -> Strategy:
     if config.strategy == "data":
-        return DataParallel(rank=rank, world_size=world_size, device=device)
+        return DataParallel(rank=rank, world_size=world_size, device=device, seed=config.seed)
     if config.strategy in ("model", "hybrid"):
         return Pipeline(config, rank=rank, world_size=world_size, device=device)
     raise NotImplementedError(f"strategy {config.strategy!r} has no engine implementation yet")

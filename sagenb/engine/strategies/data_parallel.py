@@ -17,19 +17,22 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from sagenb.engine.data import fetch, to_device
+from sagenb.engine.delayed import materialize
 from sagenb.engine.workspace import Workspace
 
 __all__ = ["DataParallel"]
 
 
 class DataParallel:
-    def __init__(self, *, rank: int, world_size: int, device: torch.device) -> None:
-        self.rank, self.world_size, self.device = rank, world_size, device
+    def __init__(self, *, rank: int, world_size: int, device: torch.device, seed: int = 0):
+        self.rank, self.world_size, self.device, self.seed = rank, world_size, device, seed
         self.module: nn.Module
         self._ddp: DistributedDataParallel
 
     def setup(self, ws: Workspace) -> None:
         self.key_order = list(ws.model.state_dict().keys())
+        if any(p.is_meta for p in ws.model.parameters()):  # --delay-init: every engine needs all
+            materialize(ws.model, [ws.model], seed=self.seed, device=self.device)
         self.module = ws.model.to(self.device)
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         self._ddp = DistributedDataParallel(self.module, device_ids=device_ids)

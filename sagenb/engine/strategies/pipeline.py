@@ -31,8 +31,9 @@ from torch.distributed.pipelining import (
 )
 
 from sagenb.config import TrainConfig
-from sagenb.engine.balance import choose_starts, profile_blocks
+from sagenb.engine.balance import choose_starts, profile_blocks, static_profile
 from sagenb.engine.data import fetch, to_device
+from sagenb.engine.delayed import materialize
 from sagenb.engine.partition import find_blocks, split_model, tied_groups
 from sagenb.engine.workspace import Workspace
 from sagenb.job import JobError
@@ -77,7 +78,10 @@ class Pipeline:
         starts = self._choose_starts(ws)
         stages, self.blocks = split_model(model, starts)
         self.starts = starts
-        self.modules = [stages[i].to(self.device) for i in self.stage_ids]
+        self.modules = [stages[i] for i in self.stage_ids]
+        if self.config.delay_init:  # only this engine's stages get real parameters
+            materialize(model, self.modules, seed=self.config.seed, device=self.device)
+        self.modules = [m.to(self.device) for m in self.modules]
         self.module = nn.ModuleList(self.modules)
         self._setup_tied(model, stages)
         self.schedule = self._schedule(ws.loss_fn)
@@ -92,17 +96,22 @@ class Pipeline:
             )
         if cfg.partition_by == "manual" and cfg.cuts[-1] >= n:
             raise JobError(f"--cuts {cfg.cuts}: the model has only {n} blocks (0..{n - 1})")
+        method = cfg.partition_by
+        if cfg.delay_init and method == "auto":  # meta parameters cannot be timed
+            method = "parameters"
         box: list[Any] = [None]
         if self.rank == 0:  # one rank measures; all use its cut points
             profile = None
-            if cfg.partition_by in ("auto", "parameters"):
+            if method == "parameters" and cfg.delay_init:
+                profile = static_profile(ws.model)
+            elif method in ("auto", "parameters"):
                 mb = cfg.batch_size // (self.D * cfg.grad_accum * cfg.microbatches)
                 x, y = fetch(ws.dataset, torch.arange(min(mb, len(ws.dataset))))
                 profile = profile_blocks(ws.model, x, y, ws.loss_fn)
             budget = cfg.memory_budget * 2**30 if cfg.memory_budget else None
             try:
                 box[0] = choose_starts(
-                    cfg.partition_by,
+                    method,
                     self.S,
                     profile,
                     blocks=n,

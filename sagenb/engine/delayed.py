@@ -1,0 +1,88 @@
+"""Delayed parameter initialisation (`--delay-init`): build a model too big for one engine.
+
+While the cell runs, every parameter a module registers is replaced by a meta-device twin
+(buffers stay real, as in accelerate's `init_empty_weights`), so building the model allocates
+no parameter memory. Each engine then materialises only the parameters of its own pipeline
+stage(s).
+
+Initial values: each module that owns parameters is re-initialised on its own, under a
+generator seeded from (--seed, the module's name in the model): its parameters are first drawn
+from N(0, 0.02) (GPT-2's convention; what a raw `nn.Parameter` keeps), then the module's own
+`reset_parameters()` runs when it has one. So every engine, and a single process that
+materialises the whole model with `materialize`, start from the same values, whatever the
+split; they differ from an eager run's initial values, as with torchtitan's meta-device init.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+__all__ = ["meta_parameters", "materialize"]
+
+
+@contextmanager
+def meta_parameters() -> Iterator[None]:
+    """Parameters registered inside are created on the meta device."""
+    original = nn.Module.register_parameter
+
+    def register(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and not param.is_meta:
+            param = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
+        original(self, name, param)
+
+    nn.Module.register_parameter = register
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original
+
+
+def materialize(
+    model: nn.Module, parts: Sequence[nn.Module], *, seed: int, device: torch.device
+) -> None:
+    """Give real, initialised values to the meta parameters that `parts` use.
+
+    `parts` are the unsplit `model` itself or stage modules cut from it (they share its
+    submodules). A tied parameter is materialised once and stays shared.
+    """
+    # keyed by id(), holding the objects: a freed meta parameter's id could be reused
+    wanted = {
+        id(p): p
+        for part in parts
+        for _, p in part.named_parameters(remove_duplicate=False)
+        if p.is_meta
+    }
+    fresh: dict[int, nn.Parameter] = {}
+    for name, owner in model.named_modules(remove_duplicate=False):
+        direct = {
+            key: p for key, p in owner._parameters.items() if p is not None and id(p) in wanted
+        }
+        direct = {key: p for key, p in direct.items() if id(p) not in fresh}
+        if not direct:
+            continue
+        for key, p in direct.items():
+            fresh[id(p)] = nn.Parameter(
+                torch.empty_like(p, device=device), requires_grad=p.requires_grad
+            )
+            owner._parameters[key] = fresh[id(p)]
+        _initialise(owner, name, seed)
+    for module in [*model.modules(), *(m for part in parts for m in part.modules())]:
+        for key, p in module._parameters.items():
+            if p is not None and id(p) in fresh:
+                module._parameters[key] = fresh[id(p)]
+
+
+@torch.no_grad()
+def _initialise(owner: nn.Module, name: str, seed: int) -> None:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        for p in owner._parameters.values():
+            if p is not None and not p.is_meta:
+                nn.init.normal_(p, std=0.02)
+        if hasattr(owner, "reset_parameters"):
+            owner.reset_parameters()
