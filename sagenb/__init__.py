@@ -29,8 +29,8 @@ _PUBLIC = {
     "restart_pool": "sagenb.cluster",
     "current_pool": "sagenb.cluster",
     "Dashboard": "sagenb.dashboard",
-    "plan": "sagenb.plan",
-    "Plan": "sagenb.plan",
+    "plan": "sagenb.planner",
+    "Plan": "sagenb.planner",
 }
 
 __all__ = [*sorted(_PUBLIC), "load_ipython_extension"]

@@ -163,7 +163,7 @@ class SmpMagics(Magics):
         config = parse_train_line(line)
         if config is None:
             return
-        from sagenb.plan import plan
+        from sagenb.planner import plan
 
         try:
             result = plan(cell, config, pool=cluster.current_pool())

@@ -45,16 +45,17 @@ def profile_blocks(
     targets: torch.Tensor,
     loss_fn: Callable[..., torch.Tensor],
     *,
-    repeats: int = 3,
+    repeats: int = 5,
 ) -> BlockProfile:
-    """Time forward and backward of every block on one microbatch (median of `repeats`)."""
+    """Time forward and backward of every block on one microbatch: the median of `repeats`
+    passes after one untimed pass (first calls pay for allocation and kernel selection)."""
     from sagenb.engine.partition import find_blocks
 
     n = len(find_blocks(model))
     pieces, _ = split_model(model, list(range(n)))
-    times = [[0.0] * n for _ in range(repeats)]
+    times = [[0.0] * (n) for _ in range(repeats + 1)]
     saved = [0] * n
-    for r in range(repeats):
+    for r in range(repeats + 1):
         value, outs, ins = inputs, [], []
         for i, piece in enumerate(pieces):
             value = _detached(value)
@@ -76,7 +77,7 @@ def profile_blocks(
             times[r][i] += time.perf_counter() - started
             grad = _input_grads(ins[i])
         model.zero_grad(set_to_none=True)
-    seconds = tuple(statistics.median(times[r][i] for r in range(repeats)) for i in range(n))
+    seconds = tuple(statistics.median(times[r][i] for r in range(1, repeats + 1)) for i in range(n))
     params = tuple(sum(p.numel() * p.element_size() for p in pc.parameters()) for pc in pieces)
     return BlockProfile(seconds, params, tuple(saved))
 

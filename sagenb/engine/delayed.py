@@ -22,7 +22,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-__all__ = ["meta_parameters", "materialize"]
+__all__ = ["meta_parameters", "materialize", "release_others"]
 
 
 @contextmanager
@@ -86,3 +86,20 @@ def _initialise(owner: nn.Module, name: str, seed: int) -> None:
                 nn.init.normal_(p, std=0.02)
         if hasattr(owner, "reset_parameters"):
             owner.reset_parameters()
+
+
+def release_others(model: nn.Module, parts: Sequence[nn.Module]) -> None:
+    """Move to the meta device every parameter of `model` that `parts` do not use.
+
+    The cell's namespace keeps the unsplit model alive (its functions' globals refer to it),
+    so without this an engine would hold every stage's parameters, not just its own.
+    """
+    keep = {id(p): p for part in parts for _, p in part.named_parameters(remove_duplicate=False)}
+    gone: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for key, p in module._parameters.items():
+            if p is None or id(p) in keep or p.is_meta:
+                continue
+            if id(p) not in gone:
+                gone[id(p)] = nn.Parameter(p.detach().to("meta"), requires_grad=p.requires_grad)
+            module._parameters[key] = gone[id(p)]

@@ -33,7 +33,7 @@ from torch.distributed.pipelining import (
 from sagenb.config import TrainConfig
 from sagenb.engine.balance import choose_starts, profile_blocks, static_profile
 from sagenb.engine.data import fetch, to_device
-from sagenb.engine.delayed import materialize
+from sagenb.engine.delayed import materialize, release_others
 from sagenb.engine.partition import find_blocks, split_model, tied_groups
 from sagenb.engine.workspace import Workspace
 from sagenb.job import JobError
@@ -81,6 +81,8 @@ class Pipeline:
         self.modules = [stages[i] for i in self.stage_ids]
         if self.config.delay_init:  # only this engine's stages get real parameters
             materialize(model, self.modules, seed=self.config.seed, device=self.device)
+        else:  # free the other stages' parameters, which the cell's namespace still holds
+            release_others(model, self.modules)
         self.modules = [m.to(self.device) for m in self.modules]
         self.module = nn.ModuleList(self.modules)
         self._setup_tied(model, stages)

@@ -10,6 +10,7 @@ engine shrinks it to (p - 1) / (v m + p - 1) (Narayanan et al. 2021, section 2.2
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -138,11 +139,11 @@ def plan(job: Any, config: TrainConfig | None = None, *, pool=None, **options: A
     pool = pool or cluster.ensure_pool(config.partitions)
     engines = config.partitions if config.strategy == "model" else (config.engines or pool.size)
     config = config.with_engines(engines)
-    raw = (
-        pool.client[pool.engine_ids[0]]
-        .apply_async(plan_on_engine, prepared, config, config.replicas(engines))
-        .get(timeout=600)
+    threads = config.threads or max(1, (os.cpu_count() or 1) // engines)
+    task = pool.client[pool.engine_ids[0]].apply_async(
+        plan_on_engine, prepared, config, config.replicas(engines), threads
     )
+    raw = task.get(timeout=600)
     return _assemble(config, raw)
 
 
