@@ -19,7 +19,11 @@ __version__ = "0.1.0"
 
 _PUBLIC = {
     "train": "sagenb.session",
-    "TrainingError": "sagenb.session",
+    "TrainingError": "sagenb.failures",
+    "TrainingInterrupted": "sagenb.failures",
+    "OutOfMemoryError": "sagenb.failures",
+    "EngineDiedError": "sagenb.failures",
+    "StalledError": "sagenb.failures",
     "TrainConfig": "sagenb.config",
     "ConfigError": "sagenb.config",
     "JobError": "sagenb.job",

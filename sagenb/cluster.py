@@ -8,6 +8,7 @@ position in the pool, never its id: ipyparallel does not reuse ids after a resta
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import time
 from collections.abc import Callable, Sequence
@@ -57,6 +58,7 @@ class EnginePool:
         cluster = ipp.Cluster(n=n, controller_ip=LOOPBACK, log_level=logging.ERROR)
         cluster.start_cluster_sync()
         try:
+            _owner_only(cluster)
             client = cluster.connect_client_sync()
             client.wait_for_engines(n, timeout=timeout, interactive=False)
             pool = cls(cluster, client, n)
@@ -155,6 +157,12 @@ class EnginePool:
             for proc in alive:  # an engine stuck in C++ ignores SIGTERM
                 proc.kill()
             psutil.wait_procs(alive, timeout=timeout)
+
+
+def _owner_only(cluster: ipp.Cluster) -> None:
+    """The controller's connection files are written 0600; the cluster file too, here."""
+    if cluster.cluster_file and os.path.exists(cluster.cluster_file):
+        os.chmod(cluster.cluster_file, 0o600)
 
 
 def _pool_processes() -> list[psutil.Process]:

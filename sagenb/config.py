@@ -86,7 +86,9 @@ class TrainConfig:
         None, "torch threads per engine (default: the machine's cores / engines, at least 1)"
     )
     timeout: float = _opt(
-        300.0, "seconds a collective may wait for a peer before the run fails (process group)"
+        300.0,
+        "seconds without progress (no rank finishing a step) before the run is stopped as "
+        "stalled and its engines replaced",
     )
     partitions: int = _opt(1, "pipeline stages the model is split into (model, hybrid)")
     microbatches: int = _opt(4, "microbatches each pipeline splits a batch slice into")

@@ -18,6 +18,7 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 
 from sagenb import cluster
 from sagenb.config import ConfigError, TrainConfig, flag_name
+from sagenb.failures import TrainingInterrupted
 from sagenb.job import JobError
 from sagenb.session import train
 
@@ -152,6 +153,10 @@ class SmpMagics(Magics):
             result = train(cell, config, pool=pool)
         except (ConfigError, JobError) as exc:
             raise UsageError(f"%%smp_train: {exc}") from None
+        except TrainingInterrupted as stop:  # keep what was done, then let the cell stop
+            self.shell.user_ns[config.out] = stop.result
+            print(f"{stop.result.summary()}\nwhat was done is in `{config.out}`")
+            raise
         self.shell.user_ns[config.out] = result
         print(f"{result.summary()}\nresult in `{config.out}`")
 

@@ -33,11 +33,18 @@ class TrainResult:
     device: str
     #: the cell's source, when the job was a cell (None for a callable)
     source: str | None
+    #: "done", or "interrupted" (history so far; parameters when the ranks stopped cleanly)
+    status: str
     _state_dict: dict[str, torch.Tensor] = field(repr=False)
     dashboard: Any = field(default=None, repr=False)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The full trained model's state_dict, with the keys of `model.state_dict()`."""
+        if not self._state_dict:
+            raise RuntimeError(
+                f"this run was {self.status} before its parameters could be collected "
+                f"(after {len(self.history)} steps); its history is complete up to there"
+            )
         return dict(self._state_dict)
 
     @property
@@ -51,9 +58,11 @@ class TrainResult:
     def summary(self) -> str:
         last = self.history[-1] if self.history else {}
         loss = f"final loss {last['loss']:.4g}" if last else "no steps"
+        status = "" if self.status == "done" else f"{self.status}: "
         return (
-            f"{self.config.strategy} parallel: {len(self.history)} steps on {self.engines} engines "
-            f"({self.device}) in {self.wall_time_s:.1f} s, {loss}; est. {self.cost_label}"
+            f"{status}{self.config.strategy} parallel: {len(self.history)} steps on "
+            f"{self.engines} engines ({self.device}) in {self.wall_time_s:.1f} s, {loss}; "
+            f"est. {self.cost_label}"
         )
 
     def __repr__(self) -> str:

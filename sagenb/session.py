@@ -13,30 +13,26 @@ from collections.abc import Callable, Sequence
 from datetime import datetime, timedelta
 from typing import Any
 
+from ipyparallel.error import EngineError
 from torch.distributed import TCPStore
 
 from sagenb import cluster
 from sagenb.config import ConfigError, TrainConfig
 from sagenb.cost import CostMeter, instance_price
 from sagenb.engine.entry import RankResult, RankSpec, run_rank
+from sagenb.engine.process_group import STOP_KEY
+from sagenb.failures import StalledError, TrainingError, TrainingInterrupted, classify
 from sagenb.job import Job, JobError
 from sagenb.metrics import History, MetricSink, RankStream
 from sagenb.result import TrainResult
 
-__all__ = ["train", "prepare", "TrainingError"]
+__all__ = ["train", "prepare", "TrainingError", "TrainingInterrupted"]
 
 POLL_S = 0.05  # metric polling period; the dashboard throttles its own redraws
 SETTLE_S = 1.0  # after a failure, how long the other ranks get to end on their own
 RELEASE_S = 5.0  # how long ranks get to end after the engines blocking them are killed
 OUTPUT_S = 10.0  # how long to wait for the last published metrics after a rank returns
-
-
-class TrainingError(RuntimeError):
-    """A rank failed; the message carries its rank, engine id and traceback."""
-
-    def __init__(self, rank: int, engine_id: int, detail: str) -> None:
-        self.rank, self.engine_id, self.detail = rank, engine_id, detail
-        super().__init__(f"rank {rank} (engine {engine_id}) failed:\n{detail}")
+STOP_S = 4.0  # after an interrupt, how long ranks get to stop at a step boundary
 
 
 def prepare(job: str | Callable[[], Any] | Job, config: TrainConfig) -> Job:
@@ -109,6 +105,8 @@ def _rendezvous(world_size: int, timeout_s: float) -> TCPStore:
 
 
 class _Run:
+    """One training run on the pool: submit a task per rank, follow, contain, collect."""
+
     def __init__(
         self, pool: cluster.EnginePool, config: TrainConfig, job: Job, sinks: list[MetricSink]
     ) -> None:
@@ -119,30 +117,44 @@ class _Run:
         self.dashboard = _make_dashboard(config, self.cost) if config.dashboard else None
         self.sinks = [self.history, *sinks, *([self.dashboard] if self.dashboard else [])]
         self.first_step_s: float | None = None
+        self.last_progress = time.monotonic()
 
     def execute(self) -> TrainResult:
         threads = self.config.threads or max(1, (os.cpu_count() or 1) // self.engines)
-        store = _rendezvous(self.engines, self.config.timeout)  # kept alive for the whole run
+        # The collectives' own timeout is longer than the watchdog's, so a stall is stopped
+        # (and reported as one) by the notebook rather than by a timeout on some rank.
+        self.store = _rendezvous(self.engines, self.config.timeout + 60)
         specs = [
             (
                 RankSpec(
-                    r, self.engines, cluster.LOOPBACK, store.port, threads, self.config, self.job
+                    r,
+                    self.engines,
+                    cluster.LOOPBACK,
+                    self.store.port,
+                    threads,
+                    self.config,
+                    self.job,
                 ),
             )
             for r in range(self.engines)
         ]
-        started = time.perf_counter()
+        self.started = time.perf_counter()
         self.ids = self.pool.engine_ids[: self.engines]
-        ars = self.pool.submit(run_rank, specs)
-        streams = [RankStream(r, ar) for r, ar in enumerate(ars)]
+        self.ars = self.pool.submit(run_rank, specs)
+        self.streams = [RankStream(r, ar) for r, ar in enumerate(self.ars)]
         try:
-            self._follow(ars, streams, started)
-            results = self._collect(ars, streams)
+            self._follow()
+            results = self._collect()
+        except KeyboardInterrupt:
+            raise TrainingInterrupted(self._interrupted()) from None
         except BaseException:
-            self._close_sinks(time.perf_counter() - started, failed=True)
+            self._close_sinks(failed=True)
             raise
-        wall = time.perf_counter() - started
-        self._close_sinks(wall, failed=False)
+        self._close_sinks(failed=False)
+        return self._result(results, status="done")
+
+    def _result(self, results: list[RankResult] | None, *, status: str) -> TrainResult:
+        wall = time.perf_counter() - self.started
         return TrainResult(
             config=self.config,
             history=self.history.steps,
@@ -152,44 +164,45 @@ class _Run:
             cost_usd=self.cost.cost(wall),
             cost_label=self.cost.label(wall),
             engines=self.engines,
-            device=results[0].device,
+            device=results[0].device if results else "unknown",
             source=self.job.source,
-            _state_dict=_merge_state(results),
+            status=status,
+            _state_dict=_merge_state(results) if results else {},
             dashboard=self.dashboard,
         )
 
-    def _follow(self, ars: list, streams: list[RankStream], started: float) -> None:
-        """Stream metrics to the sinks until every rank is done; stop all on the first failure."""
-        try:
-            while True:
-                done = [ar.ready() for ar in ars]
-                self._drain(streams, started)
-                if any(d and not ar.successful() for d, ar in zip(done, ars)):
-                    self._fail(ars)
-                if all(done):
-                    return
-                if self.dashboard is not None:
-                    self.dashboard.tick(time.perf_counter() - started)
-                time.sleep(POLL_S)
-        except KeyboardInterrupt:
-            self.pool.interrupt([self.ids[r] for r, ar in enumerate(ars) if not ar.ready()])
-            self._contain(ars)
-            raise
+    # -- following the run -----------------------------------------------------------------
+    def _follow(self) -> None:
+        """Stream metrics to the sinks until every rank is done; stop all on the first
+        failure, or when no rank has made progress for --timeout seconds."""
+        while True:
+            done = [ar.ready() for ar in self.ars]
+            self._drain()
+            if any(d and not ar.successful() for d, ar in zip(done, self.ars)):
+                self._fail()
+            if all(done):
+                return
+            if time.monotonic() - self.last_progress > self.config.timeout:
+                self._stall()
+            if self.dashboard is not None:
+                self.dashboard.tick(time.perf_counter() - self.started)
+            time.sleep(POLL_S)
 
-    def _drain(self, streams: list[RankStream], started: float) -> None:
-        for stream in streams:
+    def _drain(self) -> None:
+        for stream in self.streams:
             for rec in stream.drain():
+                self.last_progress = time.monotonic()
                 if self.first_step_s is None:
-                    self.first_step_s = time.perf_counter() - started
+                    self.first_step_s = time.perf_counter() - self.started
                 for sink in self.sinks:
                     sink.log(rec.values, rec.step, rec.rank)
 
-    def _collect(self, ars: list, streams: list[RankStream]) -> list[RankResult]:
-        results: list[RankResult] = [ar.get() for ar in ars]
-        for ar in ars:  # published data can trail the result on ipyparallel's IOPub channel
+    def _collect(self) -> list[RankResult]:
+        results: list[RankResult] = [ar.get() for ar in self.ars]
+        for ar in self.ars:  # published data can trail the result on ipyparallel's IOPub
             ar.wait_for_output(timeout=OUTPUT_S)
-        self._drain(streams, 0.0)
-        for stream, res in zip(streams, results):
+        self._drain()
+        for stream, res in zip(self.streams, results):
             if stream.received != res.published:
                 raise RuntimeError(
                     f"rank {res.rank} published {res.published} metric messages but "
@@ -197,46 +210,97 @@ class _Run:
                 )
         return results
 
-    def _contain(self, ars: list) -> None:
-        """After a failure or an interrupt: every rank ends within seconds, the pool heals."""
-        if self._wait_all(ars, SETTLE_S):
-            return
-        # Some rank is still running: blocked in a collective with a failed rank whose
-        # connections stayed open, or busy in user code. Kill the failed ranks' engines (their
-        # death closes every connection), then any rank that still does not stop.
-        failed = [self.ids[r] for r, ar in enumerate(ars) if ar.ready() and not ar.successful()]
-        self.pool.kill(failed)
-        if not self._wait_all(ars, RELEASE_S):
-            stuck = [self.ids[r] for r, ar in enumerate(ars) if not ar.ready()]
-            self.pool.kill(stuck)
-            self._wait_all(ars, RELEASE_S)
+    # -- when things go wrong --------------------------------------------------------------
+    def _contain(self) -> None:
+        """Every rank ends within seconds and the pool heals (dead engines replaced)."""
+        ars, ids = self.ars, self.ids
+        if not self._wait_all(SETTLE_S):
+            # Some rank is still running: blocked in a collective with a failed rank whose
+            # connections stayed open, or busy in user code. Kill the failed ranks' engines
+            # (a process's death closes its connections), then any rank that still runs.
+            self.pool.kill([ids[r] for r, ar in enumerate(ars) if ar.ready()])
+            if not self._wait_all(RELEASE_S):
+                self.pool.kill([ids[r] for r, ar in enumerate(ars) if not ar.ready()])
+                self._wait_all(RELEASE_S)
+        dead = [ids[r] for r, ar in enumerate(ars) if _died(ar)]
+        self.pool.kill(dead)  # waits until the controller has dropped them
         self.pool.heal()
 
-    @staticmethod
-    def _wait_all(ars: list, timeout: float) -> bool:
+    def _wait_all(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
-        while not all(ar.ready() for ar in ars):
+        while not all(ar.ready() for ar in self.ars):
             if time.monotonic() > deadline:
                 return False
             time.sleep(POLL_S)
         return True
 
-    def _fail(self, ars: list) -> None:
-        self._contain(ars)
-        failed = [r for r, ar in enumerate(ars) if ar.ready() and not ar.successful()]
-        first = min(failed, key=lambda r: ars[r].metadata.get("completed") or datetime.max)
-        err = ars[first].exception()
+    def _fail(self) -> None:
+        self._contain()
+        self._drain()
+        failed = [r for r, ar in enumerate(self.ars) if ar.ready() and not ar.successful()]
+        first = min(failed, key=lambda r: self.ars[r].metadata.get("completed") or datetime.max)
+        err = self.ars[first].exception()
         ename = getattr(err, "ename", type(err).__name__)
         evalue = getattr(err, "evalue", str(err))
         if ename == "JobError":
             raise JobError(evalue)
-        raise TrainingError(first, self.ids[first], evalue)
+        raise classify(
+            ename, evalue, rank=first, engine_id=self.ids[first], memory=self._memory(first)
+        )
 
-    def _close_sinks(self, elapsed: float, *, failed: bool) -> None:
+    def _memory(self, rank: int) -> dict[str, float]:
+        """The rank's memory telemetry from the last step it reported."""
+        for rec in reversed(self.history.records):
+            if rec.rank == rank:
+                return {k: v for k, v in rec.values.items() if k.startswith("memory/")}
+        return {}
+
+    def _stall(self) -> None:
+        steps = {r: stream.received for r, stream in enumerate(self.streams)}
+        stuck = min(steps, key=steps.get)
+        running = [self.ids[r] for r, ar in enumerate(self.ars) if not ar.ready()]
+        self.pool.kill(running)
+        self._contain()
+        raise StalledError(
+            stuck,
+            self.ids[stuck],
+            f"no rank reported progress for {self.config.timeout:.0f} s (--timeout); steps "
+            f"reported per rank: {steps}. The running ranks were stopped and their engines "
+            "replaced. Raise --timeout if a step really takes this long.",
+        )
+
+    def _interrupted(self) -> TrainResult:
+        """Ask every rank to stop after the same step (engine/process_group.stop_requested);
+        if they have not within STOP_S, interrupt and contain them. Return what was done."""
+        results = None
+        try:
+            self.store.set(STOP_KEY, "1")
+            if self._wait_all(STOP_S) and all(ar.successful() for ar in self.ars):
+                results = self._collect()
+        except KeyboardInterrupt:  # a second interrupt: stop at once
+            pass
+        if results is None:
+            self.pool.interrupt([self.ids[r] for r, ar in enumerate(self.ars) if not ar.ready()])
+            self._contain()
+            self._drain()
+        self._close_sinks(failed=results is None)
+        return self._result(results, status="interrupted")
+
+    def _close_sinks(self, *, failed: bool) -> None:
+        elapsed = time.perf_counter() - self.started
         if self.dashboard is not None:
             self.dashboard.finish(elapsed, failed=failed)
         for sink in self.sinks:
             sink.close()
+
+
+def _died(ar: Any) -> bool:
+    if not ar.ready() or ar.successful():
+        return False
+    return getattr(ar.exception(), "ename", type(ar.exception()).__name__) in (
+        "EngineError",
+        "DeadEngine",
+    ) or isinstance(ar.exception(), EngineError)
 
 
 def _merge_state(results: list[RankResult]) -> dict:

@@ -11,6 +11,7 @@ import os
 import socket
 import traceback
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -60,7 +61,8 @@ def run_rank(spec: RankSpec, publish: Publisher | None = None) -> RankResult:
     except JobError as exc:
         error = JobError(str(exc))
     except BaseException:  # noqa: BLE001 - KeyboardInterrupt too: release the peers either way
-        error = RankFailure(f"rank {spec.rank} failed:\n{traceback.format_exc()}")
+        where = f"rank {spec.rank} on {socket.gethostname()}, pid {os.getpid()}"
+        error = RankFailure(f"{where}:\n{traceback.format_exc()}")
     finally:
         process_group.shutdown()
     raise error
@@ -80,7 +82,14 @@ def _train(spec: RankSpec, publish: Publisher) -> RankResult:
     ws = build_workspace(spec.job, spec.config.seed, delay_init=spec.config.delay_init)
     strategy = make_strategy(spec.config, rank=spec.rank, world_size=spec.world_size, device=device)
     strategy.setup(ws)
-    steps = train_loop(ws, strategy, spec.config, device=device, publish=publish)
+    steps = train_loop(
+        ws,
+        strategy,
+        spec.config,
+        device=device,
+        publish=publish,
+        should_stop=partial(process_group.stop_requested, rank=spec.rank),
+    )
     return RankResult(
         rank=spec.rank,
         steps=steps,

@@ -36,8 +36,10 @@ def train_loop(
     *,
     device: torch.device,
     publish: Callable[[dict[str, Any]], None],
+    should_stop: Callable[[int], bool] = lambda step: False,
 ) -> int:
-    """Train to the end of the plan, publishing one metrics dict per step; returns the steps."""
+    """Train to the end of the plan, publishing one metrics dict per step, or until
+    `should_stop(step)` after a step; returns the number of the last step done."""
     optimizer = make_optimizer(ws, strategy, config.lr)
     scheduler = ws.make_scheduler(optimizer) if ws.make_scheduler is not None else None
     meter = MemoryMeter(strategy.module, optimizer, device)
@@ -73,6 +75,8 @@ def train_loop(
         metrics["throughput(samples/s)"] = samples / elapsed
         metrics.update(strategy.step_metrics())
         publish(metrics)
+        if should_stop(step.number):
+            return step.number
     return total
 
 

@@ -8,7 +8,13 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-__all__ = ["init_process_group", "shutdown", "pick_device"]
+__all__ = ["init_process_group", "shutdown", "pick_device", "stop_requested", "STOP_KEY"]
+
+#: set by the notebook in the run's store when the user interrupts
+STOP_KEY = "sagenb/stop_requested"
+#: set by rank 0 once it sees STOP_KEY: every rank stops after this step
+_STOP_AT = "sagenb/stop_after_step"
+_store: dist.TCPStore | None = None
 
 
 def pick_device(rank: int, world_size: int) -> torch.device:
@@ -33,7 +39,8 @@ def init_process_group(
     if device.type == "cuda":
         torch.cuda.set_device(device)
     timeout = timedelta(seconds=timeout_s)
-    store = dist.TCPStore(addr, port, world_size, is_master=False, timeout=timeout)
+    global _store
+    store = _store = dist.TCPStore(addr, port, world_size, is_master=False, timeout=timeout)
     dist.init_process_group(
         backend,
         store=store,
@@ -49,6 +56,23 @@ def shutdown() -> None:
     Collect garbage first: a traceback or tensor still holding the group keeps its sockets open
     (measured in ../shared/FACTS.md, "Failures").
     """
+    global _store
+    _store = None
     gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def stop_requested(step: int, rank: int) -> bool:
+    """Whether every rank is to stop after `step`, so that all stop after the same step.
+
+    Rank 0, seeing the notebook's request after step s, fixes the last step at s + 1. No rank
+    can have finished step s + 1 yet: each step ends in collectives that need rank 0, which has
+    not started it. So every rank reads the decision at or before its boundary after s + 1.
+    One or two look-ups in the notebook's store per step (~0.1 ms each on loopback).
+    """
+    if _store is None:
+        return False
+    if rank == 0 and _store.check([STOP_KEY]) and not _store.check([_STOP_AT]):
+        _store.set(_STOP_AT, str(step + 1))
+    return _store.check([_STOP_AT]) and step >= int(_store.get(_STOP_AT))

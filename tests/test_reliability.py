@@ -1,0 +1,241 @@
+"""Failures are contained: a failing, killed, stuck, out-of-memory or interrupted rank never
+hangs the others, the cell shows what happened within seconds, the pool heals, nothing leaks."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import psutil
+import pytest
+
+import sagenb
+from sagenb import cluster
+from sagenb.failures import (
+    EngineDiedError,
+    OutOfMemoryError,
+    StalledError,
+    TrainingError,
+    TrainingInterrupted,
+)
+
+from .conftest import REGRESSION_CELL, max_param_diff
+from .reference import train_reference
+
+
+def fault_cell(action: str, *, at_call: int = 4, rank: int = 1) -> str:
+    """The regression cell whose loss_fn does `action` on `rank` at its at_call-th call."""
+    return (
+        REGRESSION_CELL
+        + f"""
+import os, signal, time
+import torch.distributed as dist
+calls = [0]
+def loss_fn(output, target):
+    calls[0] += 1
+    if dist.get_rank() == {rank} and calls[0] == {at_call}:
+        {action}
+    return torch.nn.functional.mse_loss(output, target)
+"""
+    )
+
+
+def pids(pool) -> list[int]:
+    return [row.pid for row in pool.status()]
+
+
+def assert_healed(pool, before: list[int], *, replaced: int) -> None:
+    after = pids(pool)
+    assert pool.size == 2 and len(set(after) - set(before)) == replaced
+    result = sagenb.train(REGRESSION_CELL, batch_size=16, steps=3, dashboard=False)
+    assert len(result.history) == 3
+
+
+FAILING_CELL = (
+    REGRESSION_CELL
+    + """
+import torch.distributed as dist
+calls = [0]
+def loss_fn(output, target):
+    calls[0] += 1
+    if dist.get_rank() == 1 and calls[0] == 4:
+        raise ValueError("bad batch on purpose")
+    return torch.nn.functional.mse_loss(output, target)
+"""
+)
+
+
+def test_a_failing_rank_is_reported_and_the_pool_stays_usable(pool):
+    started = time.perf_counter()
+    with pytest.raises(
+        TrainingError, match=r"(?s)rank 1 \(engine \d+\) failed.*bad batch on purpose"
+    ):
+        sagenb.train(FAILING_CELL, batch_size=16, steps=20, dashboard=False)
+    assert time.perf_counter() - started < 5  # the peer was released, not timed out
+    assert pool.size == 2
+    result = sagenb.train(REGRESSION_CELL, batch_size=16, steps=3, dashboard=False)
+    assert len(result.history) == 3
+
+
+STUCK_CELL = (
+    REGRESSION_CELL
+    + """
+import time
+import torch.distributed as dist
+calls = [0]
+def loss_fn(output, target):
+    calls[0] += 1
+    if calls[0] == 4:
+        if dist.get_rank() == 1:
+            raise ValueError("bad batch on purpose")
+        time.sleep(600)  # rank 0 is busy in user code: nothing but its engine's death stops it
+    return torch.nn.functional.mse_loss(output, target)
+"""
+)
+
+
+def test_ranks_that_do_not_stop_are_killed_and_replaced(pool):
+    pids = [row.pid for row in pool.status()]
+    started = time.perf_counter()
+    with pytest.raises(TrainingError, match=r"(?s)rank 1 \(engine \d+\) failed.*bad batch"):
+        sagenb.train(STUCK_CELL, batch_size=16, steps=20, dashboard=False)
+    assert time.perf_counter() - started < 30
+    new_pids = [row.pid for row in pool.status()]
+    assert pool.size == 2 and not set(pids) & set(new_pids)
+    result = sagenb.train(REGRESSION_CELL, batch_size=16, steps=3, dashboard=False)
+    assert len(result.history) == 3
+
+
+def test_killed_engine(pool):
+    before = pids(pool)
+    started = time.perf_counter()
+    with pytest.raises(EngineDiedError, match=r"rank 1 \(engine \d+\) failed:\n.*died"):
+        sagenb.train(
+            fault_cell("os.kill(os.getpid(), signal.SIGKILL)"),
+            batch_size=16,
+            steps=20,
+            dashboard=False,
+        )
+    assert time.perf_counter() - started < 20
+    assert_healed(pool, before, replaced=1)
+
+
+def test_stuck_rank_is_stopped_by_the_watchdog(pool):
+    before = pids(pool)
+    started = time.perf_counter()
+    with pytest.raises(StalledError, match=r"no rank reported progress for 3 s \(--timeout\)"):
+        sagenb.train(
+            fault_cell("while True: pass"), batch_size=16, steps=20, timeout=3, dashboard=False
+        )
+    assert time.perf_counter() - started < 25
+    assert_healed(pool, before, replaced=2)
+
+
+def test_out_of_memory_is_reported_as_such(pool):
+    with pytest.raises(OutOfMemoryError, match=r"rank 1 .* ran out of memory; its last step held"):
+        sagenb.train(
+            fault_cell("torch.empty(2**42, dtype=torch.uint8)"),
+            batch_size=16,
+            steps=20,
+            dashboard=False,
+        )
+    try:
+        sagenb.train(
+            fault_cell("torch.empty(2**42, dtype=torch.uint8)"),
+            batch_size=16,
+            steps=20,
+            dashboard=False,
+        )
+    except OutOfMemoryError as exc:
+        assert exc.memory["memory/params(MiB)"] > 0  # the rank's telemetry of its last step
+        assert "can't allocate memory" in str(exc)
+
+
+LONG = dict(batch_size=2, epochs=200, dashboard=False)  # ~19,000 tiny steps: time to interrupt
+
+
+def interrupt_after(seconds: float) -> threading.Timer:
+    """SIGINT to this process, as the notebook's interrupt button sends to the kernel."""
+    timer = threading.Timer(seconds, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    return timer
+
+
+def test_interrupt_stops_every_rank_and_keeps_the_work(pool):
+    interrupt_after(3.0)
+    started = time.perf_counter()
+    with pytest.raises(TrainingInterrupted) as info:
+        sagenb.train(REGRESSION_CELL, **LONG)
+    stopped = time.perf_counter() - started
+    result = info.value.result
+    assert result.status == "interrupted" and 0 < len(result.history)
+    assert stopped < 3.0 + 5.0  # every rank stopped within 5 s of the interrupt
+    steps = len(result.history)
+    assert [row["step"] for row in result.history] == list(range(1, steps + 1))
+    # the ranks stopped at the same step boundary: the parameters are those of that step
+    model, _, _ = train_reference(REGRESSION_CELL, batch_size=2, epochs=200, steps=steps)
+    assert max_param_diff(result.state_dict(), model) <= 1e-5
+    assert_healed(pool, pids(pool), replaced=0)
+
+
+def test_interrupt_in_the_magic_keeps_the_result(pool):
+    from IPython.core.interactiveshell import InteractiveShell
+
+    shell = InteractiveShell.instance()
+    shell.run_line_magic("load_ext", "sagenb")
+    interrupt_after(3.0)
+    with pytest.raises(KeyboardInterrupt):
+        shell.run_cell_magic("smp_train", "--batch-size 2 --epochs 200 --out part", REGRESSION_CELL)
+    assert shell.user_ns["part"].status == "interrupted"
+
+
+def listening_ports(procs) -> set[int]:
+    ports = set()
+    for proc in procs:
+        for conn in proc.net_connections(kind="inet"):
+            if conn.status == psutil.CONN_LISTEN:
+                assert conn.laddr.ip == "127.0.0.1"  # nothing beyond loopback
+                ports.add(conn.laddr.port)
+    return ports
+
+
+def test_stop_leaves_no_process_and_no_port(pool):
+    procs = cluster._pool_processes()
+    ports = listening_ports(procs)
+    assert len(procs) >= 5 and ports  # controller, 2 nannies, 2 engines
+    cluster.stop_pool()
+    assert not any(proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE for proc in procs)
+    bound = {c.laddr.port for c in psutil.net_connections(kind="inet") if c.status == "LISTEN"}
+    assert not ports & bound
+
+
+def test_connection_files_are_owner_only(pool):
+    security = os.path.dirname(pool.cluster.cluster_file)
+    own = [f for f in os.listdir(security) if pool.cluster.cluster_id in f]
+    assert own
+    for name in own:
+        assert os.stat(os.path.join(security, name)).st_mode & 0o077 == 0, name
+
+
+KERNEL = """
+import sagenb
+pool = sagenb.start_pool(2)
+print(" ".join(str(row.pid) for row in pool.status()), flush=True)
+# the kernel exits without stopping the pool
+"""
+
+
+def test_kernel_exit_leaves_no_engine():
+    out = subprocess.run(
+        [sys.executable, "-c", KERNEL], capture_output=True, text=True, timeout=120, check=True
+    )
+    engine_pids = [int(p) for p in out.stdout.split()]
+    assert len(engine_pids) == 2
+    deadline = time.monotonic() + 15
+    while any(psutil.pid_exists(p) for p in engine_pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not any(psutil.pid_exists(p) for p in engine_pids)
