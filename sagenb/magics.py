@@ -22,7 +22,14 @@ from sagenb.failures import TrainingInterrupted
 from sagenb.job import JobError
 from sagenb.session import train
 
-__all__ = ["SmpMagics", "MagicParser", "train_parser", "cluster_parser", "parse_train_line"]
+__all__ = [
+    "SmpMagics",
+    "MagicParser",
+    "parse_cluster_line",
+    "train_parser",
+    "cluster_parser",
+    "parse_train_line",
+]
 
 
 def _field_type(f: dataclasses.Field) -> type:
@@ -105,6 +112,14 @@ def _parse(parser: MagicParser, line: str) -> argparse.Namespace | None:
         return None
 
 
+def parse_cluster_line(line: str) -> argparse.Namespace | None:
+    """The action and engine count of a `%smp_cluster` line (None for --help)."""
+    args = _parse(cluster_parser(), line)
+    if args is not None and args.engines is not None and args.engines < 1:
+        raise UsageError(f"%smp_cluster: -n {args.engines}: must be an integer >= 1")
+    return args
+
+
 def parse_train_line(line: str) -> TrainConfig | None:
     """The TrainConfig of a `%%smp_train` line (None for --help); UsageError names the flag
     and what is allowed."""
@@ -121,11 +136,9 @@ def parse_train_line(line: str) -> TrainConfig | None:
 class SmpMagics(Magics):
     @line_magic
     def smp_cluster(self, line: str) -> Any:
-        args = _parse(cluster_parser(), line)
+        args = parse_cluster_line(line)
         if args is None:
             return None
-        if args.engines is not None and args.engines < 1:
-            raise UsageError(f"%smp_cluster: -n {args.engines}: must be an integer >= 1")
         if args.action == "start":
             pool = cluster.start_pool(args.engines or cluster.DEFAULT_ENGINES)
         elif args.action == "restart":

@@ -1,0 +1,137 @@
+"""Random flags and values: every line either trains or is refused with a clear UsageError
+before any engine runs user code; never an internal traceback (hypothesis)."""
+
+from __future__ import annotations
+
+import shlex
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from IPython.core.error import UsageError
+
+import sagenb
+from sagenb import session
+from sagenb.config import ConfigError
+from sagenb.job import JobError
+from sagenb.magics import parse_cluster_line, parse_train_line
+
+from .conftest import REGRESSION_CELL
+
+JUNK = st.one_of(
+    st.integers(-5, 70).map(str),
+    st.floats(allow_nan=True, allow_infinity=True).map(repr),
+    st.sampled_from(
+        [
+            "",
+            "x",
+            "1,2",
+            "3,1",
+            "data",
+            "model",
+            "hybrid",
+            "sharded",
+            "gpipe",
+            "1f1b",
+            "interleaved",
+            "auto",
+            "manual",
+            "ml.g5.xlarge",
+            "ml.nope",
+            "'",
+        ]
+    ),
+    st.text(max_size=6),
+)
+FLAGS = [
+    "--strategy",
+    "--engines",
+    "--batch-size",
+    "--epochs",
+    "--steps",
+    "--lr",
+    "--seed",
+    "--grad-accum",
+    "--clip-grad-norm",
+    "--eval-every",
+    "--instance",
+    "--threads",
+    "--timeout",
+    "--partitions",
+    "--microbatches",
+    "--schedule",
+    "--virtual-stages",
+    "--partition-by",
+    "--cuts",
+    "--memory-budget",
+    "--out",
+    "--bogus",
+    "-n",
+]
+SWITCHES = ["--no-dashboard", "--delay-init", "--help-me"]
+
+
+@st.composite
+def train_lines(draw) -> str:
+    parts = []
+    for flag in draw(st.lists(st.sampled_from(FLAGS), max_size=5)):
+        parts += [flag, shlex.quote(draw(JUNK)) if draw(st.booleans()) else draw(JUNK)]
+    parts += draw(st.lists(st.sampled_from(SWITCHES), max_size=2))
+    return " ".join(parts)
+
+
+def checked(line: str, pool) -> sagenb.TrainConfig | None:
+    """Everything the magic checks before an engine runs user code."""
+    config = parse_train_line(line)  # UsageError for any bad flag or value
+    if config is None:
+        return None
+    try:
+        session.prepare(REGRESSION_CELL, config)
+        return session._resolve_engines(config, pool)
+    except (ConfigError, JobError) as exc:
+        raise UsageError(str(exc)) from None
+
+
+@settings(
+    max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(line=train_lines())
+def test_train_lines_are_accepted_or_refused_clearly(pool, line):
+    try:
+        checked(line, pool)
+    except UsageError as exc:
+        assert str(exc).strip(), line  # says something
+        assert "Traceback" not in str(exc)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    action=st.one_of(st.sampled_from(["start", "status", "stop", "restart"]), st.text(max_size=5)),
+    n=st.one_of(st.none(), JUNK),
+)
+def test_cluster_lines_are_accepted_or_refused_clearly(action, n):
+    line = shlex.quote(action) + ("" if n is None else f" -n {shlex.quote(n)}")
+    try:
+        args = parse_cluster_line(line)
+    except UsageError as exc:
+        assert str(exc).strip()
+        return
+    assert args is None or args.action in ("start", "status", "stop", "restart")
+
+
+@settings(
+    max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(line=train_lines())
+def test_accepted_lines_really_train(pool, line):
+    """A handful of random lines go all the way: train briefly, or a clear UsageError."""
+    try:
+        config = checked(line + " --steps 2 --no-dashboard --timeout 60", pool)
+    except UsageError:
+        return
+    if config is None:
+        return
+    try:
+        result = sagenb.train(REGRESSION_CELL, config)
+    except (ConfigError, JobError):  # found on the engines: the dataset is too small, ...
+        return
+    assert 1 <= len(result.history) <= 2
