@@ -52,10 +52,15 @@ def main() -> None:
             warm.append(first_step(shell))
     finally:
         cluster.stop_pool()
-    print(json.dumps({
-        "cold_start_first_step_s": {"median": statistics.median(cold), "all": cold},
-        "warm_pool_first_step_s": {"median": statistics.median(warm), "all": warm},
-    }, indent=1))
+    print(
+        json.dumps(
+            {
+                "cold_start_first_step_s": {"median": statistics.median(cold), "all": cold},
+                "warm_pool_first_step_s": {"median": statistics.median(warm), "all": warm},
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

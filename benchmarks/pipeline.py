@@ -75,13 +75,26 @@ def bubble_rows(steps: int) -> list[dict]:
     rows = []
     for m in (1, 2, 4, 8):
         result = sagenb.train(
-            EVEN, strategy="model", partitions=2, microbatches=m, schedule="gpipe",
-            partition_by="uniform", batch_size=128 * m, steps=steps, dashboard=False,
+            EVEN,
+            strategy="model",
+            partitions=2,
+            microbatches=m,
+            schedule="gpipe",
+            partition_by="uniform",
+            batch_size=128 * m,
+            steps=steps,
+            dashboard=False,
         )
         formula = bubble_fraction(2, m)
         measured = measured_bubble(result)
-        rows.append({"microbatches": m, "formula": formula, "measured": measured,
-                     "measured/formula": measured / formula})
+        rows.append(
+            {
+                "microbatches": m,
+                "formula": formula,
+                "measured": measured,
+                "measured/formula": measured / formula,
+            }
+        )
     return rows
 
 
@@ -89,16 +102,27 @@ def memory_rows(steps: int) -> list[dict]:
     peaks = {}
     for schedule in ("gpipe", "1f1b"):
         result = sagenb.train(
-            EVEN, strategy="model", partitions=2, microbatches=8, schedule=schedule,
-            partition_by="uniform", batch_size=256, steps=steps, dashboard=False,
+            EVEN,
+            strategy="model",
+            partitions=2,
+            microbatches=8,
+            schedule=schedule,
+            partition_by="uniform",
+            batch_size=256,
+            steps=steps,
+            dashboard=False,
         )
         peaks[schedule] = {
             rank: max(v["memory/activations(MiB)"] for v in vs)
             for rank, vs in _steps(result).items()
         }
     return [
-        {"stage": rank, "gpipe_MiB": peaks["gpipe"][rank], "1f1b_MiB": peaks["1f1b"][rank],
-         "gpipe/1f1b": peaks["gpipe"][rank] / peaks["1f1b"][rank]}
+        {
+            "stage": rank,
+            "gpipe_MiB": peaks["gpipe"][rank],
+            "1f1b_MiB": peaks["1f1b"][rank],
+            "gpipe/1f1b": peaks["gpipe"][rank] / peaks["1f1b"][rank],
+        }
         for rank in sorted(peaks["gpipe"])
     ]
 
@@ -107,30 +131,67 @@ def balance_rows(steps: int) -> list[dict]:
     rows = []
     for method in ("auto", "parameters", "uniform"):
         result = sagenb.train(
-            UNEVEN, strategy="model", partitions=2, microbatches=4, schedule="1f1b",
-            partition_by=method, batch_size=256, steps=steps, dashboard=False,
+            UNEVEN,
+            strategy="model",
+            partitions=2,
+            microbatches=4,
+            schedule="1f1b",
+            partition_by=method,
+            batch_size=256,
+            steps=steps,
+            dashboard=False,
         )
         busy = stage_busy(result)
-        rows.append({"method": method, "stage_busy_s": busy,
-                     "slowest/mean": max(busy) / statistics.mean(busy),
-                     "step_s": statistics.median(r["step_time(s)"] for r in result.history[2:])})
+        rows.append(
+            {
+                "method": method,
+                "stage_busy_s": busy,
+                "slowest/mean": max(busy) / statistics.mean(busy),
+                "step_s": statistics.median(r["step_time(s)"] for r in result.history[2:]),
+            }
+        )
     return rows
 
 
 def markdown(results: dict) -> str:
-    out = ["# Pipeline benchmarks", "", results["machine"], "",
-           "## Bubble: measured idle share against (p-1)/(m+p-1), p = 2, GPipe", "",
-           "| microbatches | formula | measured | measured/formula |", "|---|---|---|---|"]
-    out += [f"| {r['microbatches']} | {r['formula']:.3f} | {r['measured']:.3f} | "
-            f"{r['measured/formula']:.2f} |" for r in results["bubble"]]
-    out += ["", "## Peak saved activations per stage, 8 microbatches", "",
-            "| stage | GPipe MiB | 1F1B MiB | GPipe/1F1B |", "|---|---|---|---|"]
-    out += [f"| {r['stage']} | {r['gpipe_MiB']:.2f} | {r['1f1b_MiB']:.2f} | {r['gpipe/1f1b']:.2f} |"
-            for r in results["memory"]]
-    out += ["", "## Partition balance on heterogeneous layers (slowest stage / mean stage)", "",
-            "| method | busy s per step (stage 0, 1) | slowest/mean | step s |", "|---|---|---|---|"]
-    out += [f"| {r['method']} | {r['stage_busy_s'][0]:.4f}, {r['stage_busy_s'][1]:.4f} | "
-            f"{r['slowest/mean']:.2f} | {r['step_s']:.4f} |" for r in results["balance"]]
+    out = [
+        "# Pipeline benchmarks",
+        "",
+        results["machine"],
+        "",
+        "## Bubble: measured idle share against (p-1)/(m+p-1), p = 2, GPipe",
+        "",
+        "| microbatches | formula | measured | measured/formula |",
+        "|---|---|---|---|",
+    ]
+    out += [
+        f"| {r['microbatches']} | {r['formula']:.3f} | {r['measured']:.3f} | "
+        f"{r['measured/formula']:.2f} |"
+        for r in results["bubble"]
+    ]
+    out += [
+        "",
+        "## Peak saved activations per stage, 8 microbatches",
+        "",
+        "| stage | GPipe MiB | 1F1B MiB | GPipe/1F1B |",
+        "|---|---|---|---|",
+    ]
+    out += [
+        f"| {r['stage']} | {r['gpipe_MiB']:.2f} | {r['1f1b_MiB']:.2f} | {r['gpipe/1f1b']:.2f} |"
+        for r in results["memory"]
+    ]
+    out += [
+        "",
+        "## Partition balance on heterogeneous layers (slowest stage / mean stage)",
+        "",
+        "| method | busy s per step (stage 0, 1) | slowest/mean | step s |",
+        "|---|---|---|---|",
+    ]
+    out += [
+        f"| {r['method']} | {r['stage_busy_s'][0]:.4f}, {r['stage_busy_s'][1]:.4f} | "
+        f"{r['slowest/mean']:.2f} | {r['step_s']:.4f} |"
+        for r in results["balance"]
+    ]
     return "\n".join(out) + "\n"
 
 
@@ -148,7 +209,7 @@ def main() -> None:
     try:
         results = {
             "machine": f"{platform.machine()}, {os.cpu_count()} cores, torch {torch.__version__}, "
-                       "2 engines x 1 thread, gloo",
+            "2 engines x 1 thread, gloo",
             "bubble": bubble_rows(args.steps),
             "memory": memory_rows(args.steps),
             "balance": balance_rows(args.steps),

@@ -34,6 +34,7 @@ _PUBLIC = {
     "current_pool": "sagenb.cluster",
     "Dashboard": "sagenb.dashboard",
     "plan": "sagenb.planner",
+    "load_checkpoint": "sagenb.checkpoints",
     "Plan": "sagenb.planner",
 }
 

@@ -118,6 +118,13 @@ class TrainConfig:
         "build the model's parameters on the meta device and materialise only each engine's "
         "own stage (a model larger than one engine); initial values as documented",
     )
+    checkpoint_dir: str | None = _opt(
+        None, "directory for checkpoints (model, optimizer, scheduler, step, RNG)"
+    )
+    checkpoint_every: int = _opt(
+        0, "write a checkpoint every N steps (0: only at the end, or when interrupted)"
+    )
+    resume: bool = _opt(False, "continue from the newest checkpoint in --checkpoint-dir")
     dashboard: bool = _opt(True, "show the live dashboard under the cell", flag="--no-dashboard")
     out: str = _opt("smp_result", "name of the notebook variable that receives the result")
 
@@ -148,6 +155,10 @@ class TrainConfig:
         if not self.out.isidentifier():
             raise ConfigError("out", self.out, "must be a valid Python identifier")
         self._check_pipeline()
+        _check_int(self, "checkpoint_every", minimum=0)
+        if (self.checkpoint_every or self.resume) and not self.checkpoint_dir:
+            name = "resume" if self.resume else "checkpoint_every"
+            raise ConfigError(name, getattr(self, name), "needs --checkpoint-dir")
         if self.engines is not None:
             self.check_split(self.engines)
         elif self.strategy == "model":
@@ -261,8 +272,8 @@ class TrainConfig:
                 continue
             if f.name == "dashboard":
                 parts.append("--no-dashboard")
-            elif f.name == "delay_init":
-                parts.append("--delay-init")
+            elif f.name in ("delay_init", "resume"):
+                parts.append(flag_name(f.name))
             elif f.name == "cuts":
                 parts.append(f"--cuts {','.join(map(str, value))}")
             else:

@@ -74,8 +74,8 @@ def train_parser() -> MagicParser:
                 "--no-dashboard", dest="dashboard", action="store_false", help=help_text
             )
             continue
-        if f.name == "delay_init":
-            parser.add_argument("--delay-init", action="store_true", help=help_text)
+        if f.name in ("delay_init", "resume"):
+            parser.add_argument(flag_name(f.name), action="store_true", help=help_text)
             continue
         kind = f.metadata.get("parse") or _field_type(f)
         extra = {"choices": f.metadata["choices"]} if "choices" in f.metadata else {}

@@ -51,6 +51,11 @@ def pids(pool) -> list[int]:
 def assert_healed(pool, before: list[int], *, replaced: int) -> None:
     after = pids(pool)
     assert pool.size == 2 and len(set(after) - set(before)) == replaced
+    gone = set(before) - set(after)
+    deadline = time.monotonic() + 5
+    while any(psutil.pid_exists(p) for p in gone) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(psutil.pid_exists(p) for p in gone)  # replaced engines leave no zombie
     result = sagenb.train(REGRESSION_CELL, batch_size=16, steps=3, dashboard=False)
     assert len(result.history) == 3
 

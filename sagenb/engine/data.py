@@ -43,8 +43,9 @@ def total_steps(n: int, *, batch_size: int, epochs: int, steps: int | None) -> i
 
 
 def plan_steps(
-    n: int, *, batch_size: int, epochs: int, steps: int | None, seed: int
+    n: int, *, batch_size: int, epochs: int, steps: int | None, seed: int, start_after: int = 0
 ) -> Iterator[Step]:
+    """The steps of the run, from step start_after + 1 on (resuming from a checkpoint)."""
     total = total_steps(n, batch_size=batch_size, epochs=epochs, steps=steps)
     per_epoch = n // batch_size
     number = 0
@@ -54,7 +55,8 @@ def plan_steps(
             if number == total:
                 return
             number += 1
-            yield Step(number, epoch, order[b * batch_size : (b + 1) * batch_size])
+            if number > start_after:
+                yield Step(number, epoch, order[b * batch_size : (b + 1) * batch_size])
 
 
 def fetch(dataset: Any, indices: torch.Tensor) -> Any:

@@ -88,6 +88,7 @@ def _train(spec: RankSpec, publish: Publisher) -> RankResult:
         spec.config,
         device=device,
         publish=publish,
+        rank=spec.rank,
         should_stop=partial(process_group.stop_requested, rank=spec.rank),
     )
     return RankResult(

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from sagenb.config import TrainConfig
+from sagenb.engine import checkpoint
 from sagenb.engine.data import fetch, plan_steps, to_device, total_steps
 from sagenb.engine.memory import MemoryMeter
 from sagenb.engine.strategies import Strategy
@@ -36,48 +37,63 @@ def train_loop(
     *,
     device: torch.device,
     publish: Callable[[dict[str, Any]], None],
+    rank: int = 0,
     should_stop: Callable[[int], bool] = lambda step: False,
 ) -> int:
     """Train to the end of the plan, publishing one metrics dict per step, or until
     `should_stop(step)` after a step; returns the number of the last step done."""
     optimizer = make_optimizer(ws, strategy, config.lr)
     scheduler = ws.make_scheduler(optimizer) if ws.make_scheduler is not None else None
+    objects = dict(strategy=strategy, optimizer=optimizer, scheduler=scheduler, rank=rank)
+    start = checkpoint.load(config.checkpoint_dir, **objects) if config.resume else 0
     meter = MemoryMeter(strategy.module, optimizer, device)
     n = len(ws.dataset)
     total = total_steps(n, batch_size=config.batch_size, epochs=config.epochs, steps=config.steps)
     plan = plan_steps(
-        n, batch_size=config.batch_size, epochs=config.epochs, steps=config.steps, seed=config.seed
+        n,
+        batch_size=config.batch_size,
+        epochs=config.epochs,
+        steps=config.steps,
+        seed=config.seed,
+        start_after=start,
     )
+    last = start
     for step in plan:
-        started = time.perf_counter()
-        meter.start_step()
-        loss, samples = _accumulate(ws, strategy, meter, step.indices, config.grad_accum, device)
-        metrics: dict[str, Any] = {
-            "step": step.number,
-            "total_steps": total,
-            "epoch": step.epoch,
-        }
-        if loss is not None:
-            metrics["loss"] = loss
-        if config.clip_grad_norm is not None:
-            metrics["grad_norm"] = strategy.clip_grad_norm(config.clip_grad_norm)
-        metrics["lr"] = optimizer.param_groups[0]["lr"]
-        optimizer.step()
-        if scheduler is not None:
-            scheduler.step()
-        metrics.update(meter.snapshot())
-        optimizer.zero_grad(set_to_none=True)
-        if _eval_due(ws, config, step.number, total):
-            metrics["eval_loss"] = strategy.evaluate(ws.eval_dataset, ws.loss_fn, config.batch_size)
-        elapsed = time.perf_counter() - started
-        metrics["step_time(s)"] = elapsed
-        metrics["samples"] = samples
-        metrics["throughput(samples/s)"] = samples / elapsed
-        metrics.update(strategy.step_metrics())
-        publish(metrics)
-        if should_stop(step.number):
-            return step.number
-    return total
+        publish(_step(ws, strategy, config, step, total, optimizer, scheduler, meter, device))
+        last = step.number
+        stop = should_stop(step.number)
+        every = config.checkpoint_every
+        if config.checkpoint_dir and (stop or last == total or (every and last % every == 0)):
+            checkpoint.save(config.checkpoint_dir, last, **objects)
+        if stop:
+            break
+    return last
+
+
+def _step(ws, strategy, config, step, total, optimizer, scheduler, meter, device) -> dict:
+    """One optimizer step; returns its metrics."""
+    started = time.perf_counter()
+    meter.start_step()
+    loss, samples = _accumulate(ws, strategy, meter, step.indices, config.grad_accum, device)
+    metrics: dict[str, Any] = {"step": step.number, "total_steps": total, "epoch": step.epoch}
+    if loss is not None:
+        metrics["loss"] = loss
+    if config.clip_grad_norm is not None:
+        metrics["grad_norm"] = strategy.clip_grad_norm(config.clip_grad_norm)
+    metrics["lr"] = optimizer.param_groups[0]["lr"]
+    optimizer.step()
+    if scheduler is not None:
+        scheduler.step()
+    metrics.update(meter.snapshot())
+    optimizer.zero_grad(set_to_none=True)
+    if _eval_due(ws, config, step.number, total):
+        metrics["eval_loss"] = strategy.evaluate(ws.eval_dataset, ws.loss_fn, config.batch_size)
+    elapsed = time.perf_counter() - started
+    metrics["step_time(s)"] = elapsed
+    metrics["samples"] = samples
+    metrics["throughput(samples/s)"] = samples / elapsed
+    metrics.update(strategy.step_metrics())
+    return metrics
 
 
 def _accumulate(ws, strategy, meter, indices, grad_accum, device) -> tuple[float | None, int]:

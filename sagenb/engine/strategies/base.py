@@ -27,6 +27,15 @@ class Strategy(Protocol):
     def parameters(self) -> Iterator[nn.Parameter]:
         """The parameters this engine's optimizer updates."""
 
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """The same, in the same order, with their names in the unsplit model."""
+
+    def checkpoint_state(self) -> dict[str, torch.Tensor]:
+        """This engine's part of the model's state_dict, keyed as in the unsplit model."""
+
+    def load_checkpoint_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Load this engine's part from `state` (keys of the unsplit model)."""
+
     def local_indices(self, slice_indices: torch.Tensor) -> torch.Tensor:
         """Which samples of one slice of the global batch this engine loads."""
 

@@ -61,6 +61,15 @@ class DataParallel:
     def step_metrics(self) -> dict[str, Any]:
         return {}
 
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        return self.module.named_parameters()
+
+    def checkpoint_state(self) -> dict[str, torch.Tensor]:
+        return self.module.state_dict()
+
+    def load_checkpoint_state(self, state: dict[str, torch.Tensor]) -> None:
+        self.module.load_state_dict(state)
+
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
         if self.rank != 0:
             return None

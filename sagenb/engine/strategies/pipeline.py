@@ -187,6 +187,18 @@ class Pipeline:
     def parameters(self) -> Iterator[nn.Parameter]:
         return self.module.parameters()
 
+    def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
+        """Names in the unsplit model, in the order of parameters() (the optimizer's)."""
+        for name, p in self.module.named_parameters():
+            yield name.split(".", 1)[1], p  # drop the ModuleList index
+
+    def checkpoint_state(self) -> dict[str, torch.Tensor]:
+        return {k: v for m in self.modules for k, v in m.state_dict().items()}
+
+    def load_checkpoint_state(self, state: dict[str, torch.Tensor]) -> None:
+        for m in self.modules:
+            m.load_state_dict({k: state[k] for k in m.state_dict()})
+
     def local_indices(self, slice_indices: torch.Tensor) -> torch.Tensor:
         share = len(slice_indices) // self.D
         return slice_indices[self.replica * share : (self.replica + 1) * share]

@@ -1,0 +1,153 @@
+"""Recovery from injected faults: time to detect, time until the pool trains again, steps lost.
+
+    .venv/bin/python benchmarks/recovery.py [--out benchmarks/results]
+
+Each fault strikes rank 1 of a 2-engine data-parallel run at step 30, with a checkpoint every 25
+steps. "detect" runs from the last metrics the notebook received before the fault to the moment the
+notebook noticed it; "contain + heal" from then to the error in the cell (every rank stopped,
+dead or stuck engines replaced); then the next run's time to its first step; "lost" counts the
+steps done since the last checkpoint (what --resume must redo). A kernel interrupt instead
+stops every rank after the same step and writes a checkpoint there, so it loses nothing; its
+"contain" is the time from the interrupt to the cell's return. Detection is measured at the
+notebook's polling granularity (50 ms).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import sagenb
+from sagenb import failures, session
+from sagenb.engine.checkpoint import latest
+
+BASE = """
+import os, signal, time
+import torch
+from torch import nn
+import torch.distributed as dist
+model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 1))
+X = torch.randn(8192, 32)
+dataset = torch.utils.data.TensorDataset(X, X.sum(1, keepdim=True))
+calls = [0]
+def loss_fn(output, target):
+    calls[0] += 1
+    if dist.get_rank() == 1 and calls[0] == 30:
+        FAULT
+    return nn.functional.mse_loss(output, target)
+"""
+FAULTS = {
+    "exception in the cell": "raise ValueError('injected')",
+    "engine killed (SIGKILL)": "os.kill(os.getpid(), signal.SIGKILL)",
+    "rank stuck in a loop (--timeout 5)": "while True: pass",
+    "out of memory": "torch.empty(2**42, dtype=torch.uint8)",
+    "kernel interrupt": "time.sleep(0.5)",  # the interrupt arrives while this rank sleeps
+}
+
+
+class LastArrival:
+    """A metric sink that remembers when the last step's metrics arrived."""
+
+    def __init__(self) -> None:
+        self.at = time.perf_counter()
+        self.step = 0
+
+    def log(self, metrics, step, rank) -> None:
+        self.at, self.step = time.perf_counter(), step
+
+    def close(self) -> None:
+        pass
+
+
+def one(name: str, action: str, directory: str) -> dict:
+    arrival = LastArrival()
+    noticed: list[float] = []
+    contain = session._Run._contain
+
+    def timed_contain(run) -> None:  # when the notebook noticed, before containing
+        if not noticed:
+            noticed.append(time.perf_counter())
+        contain(run)
+
+    session._Run._contain = timed_contain
+    cell = BASE.replace("FAULT", action)
+    if name == "kernel interrupt":
+        cell = BASE.replace("calls[0] == 30", "False").replace("FAULT", "pass")
+
+        def interrupt() -> None:
+            noticed.append(time.perf_counter())  # the interrupt itself is the notice
+            os.kill(os.getpid(), signal.SIGINT)
+
+        threading.Timer(1.5, interrupt).start()
+    try:
+        sagenb.train(
+            cell,
+            batch_size=16,
+            epochs=2,
+            checkpoint_dir=directory,
+            checkpoint_every=25,
+            timeout=5 if "stuck" in name else 300,
+            sinks=[arrival],
+            dashboard=False,
+        )
+        raise AssertionError(f"{name}: the run did not fail")
+    except (failures.TrainingError, KeyboardInterrupt) as exc:
+        raised, kind = time.perf_counter(), type(exc).__name__
+    finally:
+        session._Run._contain = contain
+    path = latest(directory)
+    saved = int(path.name.split("-")[1]) if path else 0
+    after = sagenb.train(BASE.replace("FAULT", "pass"), batch_size=16, steps=2, dashboard=False)
+    first_noticed = noticed[0] if noticed else raised
+    return {
+        "fault": name,
+        "raised": kind,
+        "detect_s": max(0.0, first_noticed - arrival.at),
+        "contain_and_heal_s": raised - first_noticed,
+        "next_first_step_s": after.time_to_first_step_s,
+        "steps_lost": max(0, arrival.step - saved),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default="benchmarks/results")
+    args = parser.parse_args()
+    sagenb.start_pool(2)
+    rows = []
+    try:
+        for name, action in FAULTS.items():
+            with tempfile.TemporaryDirectory() as directory:
+                row = one(name, action, directory)
+                rows.append(row)
+                print(row, flush=True)
+    finally:
+        sagenb.stop_pool()
+    lines = [
+        "# Recovery from injected faults",
+        "",
+        "2 engines, data parallel, fault on rank 1 at step 30, checkpoint every 25 steps.",
+        "",
+        "| fault | raised | detect s | contain + heal s | next run's first step s | steps lost |",
+        "|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r['fault']} | {r['raised']} | {r['detect_s']:.2f} | {r['contain_and_heal_s']:.2f} "
+        f"| {r['next_first_step_s']:.2f} | {r['steps_lost']} |"
+        for r in rows
+    ]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "recovery.json").write_text(json.dumps(rows, indent=1))
+    (out / "recovery.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
