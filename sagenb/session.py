@@ -154,7 +154,7 @@ class _Run:
         return self._result(results, status="done")
 
     def _result(self, results: list[RankResult] | None, *, status: str) -> TrainResult:
-        wall = time.perf_counter() - self.started
+        wall = self.wall_s  # as the dashboard shows it
         return TrainResult(
             config=self.config,
             history=self.history.steps,
@@ -287,9 +287,9 @@ class _Run:
         return self._result(results, status="interrupted")
 
     def _close_sinks(self, *, failed: bool) -> None:
-        elapsed = time.perf_counter() - self.started
+        self.wall_s = time.perf_counter() - self.started
         if self.dashboard is not None:
-            self.dashboard.finish(elapsed, failed=failed)
+            self.dashboard.finish(self.wall_s, failed=failed)
         for sink in self.sinks:
             sink.close()
 
