@@ -89,36 +89,28 @@ class Plan:
 
         labels = [f"stage {s.stage} (engine {s.engine})" for s in self.stages]
         fig = make_subplots(rows=1, cols=2, subplot_titles=("Time per microbatch", "Memory"))
-        fig.add_trace(
-            go.Bar(
-                x=labels,
-                y=[s.seconds_per_microbatch * 1e3 for s in self.stages],
-                name="forward+backward (ms)",
-                marker_color="#4C78A8",
+        bars = (  # (values, legend, colour, column)
+            (
+                [s.seconds_per_microbatch * 1e3 for s in self.stages],
+                "forward+backward (ms)",
+                "#4C78A8",
+                1,
             ),
-            1,
-            1,
-        )
-        fig.add_trace(
-            go.Bar(
-                x=labels,
-                y=[s.training_state_mib for s in self.stages],
-                name="params+grads+optimizer (MiB)",
-                marker_color="#54A24B",
+            (
+                [s.training_state_mib for s in self.stages],
+                "params+grads+optimizer (MiB)",
+                "#54A24B",
+                2,
             ),
-            1,
-            2,
-        )
-        fig.add_trace(
-            go.Bar(
-                x=labels,
-                y=[s.activations_per_microbatch_mib for s in self.stages],
-                name="activations per microbatch (MiB)",
-                marker_color="#B279A2",
+            (
+                [s.activations_per_microbatch_mib for s in self.stages],
+                "activations per microbatch (MiB)",
+                "#B279A2",
+                2,
             ),
-            1,
-            2,
         )
+        for values, name, colour, col in bars:
+            fig.add_trace(go.Bar(x=labels, y=values, name=name, marker_color=colour), 1, col)
         fig.update_layout(
             barmode="stack",
             height=360,

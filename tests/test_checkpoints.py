@@ -13,7 +13,7 @@ from sagenb.failures import EngineDiedError, TrainingInterrupted
 
 from .conftest import REGRESSION_CELL
 from .models import GPT_CELL
-from .test_reliability import LONG, interrupt_after
+from .test_reliability import LONG, fault_cell, interrupt_after
 
 
 def same(a: dict, b: dict) -> float:
@@ -23,26 +23,16 @@ def same(a: dict, b: dict) -> float:
 
 def killed_once(marker) -> str:
     """Rank 1's engine dies at its 13th loss (step 13), once: the marker file remembers."""
-    return (
-        REGRESSION_CELL
-        + f"""
-import os, signal
-import torch.distributed as dist
-calls = [0]
-def loss_fn(output, target):
-    calls[0] += 1
-    if dist.get_rank() == 1 and calls[0] == 13 and not os.path.exists({str(marker)!r}):
-        open({str(marker)!r}, "w").close()
-        os.kill(os.getpid(), signal.SIGKILL)
-    return torch.nn.functional.mse_loss(output, target)
-"""
-    )
+    m = repr(str(marker))
+    kill = f"(open({m}, 'w').close(), os.kill(os.getpid(), signal.SIGKILL))"
+    once = f"{kill} if not os.path.exists({m}) else None"
+    return fault_cell(once, at_call=13)
 
 
 def test_resume_after_a_killed_engine_equals_an_uninterrupted_run(pool, tmp_path):
     options = dict(batch_size=16, epochs=2, steps=20, dashboard=False)
     cell = killed_once(tmp_path / "killed")
-    whole = sagenb.train(cell.replace("calls[0] == 13", "False"), **options)
+    whole = sagenb.train(REGRESSION_CELL, **options)
     ckpt = tmp_path / "ckpt"
     with pytest.raises(EngineDiedError):
         sagenb.train(cell, checkpoint_dir=str(ckpt), checkpoint_every=5, **options)
