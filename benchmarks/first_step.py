@@ -13,6 +13,7 @@ import argparse
 import json
 import statistics
 import time
+from pathlib import Path
 
 from IPython.core.interactiveshell import InteractiveShell
 
@@ -41,6 +42,7 @@ def first_step(shell: InteractiveShell) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
     shell = InteractiveShell.instance()
     shell.run_line_magic("load_ext", "sagenb")
@@ -52,15 +54,13 @@ def main() -> None:
             warm.append(first_step(shell))
     finally:
         cluster.stop_pool()
-    print(
-        json.dumps(
-            {
-                "cold_start_first_step_s": {"median": statistics.median(cold), "all": cold},
-                "warm_pool_first_step_s": {"median": statistics.median(warm), "all": warm},
-            },
-            indent=1,
-        )
-    )
+    results = {
+        "cold_start_first_step_s": {"median": statistics.median(cold), "all": cold},
+        "warm_pool_first_step_s": {"median": statistics.median(warm), "all": warm},
+    }
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "first_step.json").write_text(json.dumps(results, indent=1))
+    print(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":

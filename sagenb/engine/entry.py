@@ -64,6 +64,10 @@ def run_rank(spec: RankSpec, publish: Publisher | None = None) -> RankResult:
         where = f"rank {spec.rank} on {socket.gethostname()}, pid {os.getpid()}"
         error = RankFailure(f"{where}:\n{traceback.format_exc()}")
     finally:
+        try:
+            publish.flush()  # the steps done so far reach the notebook, also after a failure
+        except Exception:  # noqa: BLE001 - reporting must not hide the run's own error
+            pass
         process_group.shutdown()
     raise error
 

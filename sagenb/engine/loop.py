@@ -92,6 +92,7 @@ def _step(ws, strategy, config, step, total, optimizer, scheduler, meter, device
     metrics["step_time(s)"] = elapsed
     metrics["samples"] = samples
     metrics["throughput(samples/s)"] = samples / elapsed
+    metrics["time(unix s)"] = time.time()  # when the step ended, for rates across steps
     metrics.update(strategy.step_metrics())
     return metrics
 

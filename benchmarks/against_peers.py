@@ -1,0 +1,152 @@
+"""sagenb against its peers on one job, in one run, alternating: a hand-written DDP script under
+torchrun, Hugging Face Accelerate's notebook_launcher (when installed: `pip install accelerate`),
+sagenb with and without its live dashboard, and sagenb on 1 engine against 2.
+
+    .venv/bin/python benchmarks/against_peers.py [--rounds 3] [--out benchmarks/results]
+
+Throughput is samples/s between the end of step 5 and the end of the last step, read from each
+side's own per-step wall-clock stamps (same model, data, sample order, batch 256, 60 steps,
+1 torch thread per process). Time to first step runs from the call (or the process launch) to
+the end of the first step. This machine is noisy: the table quotes medians over the rounds, and
+each ratio is computed round by round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE / "peers"))
+
+from workload import BATCH, CELL, STEPS, rate  # noqa: E402
+
+import sagenb  # noqa: E402
+from sagenb import dashboard  # noqa: E402
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_sagenb(*, engines: int = 2, live_dashboard: bool = False) -> dict:
+    dashboard._in_kernel = lambda: live_dashboard  # the live FigureWidget, as in a notebook
+    called = time.time()
+    result = sagenb.train(
+        CELL, batch_size=BATCH, steps=STEPS, engines=engines, dashboard=live_dashboard
+    )
+    stamps = [r.values["time(unix s)"] for r in result.metrics if r.rank == 0]
+    return {"throughput": rate(stamps), "first_step_s": stamps[0] - called}
+
+
+def run_torchrun() -> dict:
+    launched = time.time()
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(_port()),
+            str(HERE / "peers" / "ddp_script.py"),
+            "--threads",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
+    )
+    stamps = json.loads(out.stdout.strip().splitlines()[-1])["stamps"]
+    return {"throughput": rate(stamps), "first_step_s": stamps[0] - launched}
+
+
+def run_accelerate() -> dict | None:
+    try:
+        from accelerate import notebook_launcher
+    except ImportError:
+        return None
+    from accelerate_job import job
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "stamps.json")
+        called = time.time()
+        notebook_launcher(job, args=(path,), num_processes=2, use_port=str(_port()))
+        stamps = json.loads(Path(path).read_text())["stamps"]
+    return {"throughput": rate(stamps), "first_step_s": stamps[0] - called}
+
+
+def rounds(n: int) -> dict[str, list[dict]]:
+    runs: dict[str, list[dict]] = {
+        k: [] for k in ("sagenb", "torchrun", "sagenb+dashboard", "sagenb 1 engine", "accelerate")
+    }
+    for _ in range(n):  # A B A B ...: drift on a shared machine hits every side alike
+        runs["sagenb"].append(run_sagenb())
+        runs["torchrun"].append(run_torchrun())
+        runs["sagenb+dashboard"].append(run_sagenb(live_dashboard=True))
+        runs["sagenb 1 engine"].append(run_sagenb(engines=1))
+        acc = run_accelerate()
+        if acc is not None:
+            runs["accelerate"].append(acc)
+    return runs
+
+
+def summarise(runs: dict[str, list[dict]], cold_s: float) -> dict:
+    def med(name: str, key: str) -> float | None:
+        values = [r[key] for r in runs[name]]
+        return statistics.median(values) if values else None
+
+    def ratio(a: str, b: str) -> float | None:
+        pairs = [x["throughput"] / y["throughput"] for x, y in zip(runs[a], runs[b])]
+        return statistics.median(pairs) if pairs else None
+
+    acc = runs["accelerate"]
+    return {
+        "throughput(samples/s)": {k: med(k, "throughput") for k in runs if runs[k]},
+        "first_step_s": {k: med(k, "first_step_s") for k in runs if runs[k]},
+        "sagenb_first_run_first_step_s": cold_s,
+        "accelerate_first_run_first_step_s": acc[0]["first_step_s"] if acc else None,
+        "ratio sagenb/torchrun": ratio("sagenb", "torchrun"),
+        "ratio sagenb+dashboard/sagenb": ratio("sagenb+dashboard", "sagenb"),
+        "ratio sagenb 2 engines/1 engine": ratio("sagenb", "sagenb 1 engine"),
+        "ratio sagenb/accelerate": ratio("sagenb", "accelerate") if acc else None,
+        "rounds": len(runs["sagenb"]),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--out", default="benchmarks/results")
+    args = parser.parse_args()
+    sagenb.stop_pool()
+    first = run_sagenb()  # a cold start: this call starts the pool of 2 engines
+    try:
+        runs = rounds(args.rounds)
+    finally:
+        sagenb.stop_pool()
+    summary = summarise(runs, first["first_step_s"])
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "against_peers.json").write_text(
+        json.dumps({"summary": summary, "runs": runs}, indent=1)
+    )
+    print(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    main()

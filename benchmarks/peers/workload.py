@@ -1,0 +1,22 @@
+"""The job every peer trains: the same model, data, sample order, batch and steps."""
+
+CELL = """
+import torch
+from torch import nn
+model = nn.Sequential(nn.Linear(512, 1024), nn.Tanh(), nn.Linear(1024, 1024), nn.Tanh(),
+                      nn.Linear(1024, 1))
+X = torch.randn(65536, 512)
+dataset = torch.utils.data.TensorDataset(X, X[:, :1] * X[:, 1:2])
+loss_fn = nn.functional.mse_loss
+def make_optimizer(params):
+    return torch.optim.SGD(params, lr=0.01, momentum=0.9)
+"""
+BATCH = 256
+STEPS = 60
+WARMUP = 5  # steps left out of the rate (first calls pay for allocation)
+
+
+def rate(stamps: list[float], batch: int = BATCH, warmup: int = WARMUP) -> float:
+    """Samples per second between the end of step `warmup` and the end of the last step."""
+    span = stamps[-1] - stamps[warmup - 1]
+    return (len(stamps) - warmup) * batch / span

@@ -1,0 +1,101 @@
+"""Every benchmark in one command, on this machine; writes results/summary.md and summary.json.
+
+    .venv/bin/python benchmarks/run_all.py [--quick]
+
+Runs, one after another (each alone on the machine): time to first step (cold and warm pool),
+sagenb against a torchrun DDP script, Accelerate's notebook_launcher, its own live dashboard and
+1 engine, the pipeline benchmarks, and recovery from injected faults. On a machine with CUDA the
+same command runs there too: engines use nccl and CUDA memory when each has its own GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).parent
+OUT = HERE / "results"
+
+
+def run(script: str, *args: str) -> None:
+    started = time.perf_counter()
+    subprocess.run([sys.executable, str(HERE / script), *args], check=True)
+    print(f"{script}: {time.perf_counter() - started:.0f} s", flush=True)
+
+
+def machine() -> str:
+    import torch
+
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    return (
+        f"{platform.machine()}, {os.cpu_count()} cores, {gpu}, torch {torch.__version__}, "
+        f"Python {platform.python_version()}"
+    )
+
+
+def summary_md(res: dict) -> str:
+    fs, peers = res["first_step"], res["against_peers"]["summary"]
+    tp, first = peers["throughput(samples/s)"], peers["first_step_s"]
+    lines = [
+        "# sagenb benchmarks",
+        "",
+        f"Machine: {res['machine']}",
+        "",
+        "| what | figure | target |",
+        "|---|---|---|",
+        f"| sagenb / torchrun DDP throughput (median of per-round ratios) | "
+        f"{peers['ratio sagenb/torchrun']:.3f} | >= 0.97 |",
+        f"| live dashboard: throughput with / without | "
+        f"{peers['ratio sagenb+dashboard/sagenb']:.3f} | >= 0.98 (under 2% overhead) |",
+        f"| time to first step, warm pool (s) | {fs['warm_pool_first_step_s']['median']:.3f} | |",
+        f"| time to first step, cold start with pool start (s) | "
+        f"{fs['cold_start_first_step_s']['median']:.2f} | |",
+        f"| 2 engines / 1 engine throughput, same global batch | "
+        f"{peers['ratio sagenb 2 engines/1 engine']:.2f} | (2 shared cores) |",
+    ]
+    if peers.get("ratio sagenb/accelerate") is not None:
+        lines += [
+            f"| sagenb / Accelerate notebook_launcher throughput | "
+            f"{peers['ratio sagenb/accelerate']:.3f} | |",
+            f"| first step, first run: sagenb (starts its pool) / Accelerate (s) | "
+            f"{peers['sagenb_first_run_first_step_s']:.2f} / "
+            f"{peers['accelerate_first_run_first_step_s']:.2f} | |",
+            f"| first step, repeated run: sagenb / Accelerate (s) | "
+            f"{first['sagenb']:.2f} / {first['accelerate']:.2f} | sagenb ahead |",
+        ]
+    lines += [
+        "",
+        "Throughput (samples/s, medians): " + ", ".join(f"{k} {v:.0f}" for k, v in tp.items()),
+    ]
+    lines += ["", (HERE / "results" / "pipeline.md").read_text().split("\n", 2)[2]]
+    lines += [(HERE / "results" / "recovery.md").read_text().split("\n", 1)[1]]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="fewer repeats (a smoke run)")
+    parser.add_argument("--summary-only", action="store_true", help="assemble the last results")
+    args = parser.parse_args()
+    repeats = "1" if args.quick else "3"
+    if not args.summary_only:
+        run("first_step.py", "--repeats", repeats)
+        run("against_peers.py", "--rounds", repeats)
+        run("pipeline.py")
+        run("recovery.py")
+    res = {"machine": machine()}
+    for name in ("first_step", "against_peers", "pipeline", "recovery"):
+        res[name] = json.loads((OUT / f"{name}.json").read_text())
+    (OUT / "summary.json").write_text(json.dumps(res, indent=1))
+    (OUT / "summary.md").write_text(summary_md(res))
+    print(summary_md(res))
+
+
+if __name__ == "__main__":
+    main()
