@@ -1,9 +1,12 @@
-"""The live dashboard under a `%%smp_train` cell: loss, throughput, memory per engine, cost.
+"""The live dashboard under a `%%smp_train` cell: loss, throughput, memory per engine, step
+time and pipeline bubble, the pipeline schedule, and what the run costs.
 
-A metric sink. In a Jupyter kernel it shows an ipywidgets header above a plotly FigureWidget
-and redraws at most every REDRAW_S seconds, so a fast run does not flood the browser; anywhere
-else (a script, a test) it only records, and `save_html` writes the same figure to one
-self-contained file. This module owns plotly; nothing on the engine side imports it.
+A metric sink. In a Jupyter kernel it shows an ipywidgets header (status, progress, layout,
+time left, cost) above a plotly FigureWidget and redraws at most every REDRAW_S seconds, so a
+fast run does not flood the browser; when the run ends, the same output also carries a static
+HTML copy, which executed notebooks show without a kernel. Anywhere else (a script, a test) it
+only records, and `save_html` writes the figure to one self-contained file. This module and
+charts.py own plotly; nothing on the engine side imports them.
 """
 
 from __future__ import annotations
@@ -15,18 +18,15 @@ from pathlib import Path
 from typing import Any
 
 import plotly.graph_objects as go
-from plotly.subplots import make_subplots
 
+from sagenb import charts
 from sagenb.config import TrainConfig
 from sagenb.cost import CostMeter
 from sagenb.metrics import History
 
-__all__ = ["Dashboard"]
+__all__ = ["Dashboard", "layout_text"]
 
 REDRAW_S = 0.25
-MEMORY_KINDS = ("params", "grads", "optimizer", "activations")
-MEMORY_COLOURS = ("#4C78A8", "#F58518", "#54A24B", "#B279A2")
-RANK_COLOURS = ("#9ecae1", "#fdae6b", "#a1d99b", "#bcbddc", "#fdd0a2", "#c7e9c0", "#dadaeb")
 
 
 def _in_kernel() -> bool:
@@ -38,6 +38,29 @@ def _in_kernel() -> bool:
     return shell is not None and hasattr(shell, "kernel")
 
 
+def layout_text(config: TrainConfig) -> str:
+    """'model: 2 partitions x 1 replica, 1f1b, 4 microbatches' and the like."""
+    engines = config.engines or 1
+    if config.strategy not in ("model", "hybrid"):
+        return f"{config.strategy} parallel on {engines} engine{'s' * (engines != 1)}"
+    replicas = config.replicas(engines)
+    chunks = config.stages // config.partitions
+    chunked = f" x {chunks} chunks" if chunks > 1 else ""
+    return (
+        f"{config.strategy}: {config.partitions} partitions{chunked} x {replicas} "
+        f"replica{'s' * (replicas != 1)}, {config.schedule}, {config.microbatches} microbatches"
+    )
+
+
+def _duration(seconds: float) -> str:
+    seconds = max(0.0, seconds)
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 5400:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
 class Dashboard:
     """Records every step of every rank; draws live in a notebook, saves as HTML anywhere."""
 
@@ -45,14 +68,16 @@ class Dashboard:
         self.config, self.cost = config, cost
         self.engines = config.engines or 1
         self.history = History(self.engines, config.batch_size)
-        self.rank_steps: dict[int, list[tuple[int, float]]] = {r: [] for r in range(self.engines)}
         self.memory: dict[int, Mapping[str, Any]] = {}
+        self.timelines: dict[int, tuple[float, list]] = {}  # rank -> (t0, events), last step
         self.cost_points: list[tuple[float, float]] = []
         self.total_steps: int | None = None
+        self.rate_key = "throughput(samples/s)"
         self.status, self.elapsed = "starting", 0.0
         self._dirty, self._last_draw = True, 0.0
         self.redraws = 0
         self._widget = self._figure_widget = self._header = None
+        self._display = None
         if live if live is not None else _in_kernel():
             self._show()
 
@@ -61,9 +86,11 @@ class Dashboard:
         self.status = "training"
         self.total_steps = metrics.get("total_steps", self.total_steps)
         self.history.log(metrics, step, rank)
-        if "loss" in metrics:  # pipelines: only the last stage computes the loss
-            self.rank_steps[rank].append((step, metrics["loss"]))
         self.memory[rank] = metrics
+        if "timeline" in metrics:
+            self.timelines[rank] = (metrics["timeline_t0(unix s)"], metrics["timeline"])
+        if "tokens" in metrics:  # token-id inputs: the history has tokens/s
+            self.rate_key = "throughput(tokens/s)"
         self._dirty = True
 
     def tick(self, elapsed: float) -> None:
@@ -80,129 +107,55 @@ class Dashboard:
         self.cost_points.append((elapsed, self.cost.cost(elapsed)))
         self._dirty = True
         self._redraw()
+        self._leave_static_copy()
 
     def close(self) -> None:
         pass
 
     # -- what is drawn --------------------------------------------------------------------
-    def header_text(self) -> str:
+    def replica_losses(self) -> list[list[tuple[int, float]]]:
+        """Each replica's loss per step (data parallel: each engine is a replica); always one
+        series per replica, so the figure's traces keep their order from the first draw."""
+        series: list[list[tuple[int, float]]] = [
+            [] for _ in range(self.config.replicas(self.engines))
+        ]
+        for row in self.history.steps:
+            for i, loss in enumerate(row["rank_losses"]):
+                series[i].append((row["step"], loss))
+        return series
+
+    def step_split(self) -> tuple[list[float], list[float]]:
+        """Per step: compute and idle seconds (pipelines measure both; else all is compute)."""
+        busy, idle = [], []
+        for row in self.history.steps:
+            busy.append(row.get("busy(s)", row["step_time(s)"]))
+            idle.append(row.get("idle(s)", 0.0))
+        return busy, idle
+
+    def projected_cost(self) -> float:
         done = len(self.history.steps)
-        total = self.total_steps or "?"
+        if not self.total_steps or not done:
+            return self.cost.cost(self.elapsed)
+        return self.cost.projected(self.elapsed, done, self.total_steps)
+
+    def header_text(self) -> str:
+        done, total = len(self.history.steps), self.total_steps
         rows = self.history.steps
         epoch = rows[-1]["epoch"] + 1 if rows else 0
-        projected = (
-            self.cost.projected(self.elapsed, done, self.total_steps) if self.total_steps else 0.0
-        )
+        left = ""
+        if total and done and self.status == "training":
+            left = f", ~{_duration(self.elapsed * (total - done) / done)} left"
+        so_far = self.cost.cost(self.elapsed)
         return (
-            f"{self.status} | {self.config.strategy} parallel on {self.engines} engines | "
-            f"step {done}/{total}, epoch {epoch}/{self.config.epochs} | "
-            f"{self.elapsed:.1f} s | est. ${self.cost.cost(self.elapsed):.4f} so far, "
-            f"${projected:.4f} at completion on {self.cost.instances} x {self.cost.price.name} "
-            f"(price as of {self.cost.price.as_of})"
+            f"{self.status} | {layout_text(self.config)} | step {done}/{total or '?'}, epoch "
+            f"{epoch}/{self.config.epochs} | {_duration(self.elapsed)} elapsed{left} | est. "
+            f"${so_far:.4f} so far, ${self.projected_cost():.4f} at completion (spot "
+            f"${self.cost.spot(self.projected_cost()):.4f}) on {self.cost.instances} x "
+            f"{self.cost.price.name}, price as of {self.cost.price.as_of}"
         )
-
-    def _traces(self) -> list[dict[str, Any]]:
-        """(x, y) of every trace, in the fixed order the figure was built with."""
-        rows = self.history.steps
-        traces = [
-            {"x": [s for s, _ in pts], "y": [v for _, v in pts]} for pts in self.rank_steps.values()
-        ]
-        traces.append({"x": [r["step"] for r in rows], "y": [r["loss"] for r in rows]})
-        evals = [r for r in rows if "eval_loss" in r]
-        traces.append({"x": [r["step"] for r in evals], "y": [r["eval_loss"] for r in evals]})
-        traces.append(
-            {"x": [r["step"] for r in rows], "y": [r["throughput(samples/s)"] for r in rows]}
-        )
-        ranks = [f"rank {r}" for r in range(self.engines)]
-        for kind in MEMORY_KINDS:
-            key = f"memory/{kind}(MiB)"
-            traces.append(
-                {
-                    "x": ranks,
-                    "y": [self.memory.get(r, {}).get(key, 0.0) for r in range(self.engines)],
-                }
-            )
-        traces.append(
-            {"x": [t for t, _ in self.cost_points], "y": [c for _, c in self.cost_points]}
-        )
-        return traces
 
     def to_figure(self) -> go.Figure:
-        fig = make_subplots(
-            rows=2,
-            cols=2,
-            subplot_titles=(
-                "Loss (each rank, and the global batch)",
-                "Throughput",
-                "Memory per engine (last step)",
-                f"Estimated cost on {self.cost.price.name}",
-            ),
-            vertical_spacing=0.16,
-            horizontal_spacing=0.1,
-        )
-        data = self._traces()
-        for r in range(self.engines):
-            colour = RANK_COLOURS[r % len(RANK_COLOURS)]
-            fig.add_trace(
-                go.Scatter(
-                    name=f"rank {r} loss",
-                    mode="lines",
-                    line={"width": 1, "color": colour},
-                    **data[r],
-                ),
-                1,
-                1,
-            )
-        n = self.engines
-        fig.add_trace(
-            go.Scatter(
-                name="loss (global batch)",
-                mode="lines",
-                marker={"size": 4},
-                line={"width": 2.5, "color": "#1f3b73"},
-                **data[n],
-            ),
-            1,
-            1,
-        )
-        fig.add_trace(
-            go.Scatter(
-                name="eval loss",
-                mode="markers",
-                marker={"size": 9, "symbol": "diamond", "color": "#d62728"},
-                **data[n + 1],
-            ),
-            1,
-            1,
-        )
-        fig.add_trace(
-            go.Scatter(name="samples/s", mode="lines", line={"color": "#2ca02c"}, **data[n + 2]),
-            1,
-            2,
-        )
-        for i, (kind, colour) in enumerate(zip(MEMORY_KINDS, MEMORY_COLOURS)):
-            fig.add_trace(go.Bar(name=kind, marker_color=colour, **data[n + 3 + i]), 2, 1)
-        fig.add_trace(
-            go.Scatter(name="cost so far", mode="lines", line={"color": "#8c564b"}, **data[-1]),
-            2,
-            2,
-        )
-        fig.update_layout(
-            barmode="stack",
-            height=620,
-            margin={"l": 60, "r": 20, "t": 70, "b": 50},
-            title={"text": html.escape(self.header_text()), "font": {"size": 13}},
-            legend={"orientation": "h", "y": -0.12},
-            template="plotly_white",
-        )
-        fig.update_xaxes(title_text="step", row=1, col=1)
-        fig.update_yaxes(title_text="loss", row=1, col=1)
-        fig.update_xaxes(title_text="step", row=1, col=2)
-        fig.update_yaxes(title_text="samples/s", rangemode="tozero", row=1, col=2)
-        fig.update_yaxes(title_text="MiB", row=2, col=1)
-        fig.update_xaxes(title_text="elapsed (s)", row=2, col=2)
-        fig.update_yaxes(title_text="USD", rangemode="tozero", row=2, col=2)
-        return fig
+        return charts.figure(self)
 
     def save_html(self, path: str | Path) -> Path:
         """One self-contained file (plotly.js inline), viewable without a kernel or network."""
@@ -212,6 +165,14 @@ class Dashboard:
         return path
 
     # -- live display ---------------------------------------------------------------------
+    def _header_html(self) -> str:
+        done, total = len(self.history.steps), self.total_steps or 1
+        return (
+            f"<div class='smp-header'><b>sagenb</b> &middot; "
+            f"{html.escape(self.header_text())}<br><progress value='{done}' max='{total}' "
+            f"style='width: 100%'></progress></div>"
+        )
+
     def _show(self) -> None:
         import ipywidgets as widgets
         from IPython.display import display
@@ -221,19 +182,35 @@ class Dashboard:
         self._figure_widget.update_layout(title=None)
         self._widget = widgets.VBox([self._header, self._figure_widget])
         self._widget.add_class("smp-dashboard")
-        display(self._widget)
-
-    def _header_html(self) -> str:
-        return f"<b>sagenb</b> &middot; {html.escape(self.header_text())}"
+        self._display = display(self._widget, display_id=True)
 
     def _redraw(self) -> None:
-        if self._figure_widget is None or not self._dirty:
-            if self._header is not None:
-                self._header.value = self._header_html()
+        if self._figure_widget is None:
+            return
+        self._header.value = self._header_html()
+        if not self._dirty:
             return
         self._dirty = False
         self.redraws += 1
         with self._figure_widget.batch_update():
-            for trace, data in zip(self._figure_widget.data, self._traces()):
-                trace.x, trace.y = data["x"], data["y"]
-        self._header.value = self._header_html()
+            for trace, data in zip(self._figure_widget.data, charts.trace_data(self)):
+                trace.update(data)
+
+    def _leave_static_copy(self) -> None:
+        """The finished dashboard also as static HTML in the same output: the widget where a
+        widget manager runs (JupyterLab), the figure where none does (nbconvert, GitHub)."""
+        if self._display is None or self._widget is None:
+            return
+        static = self._header_html() + self.to_figure().to_html(
+            include_plotlyjs="cdn", full_html=False
+        )
+        bundle = {
+            "application/vnd.jupyter.widget-view+json": {
+                "version_major": 2,
+                "version_minor": 0,
+                "model_id": self._widget.model_id,
+            },
+            "text/html": static,
+            "text/plain": self.header_text(),
+        }
+        self._display.update(bundle, raw=True)

@@ -79,6 +79,15 @@ class History:
         for key in ("grad_norm", "eval_loss"):
             if key in first:
                 row[key] = first[key]
+        if "tokens" in first:  # token-id inputs: tokens per sample x global samples per second
+            row["throughput(tokens/s)"] = row["throughput(samples/s)"] * (
+                first["tokens"] / first["samples"]
+            )
+        if "idle(s)" in first:  # pipelines: mean busy and idle time of the engines
+            row["busy(s)"] = sum(
+                m["busy/forward(s)"] + m["busy/backward(s)"] for m in ranks.values()
+            ) / len(ranks)
+            row["idle(s)"] = sum(m["idle(s)"] for m in ranks.values()) / len(ranks)
         return row
 
     def close(self) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 import sagenb
 from sagenb import session
 
@@ -40,10 +42,14 @@ def test_dashboard_records_every_step(pool):
     result = sagenb.train(REGRESSION_CELL, batch_size=16, steps=10)
     board = result.dashboard
     traces = board.to_figure().data
-    mean_loss = next(t for t in traces if t.name == "loss (global batch)")
-    assert list(mean_loss.x) == list(range(1, 11))
-    assert list(mean_loss.y) == result.losses
-    bars = [t for t in traces if t.type == "bar"]
+    smoothed = next(t for t in traces if t.name == "loss (smoothed)")
+    assert list(smoothed.x) == list(range(1, 11))  # one point per step
+    assert smoothed.y[0] == result.losses[0]
+    replicas = [t for t in traces if t.name.startswith("replica")]
+    assert [list(t.y) for t in replicas] == [
+        [row["rank_losses"][r] for row in result.history] for r in range(2)
+    ]
+    bars = [t for t in traces if t.name in ("params", "grads", "optimizer", "activations")]
     assert {len(t.x) for t in bars} == {2}  # one bar per engine, per memory kind
     assert board.status == "done"
     assert board.cost_points[-1][1] == result.cost_usd
@@ -79,6 +85,26 @@ def test_live_dashboard_redraws_are_throttled():
     elapsed = time.perf_counter() - started
     board.finish(elapsed, failed=False)
     assert board.redraws <= elapsed / REDRAW_S + 2  # a fast run does not flood the browser
-    widget_trace = board._figure_widget.data[2]  # the global-batch loss, as the browser has it
+    widget_trace = board._figure_widget.data[2]  # the smoothed loss, as the browser has it
     assert len(widget_trace.x) == steps
     assert "done" in board._header.value and f"step {steps}/{steps}" in board._header.value
+
+
+def test_pipeline_dashboard_draws_the_schedule_and_the_cost(pool):
+    from .models import SEQUENTIAL_CELL
+
+    result = sagenb.train(
+        SEQUENTIAL_CELL, strategy="model", partitions=2, microbatches=4, batch_size=32, steps=8
+    )
+    board = result.dashboard
+    traces = {t.name: t for t in board.to_figure().data}
+    for kind in ("forward", "backward"):  # every microbatch of the last step, on both stages
+        assert sorted(traces[kind].y) == ["stage 0"] * 4 + ["stage 1"] * 4
+        assert sorted(traces[kind].text) == sorted("01230123")
+    rows = result.history
+    assert all(r["busy(s)"] > 0 and r["idle(s)"] >= 0 for r in rows)
+    costs = [c for _, c in board.cost_points]
+    assert costs == sorted(costs)  # never decreases
+    assert board.projected_cost() == pytest.approx(result.cost_usd)  # converges to the final
+    assert board.cost.spot(result.cost_usd) == pytest.approx(0.3 * result.cost_usd)
+    assert "model: 2 partitions x 1 replica, 1f1b, 4 microbatches" in board.header_text()

@@ -27,3 +27,5 @@ def test_notebook_runs(path, tmp_path):
         o for o in outputs if "application/vnd.jupyter.widget-view+json" in o.get("data", {})
     ]
     assert widgets, "the live dashboard was not displayed"
+    # the finished dashboard also carries a static copy, for viewers without a kernel
+    assert any("plotly" in o["data"].get("text/html", "") for o in widgets)

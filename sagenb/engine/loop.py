@@ -74,7 +74,9 @@ def _step(ws, strategy, config, step, total, optimizer, scheduler, meter, device
     """One optimizer step; returns its metrics."""
     started = time.perf_counter()
     meter.start_step()
-    loss, samples = _accumulate(ws, strategy, meter, step.indices, config.grad_accum, device)
+    loss, samples, tokens = _accumulate(
+        ws, strategy, meter, step.indices, config.grad_accum, device
+    )
     metrics: dict[str, Any] = {"step": step.number, "total_steps": total, "epoch": step.epoch}
     if loss is not None:
         metrics["loss"] = loss
@@ -91,16 +93,18 @@ def _step(ws, strategy, config, step, total, optimizer, scheduler, meter, device
     elapsed = time.perf_counter() - started
     metrics["step_time(s)"] = elapsed
     metrics["samples"] = samples
+    if tokens:
+        metrics["tokens"] = tokens
     metrics["throughput(samples/s)"] = samples / elapsed
     metrics["time(unix s)"] = time.time()  # when the step ended, for rates across steps
     metrics.update(strategy.step_metrics())
     return metrics
 
 
-def _accumulate(ws, strategy, meter, indices, grad_accum, device) -> tuple[float | None, int]:
+def _accumulate(ws, strategy, meter, indices, grad_accum, device):
     """Forward and backward over the grad_accum slices of one global batch."""
     losses = []
-    samples = 0
+    samples = tokens = 0
     slices = indices.chunk(grad_accum)
     for k, piece in enumerate(slices):
         local = strategy.local_indices(piece)
@@ -112,8 +116,11 @@ def _accumulate(ws, strategy, meter, indices, grad_accum, device) -> tuple[float
         if loss is not None:
             losses.append(loss)
         samples += len(local)
+        inputs = batch[0] if isinstance(batch, (tuple, list)) else batch
+        if torch.is_tensor(inputs) and not inputs.is_floating_point():
+            tokens += inputs.numel()  # token ids: count them for tokens/s
     # one host sync per step, not per slice
-    return (float(torch.stack(losses).mean()) if losses else None), samples
+    return (float(torch.stack(losses).mean()) if losses else None), samples, tokens
 
 
 def _eval_due(ws: Workspace, config: TrainConfig, step: int, total: int) -> bool:

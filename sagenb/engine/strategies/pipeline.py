@@ -170,15 +170,15 @@ class Pipeline:
         forward, backward = stage.forward_one_chunk, stage.backward_one_chunk
 
         def timed_forward(chunk, *args, **kwargs):
-            t0 = time.perf_counter()
+            t0 = time.time()
             out = forward(chunk, *args, **kwargs)
-            self.events.append(("F", stage.stage_index, chunk, t0, time.perf_counter()))
+            self.events.append(("F", stage.stage_index, chunk, t0, time.time()))
             return out
 
         def timed_backward(chunk, *args, **kwargs):
-            t0 = time.perf_counter()
+            t0 = time.time()
             out = backward(chunk, *args, **kwargs)
-            self.events.append(("B", stage.stage_index, chunk, t0, time.perf_counter()))
+            self.events.append(("B", stage.stage_index, chunk, t0, time.time()))
             return out
 
         stage.forward_one_chunk, stage.backward_one_chunk = timed_forward, timed_backward
@@ -216,7 +216,7 @@ class Pipeline:
     ) -> torch.Tensor | None:
         inputs, targets = batch
         if not self.events:
-            self._step_started = time.perf_counter()
+            self._step_started = time.time()
         self._scale = scale / self.config.microbatches
         losses: list[torch.Tensor] = []
         args = (inputs,) if self.has_first else ()
@@ -255,7 +255,9 @@ class Pipeline:
         return norm
 
     def step_metrics(self) -> dict[str, Any]:
-        """Busy and idle time of this engine's stages in the last step, and its timeline."""
+        """Busy and idle time of this engine's stages in the last step, and its timeline:
+        [F or B, stage, microbatch, start, end] in seconds after `timeline_t0(unix s)` (wall
+        clock, so the engines' timelines line up in one chart)."""
         events, self.events = self.events, []
         if not events:
             return {}
@@ -269,6 +271,7 @@ class Pipeline:
             "busy/backward(s)": busy_b,
             "idle(s)": max(0.0, span - busy_f - busy_b),
             "timeline": [[k, s, c, round(a - t0, 6), round(b - t0, 6)] for k, s, c, a, b in events],
+            "timeline_t0(unix s)": t0,
         }
 
     # -- results ---------------------------------------------------------------------------
