@@ -35,6 +35,7 @@ _PUBLIC = {
     "Dashboard": "sagenb.dashboard",
     "plan": "sagenb.planner",
     "load_checkpoint": "sagenb.checkpoints",
+    "ControlPanel": "sagenb.panel",
     "Plan": "sagenb.planner",
 }
 

@@ -59,6 +59,8 @@ class MagicParser(argparse.ArgumentParser):
 def train_parser() -> MagicParser:
     parser = MagicParser(
         prog="%%smp_train",
+        epilog="%%smp_train --config panel trains with the options of the last "
+        "sagenb.ControlPanel().",
         description=(
             "Train the model the cell defines on the engine pool. The cell runs on every engine "
             "after seeding torch and must define model, dataset and loss_fn; optionally "
@@ -112,6 +114,21 @@ def _parse(parser: MagicParser, line: str) -> argparse.Namespace | None:
         return None
 
 
+def _panel_config(line: str) -> TrainConfig:
+    from sagenb.panel import current_panel
+
+    if len(shlex.split(line)) > 2:
+        raise UsageError("%%smp_train --config panel takes no other flags: set them in the panel")
+    panel = current_panel()
+    if panel is None:
+        raise UsageError("%%smp_train --config panel: no panel yet; run sagenb.ControlPanel()")
+    if panel.config is None:
+        raise UsageError(
+            f"%%smp_train --config panel: the panel's options are invalid: {panel.error}"
+        )
+    return panel.config
+
+
 def parse_cluster_line(line: str) -> argparse.Namespace | None:
     """The action and engine count of a `%smp_cluster` line (None for --help)."""
     args = _parse(cluster_parser(), line)
@@ -122,7 +139,9 @@ def parse_cluster_line(line: str) -> argparse.Namespace | None:
 
 def parse_train_line(line: str) -> TrainConfig | None:
     """The TrainConfig of a `%%smp_train` line (None for --help); UsageError names the flag
-    and what is allowed."""
+    and what is allowed. `--config panel` takes the options of the last ControlPanel."""
+    if shlex.split(line)[:2] == ["--config", "panel"]:
+        return _panel_config(line)
     args = _parse(train_parser(), line)
     if args is None:
         return None
