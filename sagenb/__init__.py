@@ -36,6 +36,8 @@ _PUBLIC = {
     "plan": "sagenb.planner",
     "load_checkpoint": "sagenb.checkpoints",
     "ControlPanel": "sagenb.panel",
+    "fit_scaling": "sagenb.whatif",
+    "what_if": "sagenb.whatif",
     "Plan": "sagenb.planner",
 }
 

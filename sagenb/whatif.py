@@ -1,0 +1,123 @@
+"""What if: time and cost to train N samples on k instances, from runs measured on this job.
+
+The request's teaching case is SageMaker's own: 10 hours on one instance becoming about 1 hour
+on ten. That holds only when the work scales perfectly, and then it costs the same (ten
+instances for a tenth of the time). Real jobs keep a serial part: Amdahl's law,
+speedup(n) = 1 / ((1 - p) + p / n), with p the parallel fraction. p is fitted here to the
+throughput measured on runs of different sizes (least squares on 1 / speedup, which is linear
+in 1 / n), and every figure says so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from sagenb.cost import CostMeter, instance_price
+from sagenb.result import TrainResult
+
+__all__ = ["Scaling", "fit_scaling", "what_if"]
+
+
+@dataclass(frozen=True)
+class Scaling:
+    """Measured throughput per engine count, and the Amdahl fit through it."""
+
+    throughput: dict[int, float]  # engines -> samples/s (median over the run's steps)
+    parallel_fraction: float
+
+    def speedup(self, engines: int) -> float:
+        p = self.parallel_fraction
+        return 1.0 / ((1 - p) + p / engines)
+
+    @property
+    def assumption(self) -> str:
+        runs = ", ".join(
+            f"{n} engine{'s' * (n > 1)}: {t:.0f} samples/s"
+            for n, t in sorted(self.throughput.items())
+        )
+        return (
+            f"Amdahl's law with parallel fraction p = {self.parallel_fraction:.3f}, fitted "
+            f"to runs of this job ({runs})"
+        )
+
+
+def _median_throughput(result: TrainResult) -> float:
+    rates = sorted(row["throughput(samples/s)"] for row in result.history[2:] or result.history)
+    return rates[len(rates) // 2]
+
+
+def fit_scaling(results: Sequence[TrainResult]) -> Scaling:
+    """Fit p to runs of the same job on 1 engine and on more (give them the same --threads)."""
+    throughput = {res.engines: _median_throughput(res) for res in results}
+    if 1 not in throughput or len(throughput) < 2:
+        raise ValueError(
+            f"need a run on 1 engine and at least one on more; got engine counts "
+            f"{sorted(throughput)}"
+        )
+    one = throughput[1]
+    # 1 / speedup(n) - 1 = p (1/n - 1): least squares through the origin
+    xs = [1 / n - 1 for n in throughput]
+    ys = [one / throughput[n] - 1 for n in throughput]
+    p = sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs)
+    return Scaling(throughput, min(1.0, max(0.0, p)))
+
+
+@dataclass(frozen=True)
+class WhatIfRow:
+    instances: int
+    engines: int
+    hours: float
+    on_demand_usd: float
+    spot_usd: float
+
+
+def what_if(
+    scaling: Scaling,
+    *,
+    samples: float,
+    instance: str,
+    instances: Sequence[int] = (1, 2, 4, 8, 10),
+    engines_per_instance: int | None = None,
+) -> list[WhatIfRow]:
+    """Hours and dollars to train `samples` samples on each number of instances.
+
+    Throughput on n engines = single-engine throughput x speedup(n); this machine's absolute
+    speed stands in for the instance's, so read the hours as relative (what scaling does), and
+    the dollars as the price of that time.
+    """
+    price = instance_price(instance)
+    per = engines_per_instance or price.engines_per_instance
+    one = scaling.throughput[1]
+    rows = []
+    for k in instances:
+        engines = k * per
+        seconds = samples / (one * scaling.speedup(engines))
+        meter = CostMeter(price, engines)
+        rows.append(
+            WhatIfRow(
+                k, engines, seconds / 3600, meter.cost(seconds), meter.spot(meter.cost(seconds))
+            )
+        )
+    return rows
+
+
+def teaching_case(scaling: Scaling, *, instance: str, hours_on_one: float = 10.0) -> str:
+    """'10 hours on one instance, about 1 hour on ten': what perfect scaling promises, and
+    what the fitted scaling of this job gives instead."""
+    price = instance_price(instance)
+    per = price.engines_per_instance
+    perfect = Scaling({1: 1.0}, 1.0)
+    lines = [
+        f"A job that takes {hours_on_one:g} h on 1 x {instance} "
+        f"(${price.usd_per_hour:.2f}/h, price as of {price.as_of}):"
+    ]
+    for name, model in (("perfect scaling (p = 1)", perfect), ("this job's fit", scaling)):
+        ten = hours_on_one * model.speedup(per) / model.speedup(10 * per)
+        cost_one = hours_on_one * price.usd_per_hour
+        cost_ten = ten * 10 * price.usd_per_hour
+        lines.append(
+            f"  {name}: on 10 instances {ten:.2f} h, ${cost_ten:,.0f} (vs ${cost_one:,.0f} on one)"
+        )
+    lines.append(f"  assumption: {scaling.assumption}")
+    return "\n".join(lines)
