@@ -101,7 +101,7 @@ def figure(board: Any) -> go.Figure:
             go.Scatter(
                 name=f"replica {r} loss",
                 mode="lines",
-                line={"width": 1, "color": colour},
+                line={"width": 1, "color": colour, "simplify": False},
                 **next(data),
             ),
             1,
@@ -111,7 +111,7 @@ def figure(board: Any) -> go.Figure:
         go.Scatter(
             name="loss (smoothed)",
             mode="lines",
-            line={"width": 2.5, "color": "#1f3b73"},
+            line={"width": 2.5, "color": "#1f3b73", "simplify": False},
             **next(data),
         ),
         1,

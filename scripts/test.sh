@@ -3,5 +3,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+# The browser test renders the saved dashboard in Debian's Chromium (no browser download).
+if ! command -v chromium >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  echo "installing Debian's chromium for the browser test (about a minute)"
+  apt-get update -qq >/dev/null && apt-get install -y -qq chromium >/dev/null
+fi
 .venv/bin/python -m ruff check sagenb tests
 exec .venv/bin/python -m pytest "$@"
