@@ -62,6 +62,22 @@ def trace_data(board: Any) -> list[dict[str, Any]]:
         data.append(
             {"x": ranks, "y": [board.memory.get(r, {}).get(key, 0.0) for r in range(board.engines)]}
         )
+    peaks = [board.memory.get(r, {}).get("memory/device_peak(MiB)") for r in range(board.engines)]
+    data.append(
+        {
+            "x": [x for x, p in zip(ranks, peaks) if p is not None],
+            "y": [p for p in peaks if p is not None],
+        }
+    )
+    capacity = [
+        board.memory.get(r, {}).get("memory/device_capacity(MiB)") for r in range(board.engines)
+    ]
+    data.append(
+        {
+            "x": [x for x, c in zip(ranks, capacity) if c is not None],
+            "y": [c for c in capacity if c is not None],
+        }
+    )
     busy, idle = board.step_split()
     data.append({"x": steps, "y": busy})
     data.append({"x": steps, "y": idle})
@@ -139,6 +155,26 @@ def figure(board: Any) -> go.Figure:
     )
     for kind, colour in zip(MEMORY_KINDS, MEMORY_COLOURS):
         fig.add_trace(go.Bar(name=kind, marker_color=colour, **next(data)), 2, 1)
+    fig.add_trace(
+        go.Scatter(
+            name="device peak (CUDA)",
+            mode="markers",
+            marker={"symbol": "line-ew-open", "size": 40, "color": "#333"},
+            **next(data),
+        ),
+        2,
+        1,
+    )
+    fig.add_trace(
+        go.Scatter(
+            name="device capacity (CUDA)",
+            mode="markers",
+            marker={"symbol": "line-ew-open", "size": 40, "color": "#d62728"},
+            **next(data),
+        ),
+        2,
+        1,
+    )
     fig.add_trace(
         go.Scatter(
             name="compute (s)",

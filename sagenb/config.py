@@ -82,6 +82,13 @@ class TrainConfig:
         0, "evaluate eval_dataset every N optimizer steps (0: once, after training)"
     )
     instance: str = _opt("ml.p4d.24xlarge", "instance type whose price the cost estimate uses")
+    price_per_hour: float | None = _opt(
+        None, "your own USD per instance-hour for --instance, instead of the table's"
+    )
+    price_table: str | None = _opt(
+        None, "a JSON price table of your own (the shape of sagenb/data/prices.json)"
+    )
+    spot_discount: float = _opt(0.7, "spot price's saving against on-demand, 0 to 0.95")
     threads: int | None = _opt(
         None, "torch threads per engine (default: the machine's cores / engines, at least 1)"
     )
@@ -149,9 +156,17 @@ class TrainConfig:
             _check_positive(self, "clip_grad_norm")
         from sagenb.cost import price_table  # local: the table is read on first use
 
-        if self.instance not in price_table():
-            known = ", ".join(sorted(price_table()))
+        try:
+            table = price_table(self.price_table)
+        except (OSError, ValueError, KeyError) as exc:
+            raise ConfigError("price_table", self.price_table, f"cannot be read: {exc}") from None
+        if self.instance not in table:
+            known = ", ".join(sorted(table))
             raise ConfigError("instance", self.instance, f"must be one of {known}")
+        if self.price_per_hour is not None:
+            _check_positive(self, "price_per_hour")
+        if not (isinstance(self.spot_discount, (int, float)) and 0 <= self.spot_discount <= 0.95):
+            raise ConfigError("spot_discount", self.spot_discount, "must be between 0 and 0.95")
         if not self.out.isidentifier():
             raise ConfigError("out", self.out, "must be a valid Python identifier")
         self._check_pipeline()

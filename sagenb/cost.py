@@ -7,13 +7,16 @@ Every figure carries the date of its price.
 
 from __future__ import annotations
 
+import dataclasses
+import datetime
 import json
 import math
 from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
+from pathlib import Path
 
-__all__ = ["InstancePrice", "CostMeter", "price_table", "instance_price"]
+__all__ = ["InstancePrice", "CostMeter", "price_table", "instance_price", "meter_for"]
 
 
 @dataclass(frozen=True)
@@ -22,6 +25,7 @@ class InstancePrice:
     usd_per_hour: float
     accelerators: int
     accelerator: str
+    accelerator_memory_gib: float
     source: str
     as_of: str
 
@@ -30,27 +34,42 @@ class InstancePrice:
         return max(1, self.accelerators)
 
 
-@lru_cache(maxsize=1)
-def price_table() -> dict[str, InstancePrice]:
-    raw = json.loads(resources.files("sagenb").joinpath("data/prices.json").read_text())
+@lru_cache(maxsize=8)
+def price_table(path: str | None = None) -> dict[str, InstancePrice]:
+    """The package's table, or a JSON file of the same shape (`--price-table FILE`)."""
+    if path is None:
+        text = resources.files("sagenb").joinpath("data/prices.json").read_text()
+    else:
+        text = Path(path).read_text()
+    raw = json.loads(text)
     return {
         name: InstancePrice(
             name=name,
             usd_per_hour=row["usd_per_hour"],
             accelerators=row["accelerators"],
-            accelerator=row["accelerator"],
-            source=raw["source"],
-            as_of=raw["as_of"],
+            accelerator=row.get("accelerator", ""),
+            accelerator_memory_gib=row.get("accelerator_memory_gib", 0),
+            source=raw.get("source", str(path)),
+            as_of=raw.get("as_of", "undated"),
         )
         for name, row in raw["instances"].items()
     }
 
 
-def instance_price(name: str) -> InstancePrice:
-    table = price_table()
-    if name not in table:
-        raise KeyError(f"unknown instance {name!r}; known: {', '.join(sorted(table))}")
-    return table[name]
+def instance_price(
+    name: str, *, table: str | None = None, usd_per_hour: float | None = None
+) -> InstancePrice:
+    """The instance's row; `usd_per_hour` replaces its price (the user's own, dated today)."""
+    prices = price_table(table)
+    if name not in prices:
+        raise KeyError(f"unknown instance {name!r}; known: {', '.join(sorted(prices))}")
+    row = prices[name]
+    if usd_per_hour is None:
+        return row
+    today = datetime.date.today().isoformat()
+    return dataclasses.replace(
+        row, usd_per_hour=usd_per_hour, source="--price-per-hour", as_of=today
+    )
 
 
 #: Managed spot training's saving assumed when none is given. AWS quotes "up to 90%" against
@@ -88,3 +107,11 @@ class CostMeter:
             f"${self.cost(elapsed_s):.4f} on {self.instances} x {self.price.name} "
             f"(${self.price.usd_per_hour:.3f}/h, price as of {self.price.as_of})"
         )
+
+
+def meter_for(config, engines: int) -> CostMeter:
+    """The cost meter a run with `config` on `engines` engines uses."""
+    price = instance_price(
+        config.instance, table=config.price_table, usd_per_hour=config.price_per_hour
+    )
+    return CostMeter(price, engines, spot_discount=config.spot_discount)

@@ -24,7 +24,7 @@ from sagenb.config import (
     ConfigError,
     TrainConfig,
 )
-from sagenb.cost import CostMeter, price_table
+from sagenb.cost import price_table
 
 __all__ = ["ControlPanel", "current_panel"]
 
@@ -163,11 +163,10 @@ class ControlPanel:
         cfg = self.config
         if cfg is None:
             return f"fix the options first: {self.error}"
-        from sagenb.cost import instance_price
+        from sagenb.cost import meter_for
         from sagenb.planner import bubble_fraction
 
-        engines = cfg.engines or 2
-        meter = CostMeter(instance_price(cfg.instance), engines)
+        meter = meter_for(cfg, cfg.engines or 2)
         lines = [
             f"{meter.instances} x {cfg.instance} at ${meter.price.usd_per_hour:.3f}/h "
             f"(spot ${meter.spot(meter.price.usd_per_hour):.3f}/h), price as of "

@@ -18,7 +18,7 @@ from torch.distributed import TCPStore
 
 from sagenb import cluster
 from sagenb.config import ConfigError, TrainConfig
-from sagenb.cost import CostMeter, instance_price
+from sagenb.cost import CostMeter, meter_for
 from sagenb.engine.entry import RankResult, RankSpec, run_rank
 from sagenb.engine.process_group import STOP_KEY
 from sagenb.failures import StalledError, TrainingError, TrainingInterrupted, classify
@@ -112,7 +112,7 @@ class _Run:
     ) -> None:
         self.pool, self.config, self.job = pool, config, job
         self.engines = config.engines or pool.size
-        self.cost = CostMeter(instance_price(config.instance), self.engines)
+        self.cost = meter_for(config, self.engines)
         self.history = History(self.engines, config.batch_size)
         self.dashboard = _make_dashboard(config, self.cost) if config.dashboard else None
         self.sinks = [self.history, *sinks, *([self.dashboard] if self.dashboard else [])]

@@ -125,3 +125,32 @@ def test_bubble_formula():
     assert bubble_fraction(2, 4) == pytest.approx(1 / 5)
     assert bubble_fraction(4, 4) == pytest.approx(3 / 7)
     assert bubble_fraction(4, 4, virtual=2) == pytest.approx(3 / 11)
+
+
+def test_own_price_table_and_price(tmp_path):
+    import json
+
+    from sagenb.cost import meter_for
+
+    table = tmp_path / "prices.json"
+    table.write_text(
+        json.dumps(
+            {
+                "source": "my quote",
+                "as_of": "2026-11-01",
+                "instances": {"my.box": {"usd_per_hour": 2.0, "accelerators": 4}},
+            }
+        )
+    )
+    config = TrainConfig(instance="my.box", price_table=str(table), spot_discount=0.5, engines=8)
+    meter = meter_for(config, 8)
+    assert meter.instances == 2 and meter.cost(3600) == pytest.approx(4.0)
+    assert meter.spot(4.0) == pytest.approx(2.0) and meter.price.as_of == "2026-11-01"
+    own = meter_for(TrainConfig(instance="ml.g5.xlarge", price_per_hour=1.0), 1)
+    assert own.cost(3600) == pytest.approx(1.0) and own.price.source == "--price-per-hour"
+    with pytest.raises(ConfigError, match="--instance 'ml.g5.xlarge': must be one of my.box"):
+        TrainConfig(instance="ml.g5.xlarge", price_table=str(table))
+    with pytest.raises(ConfigError, match="--price-table .*cannot be read"):
+        TrainConfig(price_table=str(tmp_path / "missing.json"))
+    with pytest.raises(ConfigError, match="--spot-discount 1.5: must be between 0 and 0.95"):
+        TrainConfig(spot_discount=1.5)

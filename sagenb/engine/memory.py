@@ -96,4 +96,7 @@ class MemoryMeter:
             out["memory/rss(MiB)"] = self._process.memory_info().rss / MIB
         if self.device.type == "cuda":
             out["memory/device_peak(MiB)"] = torch.cuda.max_memory_allocated(self.device) / MIB
+            out["memory/device_capacity(MiB)"] = (
+                torch.cuda.get_device_properties(self.device).total_memory / MIB
+            )
         return out
