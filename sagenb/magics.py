@@ -117,7 +117,7 @@ def _parse(parser: MagicParser, line: str) -> argparse.Namespace | None:
 def _panel_config(line: str) -> TrainConfig:
     from sagenb.panel import current_panel
 
-    if len(shlex.split(line)) > 2:
+    if len(line.split()) > 2:
         raise UsageError("%%smp_train --config panel takes no other flags: set them in the panel")
     panel = current_panel()
     if panel is None:
@@ -140,7 +140,7 @@ def parse_cluster_line(line: str) -> argparse.Namespace | None:
 def parse_train_line(line: str) -> TrainConfig | None:
     """The TrainConfig of a `%%smp_train` line (None for --help); UsageError names the flag
     and what is allowed. `--config panel` takes the options of the last ControlPanel."""
-    if shlex.split(line)[:2] == ["--config", "panel"]:
+    if line.split()[:2] == ["--config", "panel"]:
         return _panel_config(line)
     args = _parse(train_parser(), line)
     if args is None:
