@@ -107,7 +107,8 @@ def figure(board: Any) -> go.Figure:
             "Memory per engine (last step)",
             "Step time: compute and pipeline bubble" if pipeline else "Step time",
             "Pipeline schedule, last step" if pipeline else "Pipeline schedule (model/hybrid only)",
-            f"Estimated cost on {board.cost.instances} x {board.cost.price.name}",
+            f"Estimated cost on {board.cost.instances} x {board.cost.price.name} "
+            f"(price as of {board.cost.price.as_of})",
         ),
     )
     data = iter(trace_data(board))
