@@ -21,6 +21,8 @@ __all__ = [
 ]
 
 OOM_MARKERS = ("out of memory", "can't allocate memory", "MemoryError", "OutOfMemoryError")
+#: how ipyparallel names the error of a task whose engine died
+DEAD_ENGINE = ("EngineError", "DeadEngine")
 
 
 class TrainingError(RuntimeError):
@@ -65,7 +67,7 @@ def classify(
     ename: str, evalue: str, *, rank: int, engine_id: int, memory: Mapping[str, float]
 ) -> TrainingError:
     """The error to raise for a rank's remote exception."""
-    if ename in ("EngineError", "DeadEngine"):
+    if ename in DEAD_ENGINE:
         return EngineDiedError(
             rank, engine_id, f"its engine process died (killed or crashed): {evalue}"
         )

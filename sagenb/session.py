@@ -21,7 +21,7 @@ from sagenb.config import ConfigError, TrainConfig
 from sagenb.cost import CostMeter, meter_for
 from sagenb.engine.entry import RankResult, RankSpec, run_rank
 from sagenb.engine.process_group import STOP_KEY
-from sagenb.failures import StalledError, TrainingError, TrainingInterrupted, classify
+from sagenb.failures import DEAD_ENGINE, StalledError, TrainingError, TrainingInterrupted, classify
 from sagenb.job import Job, JobError
 from sagenb.metrics import History, MetricSink, RankStream
 from sagenb.result import TrainResult
@@ -297,10 +297,8 @@ class _Run:
 def _died(ar: Any) -> bool:
     if not ar.ready() or ar.successful():
         return False
-    return getattr(ar.exception(), "ename", type(ar.exception()).__name__) in (
-        "EngineError",
-        "DeadEngine",
-    ) or isinstance(ar.exception(), EngineError)
+    err = ar.exception()
+    return isinstance(err, EngineError) or getattr(err, "ename", "") in DEAD_ENGINE
 
 
 def _merge_state(results: list[RankResult]) -> dict:
