@@ -22,7 +22,7 @@ def test_notebook_runs(path, tmp_path):
     ).execute()
     outputs = [o for cell in nb.cells if cell.cell_type == "code" for o in cell.get("outputs", [])]
     text = "".join(o.get("text", "") for o in outputs)
-    assert "largest parameter difference" in text
+    assert "largest parameter difference" in text  # each notebook checks against a reference
     widgets = [
         o for o in outputs if "application/vnd.jupyter.widget-view+json" in o.get("data", {})
     ]
