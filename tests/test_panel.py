@@ -73,7 +73,9 @@ def test_magic_trains_with_the_panel(pool):
     result = shell.user_ns["from_panel"]
     assert isinstance(result, TrainResult) and len(result.history) == 3
     assert result.config == panel.config
-    assert "2 engines" in panel.pool_status.value or "engines" in panel.pool_status.value
+    panel._show_pool()
+    assert panel.pool_status.value.startswith("2 engines: rank 0 (engine ")
+    assert "rank 1 (engine " in panel.pool_status.value
     with pytest.raises(UsageError, match="takes no other flags"):
         shell.run_cell_magic("smp_train", "--config panel --steps 2", REGRESSION_CELL)
     set_options(panel, batch_size=33)

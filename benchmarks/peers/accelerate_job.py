@@ -4,7 +4,7 @@ import json
 import time
 
 import torch
-from workload import BATCH, CELL, STEPS
+from workload import CELL, STEPS, local_batch
 
 
 def job(out_path: str) -> None:
@@ -21,11 +21,9 @@ def job(out_path: str) -> None:
     data, loss_fn = ns["dataset"], ns["loss_fn"]
     rank, world = accelerator.process_index, accelerator.num_processes
     order = torch.randperm(len(data), generator=torch.Generator().manual_seed(0))
-    share = BATCH // world
     stamps = []
     for step in range(STEPS):
-        idx = order[step * BATCH : (step + 1) * BATCH][rank * share : (rank + 1) * share]
-        x, y = (t[idx] for t in data.tensors)
+        x, y = local_batch(data, order, step, rank, world)
         accelerator.backward(loss_fn(model(x), y))
         opt.step()
         opt.zero_grad()

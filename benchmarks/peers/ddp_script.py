@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, str(Path(__file__).parent))
-from workload import BATCH, CELL, STEPS  # noqa: E402
+from workload import CELL, STEPS, local_batch  # noqa: E402
 
 
 def main() -> None:
@@ -34,11 +34,9 @@ def main() -> None:
     opt = ns["make_optimizer"](list(model.parameters()))
     data, loss_fn = ns["dataset"], ns["loss_fn"]
     order = torch.randperm(len(data), generator=torch.Generator().manual_seed(0))
-    share = BATCH // world
     stamps = []
     for step in range(STEPS):
-        idx = order[step * BATCH : (step + 1) * BATCH][rank * share : (rank + 1) * share]
-        x, y = (t[idx] for t in data.tensors)
+        x, y = local_batch(data, order, step, rank, world)
         loss_fn(model(x), y).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

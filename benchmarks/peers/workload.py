@@ -16,6 +16,13 @@ STEPS = 60
 WARMUP = 5  # steps left out of the rate (first calls pay for allocation)
 
 
+def local_batch(data, order, step: int, rank: int, world: int):
+    """This rank's contiguous share of global batch `step` (the order sagenb uses)."""
+    share = BATCH // world
+    idx = order[step * BATCH : (step + 1) * BATCH][rank * share : (rank + 1) * share]
+    return tuple(t[idx] for t in data.tensors)
+
+
 def rate(stamps: list[float], batch: int = BATCH, warmup: int = WARMUP) -> float:
     """Samples per second between the end of step `warmup` and the end of the last step."""
     span = stamps[-1] - stamps[warmup - 1]
