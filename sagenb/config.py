@@ -180,6 +180,12 @@ class TrainConfig:
             self.check_split(self.partitions)
 
     @property
+    def collective_timeout(self) -> float:
+        """The process group's own timeout: a minute past the notebook's watchdog (--timeout),
+        so a stalled run is stopped, and reported as stalled, by the notebook."""
+        return self.timeout + 60.0
+
+    @property
     def stages(self) -> int:
         """Pipeline stages in all (partitions x virtual stages when interleaved)."""
         return self.partitions * (self.virtual_stages if self.schedule == "interleaved" else 1)

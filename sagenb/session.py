@@ -121,9 +121,7 @@ class _Run:
 
     def execute(self) -> TrainResult:
         threads = self.config.threads or max(1, (os.cpu_count() or 1) // self.engines)
-        # The collectives' own timeout is longer than the watchdog's, so a stall is stopped
-        # (and reported as one) by the notebook rather than by a timeout on some rank.
-        self.store = _rendezvous(self.engines, self.config.timeout + 60)
+        self.store = _rendezvous(self.engines, self.config.collective_timeout)
         specs = [
             (
                 RankSpec(

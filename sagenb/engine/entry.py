@@ -80,7 +80,7 @@ def _train(spec: RankSpec, publish: Publisher) -> RankResult:
         world_size=spec.world_size,
         addr=spec.addr,
         port=spec.port,
-        timeout_s=spec.config.timeout,
+        timeout_s=spec.config.collective_timeout,
         device=device,
     )
     ws = build_workspace(spec.job, spec.config.seed, delay_init=spec.config.delay_init)
