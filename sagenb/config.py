@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -178,6 +179,11 @@ class TrainConfig:
             self.check_split(self.engines)
         elif self.strategy == "model":
             self.check_split(self.partitions)
+
+    def threads_per_engine(self, engines: int) -> int:
+        """--threads, or the machine's cores shared by the engines (at least 1 each), so
+        engines on one machine do not oversubscribe its cores."""
+        return self.threads or max(1, (os.cpu_count() or 1) // engines)
 
     @property
     def collective_timeout(self) -> float:

@@ -64,10 +64,20 @@ def _duration(seconds: float) -> str:
 class Dashboard:
     """Records every step of every rank; draws live in a notebook, saves as HTML anywhere."""
 
-    def __init__(self, config: TrainConfig, cost: CostMeter, *, live: bool | None = None) -> None:
+    def __init__(
+        self,
+        config: TrainConfig,
+        cost: CostMeter,
+        *,
+        history: History | None = None,
+        live: bool | None = None,
+    ) -> None:
         self.config, self.cost = config, cost
         self.engines = config.engines or 1
-        self.history = History(self.engines, config.batch_size)
+        # The session's history is a sink logged before this one: share it rather than
+        # aggregate every record a second time. Standalone, the dashboard keeps its own.
+        self._owns_history = history is None
+        self.history = History(self.engines, config.batch_size) if history is None else history
         self.memory: dict[int, Mapping[str, Any]] = {}
         self.timelines: dict[int, tuple[float, list]] = {}  # rank -> (t0, events), last step
         self.cost_points: list[tuple[float, float]] = []
@@ -85,7 +95,8 @@ class Dashboard:
     def log(self, metrics: Mapping[str, Any], step: int, rank: int) -> None:
         self.status = "training"
         self.total_steps = metrics.get("total_steps", self.total_steps)
-        self.history.log(metrics, step, rank)
+        if self._owns_history:
+            self.history.log(metrics, step, rank)
         self.memory[rank] = metrics
         if "timeline" in metrics:
             self.timelines[rank] = (metrics["timeline_t0(unix s)"], metrics["timeline"])

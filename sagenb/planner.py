@@ -10,7 +10,6 @@ engine shrinks it to (p - 1) / (v m + p - 1) (Narayanan et al. 2021, section 2.2
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -131,7 +130,7 @@ def plan(job: Any, config: TrainConfig | None = None, *, pool=None, **options: A
     pool = pool or cluster.ensure_pool(config.partitions)
     engines = config.partitions if config.strategy == "model" else (config.engines or pool.size)
     config = config.with_engines(engines)
-    threads = config.threads or max(1, (os.cpu_count() or 1) // engines)
+    threads = config.threads_per_engine(engines)
     task = pool.client[pool.engine_ids[0]].apply_async(
         plan_on_engine, prepared, config, config.replicas(engines), threads
     )

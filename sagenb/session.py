@@ -7,7 +7,6 @@ be checked without engines is checked before any engine runs user code.
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 from collections.abc import Callable, Sequence
 from datetime import datetime, timedelta
@@ -114,13 +113,15 @@ class _Run:
         self.engines = config.engines or pool.size
         self.cost = meter_for(config, self.engines)
         self.history = History(self.engines, config.batch_size)
-        self.dashboard = _make_dashboard(config, self.cost) if config.dashboard else None
+        self.dashboard = (
+            _make_dashboard(config, self.cost, self.history) if config.dashboard else None
+        )
         self.sinks = [self.history, *sinks, *([self.dashboard] if self.dashboard else [])]
         self.first_step_s: float | None = None
         self.last_progress = time.monotonic()
 
     def execute(self) -> TrainResult:
-        threads = self.config.threads or max(1, (os.cpu_count() or 1) // self.engines)
+        threads = self.config.threads_per_engine(self.engines)
         self.store = _rendezvous(self.engines, self.config.collective_timeout)
         specs = [
             (
@@ -310,7 +311,7 @@ def _merge_state(results: list[RankResult]) -> dict:
     return {k: parts[k] for k in results[0].key_order}
 
 
-def _make_dashboard(config: TrainConfig, cost: CostMeter):
+def _make_dashboard(config: TrainConfig, cost: CostMeter, history: History):
     from sagenb.dashboard import Dashboard  # plotly is imported only when a dashboard is shown
 
-    return Dashboard(config, cost)
+    return Dashboard(config, cost, history=history)
