@@ -47,6 +47,16 @@ def _timeline(board: Any) -> dict[str, dict[str, list]]:
     return bars
 
 
+def _per_engine(board: Any, key: str, missing: float | None = None) -> dict[str, list]:
+    """One value per engine from its last step; engines without the key are left out
+    unless `missing` gives a value."""
+    points = [
+        (f"engine {r}", board.memory.get(r, {}).get(key, missing)) for r in range(board.engines)
+    ]
+    kept = [(x, y) for x, y in points if y is not None]
+    return {"x": [x for x, _ in kept], "y": [y for _, y in kept]}
+
+
 def trace_data(board: Any) -> list[dict[str, Any]]:
     rows = board.history.steps
     steps = [r["step"] for r in rows]
@@ -56,28 +66,10 @@ def trace_data(board: Any) -> list[dict[str, Any]]:
     data.append({"x": [r["step"] for r in evals], "y": [r["eval_loss"] for r in evals]})
     rate_key = board.rate_key
     data.append({"x": steps, "y": [r.get(rate_key, 0.0) for r in rows]})
-    ranks = [f"engine {r}" for r in range(board.engines)]
     for kind in MEMORY_KINDS:
-        key = f"memory/{kind}(MiB)"
-        data.append(
-            {"x": ranks, "y": [board.memory.get(r, {}).get(key, 0.0) for r in range(board.engines)]}
-        )
-    peaks = [board.memory.get(r, {}).get("memory/device_peak(MiB)") for r in range(board.engines)]
-    data.append(
-        {
-            "x": [x for x, p in zip(ranks, peaks) if p is not None],
-            "y": [p for p in peaks if p is not None],
-        }
-    )
-    capacity = [
-        board.memory.get(r, {}).get("memory/device_capacity(MiB)") for r in range(board.engines)
-    ]
-    data.append(
-        {
-            "x": [x for x, c in zip(ranks, capacity) if c is not None],
-            "y": [c for c in capacity if c is not None],
-        }
-    )
+        data.append(_per_engine(board, f"memory/{kind}(MiB)", missing=0.0))
+    for key in ("memory/device_peak(MiB)", "memory/device_capacity(MiB)"):  # CUDA only
+        data.append(_per_engine(board, key))
     busy, idle = board.step_split()
     data.append({"x": steps, "y": busy})
     data.append({"x": steps, "y": idle})
