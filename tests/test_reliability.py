@@ -27,8 +27,9 @@ from .conftest import REGRESSION_CELL, max_param_diff
 from .reference import train_reference
 
 
-def fault_cell(action: str, *, at_call: int = 4, rank: int = 1) -> str:
-    """The regression cell whose loss_fn does `action` on `rank` at its at_call-th call."""
+def fault_cell(action: str, *, at_call: int = 4, rank: int = 1, others: str = "pass") -> str:
+    """The regression cell whose loss_fn does `action` on `rank` at its at_call-th call (and
+    `others` on the other ranks at that call)."""
     return (
         REGRESSION_CELL
         + f"""
@@ -37,8 +38,10 @@ import torch.distributed as dist
 calls = [0]
 def loss_fn(output, target):
     calls[0] += 1
-    if dist.get_rank() == {rank} and calls[0] == {at_call}:
-        {action}
+    if calls[0] == {at_call}:
+        if dist.get_rank() == {rank}:
+            {action}
+        {others}
     return torch.nn.functional.mse_loss(output, target)
 """
     )
@@ -60,18 +63,9 @@ def assert_healed(pool, before: list[int], *, replaced: int) -> None:
     assert len(result.history) == 3
 
 
-FAILING_CELL = (
-    REGRESSION_CELL
-    + """
-import torch.distributed as dist
-calls = [0]
-def loss_fn(output, target):
-    calls[0] += 1
-    if dist.get_rank() == 1 and calls[0] == 4:
-        raise ValueError("bad batch on purpose")
-    return torch.nn.functional.mse_loss(output, target)
-"""
-)
+FAILING_CELL = fault_cell("raise ValueError('bad batch on purpose')")
+# rank 0 is busy in user code: nothing but its engine's death stops it
+STUCK_CELL = fault_cell("raise ValueError('bad batch on purpose')", others="time.sleep(600)")
 
 
 def test_a_failing_rank_is_reported_and_the_pool_stays_usable(pool):
@@ -84,23 +78,6 @@ def test_a_failing_rank_is_reported_and_the_pool_stays_usable(pool):
     assert pool.size == 2
     result = sagenb.train(REGRESSION_CELL, batch_size=16, steps=3, dashboard=False)
     assert len(result.history) == 3
-
-
-STUCK_CELL = (
-    REGRESSION_CELL
-    + """
-import time
-import torch.distributed as dist
-calls = [0]
-def loss_fn(output, target):
-    calls[0] += 1
-    if calls[0] == 4:
-        if dist.get_rank() == 1:
-            raise ValueError("bad batch on purpose")
-        time.sleep(600)  # rank 0 is busy in user code: nothing but its engine's death stops it
-    return torch.nn.functional.mse_loss(output, target)
-"""
-)
 
 
 def test_ranks_that_do_not_stop_are_killed_and_replaced(pool):
@@ -141,23 +118,17 @@ def test_stuck_rank_is_stopped_by_the_watchdog(pool):
 
 
 def test_out_of_memory_is_reported_as_such(pool):
-    with pytest.raises(OutOfMemoryError, match=r"rank 1 .* ran out of memory; its last step held"):
+    with pytest.raises(
+        OutOfMemoryError, match=r"rank 1 .* ran out of memory; its last step held"
+    ) as info:
         sagenb.train(
             fault_cell("torch.empty(2**42, dtype=torch.uint8)"),
             batch_size=16,
             steps=20,
             dashboard=False,
         )
-    try:
-        sagenb.train(
-            fault_cell("torch.empty(2**42, dtype=torch.uint8)"),
-            batch_size=16,
-            steps=20,
-            dashboard=False,
-        )
-    except OutOfMemoryError as exc:
-        assert exc.memory["memory/params(MiB)"] > 0  # the rank's telemetry of its last step
-        assert "can't allocate memory" in str(exc)
+    assert info.value.memory["memory/params(MiB)"] > 0  # the rank's telemetry of its last step
+    assert "can't allocate memory" in str(info.value)
 
 
 LONG = dict(batch_size=2, epochs=200, dashboard=False)  # ~19,000 tiny steps: time to interrupt
