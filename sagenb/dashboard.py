@@ -143,22 +143,30 @@ class Dashboard:
             idle.append(row.get("idle(s)", 0.0))
         return busy, idle
 
+    def progress(self) -> tuple[int, int]:
+        """(steps done in this run, steps this run has to do). A resumed run starts after
+        its checkpoint's step, so its first row is not step 1."""
+        rows = self.history.steps
+        before = rows[0]["step"] - 1 if rows else 0
+        return len(rows), (self.total_steps or 0) - before
+
     def projected_cost(self) -> float:
-        done = len(self.history.steps)
-        if not self.total_steps or not done:
+        done, todo = self.progress()
+        if todo <= 0 or not done:
             return self.cost.cost(self.elapsed)
-        return self.cost.projected(self.elapsed, done, self.total_steps)
+        return self.cost.projected(self.elapsed, done, todo)
 
     def header_text(self) -> str:
-        done, total = len(self.history.steps), self.total_steps
-        rows = self.history.steps
+        rows, total = self.history.steps, self.total_steps
+        step = rows[-1]["step"] if rows else 0
         epoch = rows[-1]["epoch"] + 1 if rows else 0
+        done, todo = self.progress()
         left = ""
         if total and done and self.status == "training":
-            left = f", ~{_duration(self.elapsed * (total - done) / done)} left"
+            left = f", ~{_duration(self.elapsed * (todo - done) / done)} left"
         so_far = self.cost.cost(self.elapsed)
         return (
-            f"{self.status} | {layout_text(self.config)} | step {done}/{total or '?'}, epoch "
+            f"{self.status} | {layout_text(self.config)} | step {step}/{total or '?'}, epoch "
             f"{epoch}/{self.config.epochs} | {_duration(self.elapsed)} elapsed{left} | est. "
             f"${so_far:.4f} so far, ${self.projected_cost():.4f} at completion (spot "
             f"${self.cost.spot(self.projected_cost()):.4f}) on {self.cost.instances} x "
@@ -177,7 +185,8 @@ class Dashboard:
 
     # -- live display ---------------------------------------------------------------------
     def _header_html(self) -> str:
-        done, total = len(self.history.steps), self.total_steps or 1
+        rows, total = self.history.steps, self.total_steps or 1
+        done = rows[-1]["step"] if rows else 0
         return (
             f"<div class='smp-header'><b>sagenb</b> &middot; "
             f"{html.escape(self.header_text())}<br><progress value='{done}' max='{total}' "

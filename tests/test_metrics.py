@@ -108,3 +108,18 @@ def test_pipeline_dashboard_draws_the_schedule_and_the_cost(pool):
     assert board.projected_cost() == pytest.approx(result.cost_usd)  # converges to the final
     assert board.cost.spot(result.cost_usd) == pytest.approx(0.3 * result.cost_usd)
     assert "model: 2 partitions x 1 replica, 1f1b, 4 microbatches" in board.header_text()
+
+
+def test_a_resumed_run_counts_its_progress_from_its_checkpoint():
+    from sagenb.config import TrainConfig
+    from sagenb.cost import CostMeter, instance_price
+    from sagenb.dashboard import Dashboard
+
+    config = TrainConfig(engines=1, batch_size=8)
+    board = Dashboard(config, CostMeter(instance_price(config.instance), 1), live=False)
+    for step in range(21, 27):  # resumed from step 20's checkpoint: 6 of 12 steps done
+        row = dict(step=step, total_steps=32, epoch=1, loss=1.0, lr=0.1)
+        board.log({**row, "step_time(s)": 1.0}, step, 0)
+    board.elapsed = 6.0
+    assert "step 26/32" in board.header_text() and "~6 s left" in board.header_text()
+    assert board.projected_cost() == pytest.approx(board.cost.cost(12.0))
