@@ -18,15 +18,19 @@ __all__ = [
     "PIPELINED",
     "STRATEGIES",
     "AVAILABLE_STRATEGIES",
+    "BOOL_FLAGS",
     "ConfigError",
     "TrainConfig",
     "flag_name",
 ]
 
-#: Every strategy of the contract, and the ones this version can run.
+#: Every strategy of the contract (AVAILABLE_STRATEGIES: all of them run in this version).
 STRATEGIES = ("data", "model", "hybrid", "sharded", "tensor")
-AVAILABLE_STRATEGIES = ("data", "model", "hybrid")
+AVAILABLE_STRATEGIES = STRATEGIES
 PIPELINED = ("model", "hybrid")
+PRECISIONS = ("fp32", "bf16", "fp16")
+#: options that are off unless their flag is given (`--resume`)
+BOOL_FLAGS = ("delay_init", "activation_checkpointing", "resume")
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 PARTITION_METHODS = ("auto", "parameters", "uniform", "manual")
 
@@ -126,6 +130,28 @@ class TrainConfig:
         "build the model's parameters on the meta device and materialise only each engine's "
         "own stage (a model larger than one engine); initial values as documented",
     )
+    tensor_parallel: int | None = _opt(
+        None,
+        "engines each Linear layer is split across (--strategy tensor; default: every engine); "
+        "data parallel across the rest",
+    )
+    reshard_after_forward: bool = _opt(
+        True,
+        "--strategy sharded: free each block's gathered parameters after its forward and "
+        "gather them again for backward (ZeRO-3); --no-reshard-after-forward keeps them "
+        "(ZeRO-2: more memory, less communication)",
+    )
+    activation_checkpointing: bool = _opt(
+        False,
+        "recompute each repeated block's activations in backward instead of keeping them "
+        "(less memory, about a third more compute)",
+    )
+    precision: str = _opt(
+        "fp32",
+        "compute precision: fp32, bf16 (autocast) or fp16 (autocast with a dynamic loss "
+        "scaler); parameters and optimizer state stay fp32",
+        choices=PRECISIONS,
+    )
     checkpoint_dir: str | None = _opt(
         None, "directory for checkpoints (model, optimizer, scheduler, step, RNG)"
     )
@@ -138,12 +164,6 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         _check_choice(self, "strategy", STRATEGIES)
-        if self.strategy not in AVAILABLE_STRATEGIES:
-            raise ConfigError(
-                "strategy",
-                self.strategy,
-                f"not available yet in this version; available: {', '.join(AVAILABLE_STRATEGIES)}",
-            )
         for name in ("batch_size", "epochs", "grad_accum"):
             _check_int(self, name, minimum=1)
         for name in ("steps", "engines", "threads"):
@@ -171,6 +191,7 @@ class TrainConfig:
         if not self.out.isidentifier():
             raise ConfigError("out", self.out, "must be a valid Python identifier")
         self._check_pipeline()
+        self._check_memory_savers()
         _check_int(self, "checkpoint_every", minimum=0)
         if (self.checkpoint_every or self.resume) and not self.checkpoint_dir:
             name = "resume" if self.resume else "checkpoint_every"
@@ -197,8 +218,34 @@ class TrainConfig:
         return self.partitions * (self.virtual_stages if self.schedule == "interleaved" else 1)
 
     def replicas(self, engines: int) -> int:
-        """Data-parallel replicas on `engines` engines (each a whole pipeline)."""
-        return engines // self.partitions if self.strategy in PIPELINED else engines
+        """Data-parallel replicas on `engines` engines: each a whole pipeline (model, hybrid)
+        or a tensor-parallel group (tensor); sharded engines each take their own samples."""
+        if self.strategy in PIPELINED:
+            return engines // self.partitions
+        if self.strategy == "tensor":
+            return engines // (self.tensor_parallel or engines)
+        return engines
+
+    def _check_memory_savers(self) -> None:
+        _check_choice(self, "precision", PRECISIONS)
+        if not self.reshard_after_forward and self.strategy != "sharded":
+            raise ConfigError(
+                "reshard_after_forward",
+                False,
+                "--no-reshard-after-forward needs --strategy sharded",
+            )
+        if self.tensor_parallel is None:
+            return
+        _check_int(self, "tensor_parallel", minimum=2)
+        if self.strategy != "tensor":
+            raise ConfigError("tensor_parallel", self.tensor_parallel, "needs --strategy tensor")
+        if self.engines is not None and self.engines % self.tensor_parallel:
+            raise ConfigError(
+                "tensor_parallel",
+                self.tensor_parallel,
+                f"must divide --engines ({self.engines}): the engines form groups of "
+                f"--tensor-parallel, with data parallel across the groups",
+            )
 
     def _check_pipeline(self) -> None:
         for name in ("partitions", "microbatches", "virtual_stages"):
@@ -271,7 +318,7 @@ class TrainConfig:
         and (for pipelines) each replica's slice into microbatches."""
         replicas = self.replicas(engines)
         pieces = replicas * self.grad_accum
-        what = "engines" if self.strategy not in PIPELINED else "replicas"
+        what = "engines" if self.strategy in ("data", "sharded") else "replicas"
         if self.strategy in PIPELINED:
             pieces *= self.microbatches
             detail = f"{what} x grad-accum x microbatches = {replicas} x {self.grad_accum} x "
@@ -299,7 +346,9 @@ class TrainConfig:
                 continue
             if f.name == "dashboard":
                 parts.append("--no-dashboard")
-            elif f.name in ("delay_init", "resume"):
+            elif f.name == "reshard_after_forward":
+                parts.append("--no-reshard-after-forward")
+            elif f.name in BOOL_FLAGS:
                 parts.append(flag_name(f.name))
             elif f.name == "cuts":
                 parts.append(f"--cuts {','.join(map(str, value))}")

@@ -17,7 +17,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 
 from sagenb import cluster
-from sagenb.config import ConfigError, TrainConfig, flag_name
+from sagenb.config import BOOL_FLAGS, ConfigError, TrainConfig, flag_name
 from sagenb.failures import TrainingInterrupted
 from sagenb.job import JobError
 from sagenb.session import train
@@ -76,8 +76,16 @@ def train_parser() -> MagicParser:
                 "--no-dashboard", dest="dashboard", action="store_false", help=help_text
             )
             continue
-        if f.name in ("delay_init", "resume"):
+        if f.name in BOOL_FLAGS:
             parser.add_argument(flag_name(f.name), action="store_true", help=help_text)
+            continue
+        if f.name == "reshard_after_forward":
+            parser.add_argument(
+                flag_name(f.name),
+                action=argparse.BooleanOptionalAction,
+                default=True,
+                help=help_text,
+            )
             continue
         kind = f.metadata.get("parse") or _field_type(f)
         extra = {"choices": f.metadata["choices"]} if "choices" in f.metadata else {}

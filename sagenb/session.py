@@ -73,6 +73,8 @@ def _pool_size_for(config: TrainConfig) -> int:
         return config.partitions
     if config.strategy == "hybrid":
         return 2 * config.partitions
+    if config.strategy == "tensor" and config.tensor_parallel:
+        return config.tensor_parallel
     return cluster.DEFAULT_ENGINES
 
 

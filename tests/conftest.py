@@ -38,6 +38,13 @@ def pool(_stop_pool_at_end) -> cluster.EnginePool:
     return current
 
 
+@pytest.fixture
+def pool4(_stop_pool_at_end) -> cluster.EnginePool:
+    """A pool of 4 engines (hybrid and tensor x data parallel), started when needed."""
+    current = cluster.current_pool()
+    return current if current is not None and current.size == 4 else cluster.start_pool(4)
+
+
 def max_param_diff(state: dict, model: torch.nn.Module) -> float:
     ref = model.state_dict()
     assert state.keys() == ref.keys()

@@ -55,7 +55,12 @@ def cell_with_marker(tmp_path, body=REGRESSION_CELL):
         ("--engines 0", r"--engines 0: must be an integer >= 1"),
         ("--batch-size 33", r"--batch-size 33: must be divisible by engines x grad-accum = 2 x 1"),
         ("--lr -0.1", r"--lr -0.1: must be a finite number >= 0"),
-        ("--strategy sharded", r"--strategy 'sharded': not available yet"),
+        (
+            "--strategy tensor --tensor-parallel 3",
+            r"--tensor-parallel 3: must divide --engines \(2\)",
+        ),
+        ("--no-reshard-after-forward", r"--reshard-after-forward False: --no-reshard-after"),
+        ("--precision fp8", r"argument --precision: invalid choice"),
         ("--strategy model --partitions 2 --microbatches 1", r"--microbatches 1: 1f1b needs"),
         ("--strategy pipeline", r"argument --strategy: invalid choice"),
         ("--engines 4", r"--engines 4: the running pool has 2 engines"),

@@ -8,7 +8,6 @@ from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell
 
 import sagenb
-from sagenb import cluster
 from sagenb.config import ConfigError
 
 from .conftest import max_param_diff
@@ -126,12 +125,6 @@ def test_pipeline_telemetry_and_gpipe_holds_more_activations(pool):
         peaks[schedule] = last[0]["memory/activations(MiB)"]
     # stage 0 keeps all 4 microbatches' activations under GPipe, at most 2 under 1F1B
     assert peaks["gpipe"] > 1.5 * peaks["1f1b"]
-
-
-@pytest.fixture
-def pool4(_stop_pool_at_end) -> cluster.EnginePool:
-    current = cluster.current_pool()
-    return current if current is not None and current.size == 4 else cluster.start_pool(4)
 
 
 @pytest.mark.parametrize("name", list(MODELS))

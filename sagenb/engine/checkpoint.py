@@ -102,11 +102,12 @@ def load(
         raise FileNotFoundError(f"--resume: no checkpoint in {directory}")
     metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     target = _state(strategy, optimizer, rank)
-    names = [name for name, _ in strategy.named_parameters()]
-    for name in names:  # optimizer state that does not exist yet (no step taken)
+    params = dict(strategy.named_parameters())
+    names = list(params)
+    for name, param in params.items():  # optimizer state that does not exist yet (no step taken)
         for key, meta in metadata.items():
             if key.startswith(f"optim/{name}/") and key not in target:
-                target[key] = _empty(meta)
+                target[key] = _empty(meta, like=param)
     target.update(step=0, key_order=None, scheduler=None)
     dcp.load(target, checkpoint_id=path)
     strategy.load_checkpoint_state(
@@ -119,9 +120,13 @@ def load(
     return int(target["step"])
 
 
-def _empty(meta: Any) -> torch.Tensor:
+def _empty(meta: Any, *, like: torch.Tensor) -> torch.Tensor:
+    """Room for one saved optimizer entry: shaped like its parameter (momentum, Adam's
+    moments; a DTensor shard when the parameter is sharded), else as saved (Adam's step)."""
     if not isinstance(meta, TensorStorageMetadata):
         raise TypeError(f"expected a tensor in the checkpoint, found {meta}")
+    if tuple(meta.size) == tuple(like.shape) and meta.properties.dtype == like.dtype:
+        return torch.empty_like(like.detach())
     return torch.empty(meta.size, dtype=meta.properties.dtype)
 
 

@@ -15,10 +15,12 @@ from functools import partial
 
 import torch
 
-from sagenb.config import TrainConfig
+from sagenb.config import ConfigError, TrainConfig
 from sagenb.engine import process_group
 from sagenb.engine.loop import train_loop
+from sagenb.engine.precision import check_supported
 from sagenb.engine.publish import Publisher
+from sagenb.engine.recompute import checkpoint_blocks
 from sagenb.engine.strategies import make_strategy
 from sagenb.engine.workspace import build_workspace
 from sagenb.job import Job, JobError
@@ -60,6 +62,8 @@ def run_rank(spec: RankSpec, publish: Publisher | None = None) -> RankResult:
         return _train(spec, publish)
     except JobError as exc:
         error = JobError(str(exc))
+    except ConfigError as exc:  # an option this engine cannot honour (--precision on its device)
+        error = ConfigError(exc.name, exc.value, exc.allowed)
     except BaseException:  # noqa: BLE001 - KeyboardInterrupt too: release the peers either way
         where = f"rank {spec.rank} on {socket.gethostname()}, pid {os.getpid()}"
         error = RankFailure(f"{where}:\n{traceback.format_exc()}")
@@ -83,7 +87,10 @@ def _train(spec: RankSpec, publish: Publisher) -> RankResult:
         timeout_s=spec.config.collective_timeout,
         device=device,
     )
+    check_supported(spec.config.precision, device)
     ws = build_workspace(spec.job, spec.config.seed, delay_init=spec.config.delay_init)
+    if spec.config.activation_checkpointing:
+        checkpoint_blocks(ws.model)  # before any strategy wraps or splits the model
     strategy = make_strategy(spec.config, rank=spec.rank, world_size=spec.world_size, device=device)
     strategy.setup(ws)
     steps = train_loop(

@@ -3,6 +3,8 @@
 An optimizer step takes one global batch of the fixed sample order, cut into `grad_accum`
 slices; each slice's loss is scaled by 1/grad_accum so the accumulated gradient is that of the
 mean over the whole global batch. Then: clip (global norm), optimizer, scheduler, metrics.
+With --precision fp16 the loss is also multiplied by the loss scaler's scale, and the
+gradients divided by it before clipping; a step whose gradients overflowed is skipped.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from sagenb.config import TrainConfig
 from sagenb.engine import checkpoint
 from sagenb.engine.data import fetch, plan_steps, to_device, total_steps
 from sagenb.engine.memory import MemoryMeter
+from sagenb.engine.precision import LossScaler, autocast
 from sagenb.engine.strategies import Strategy
 from sagenb.engine.workspace import Workspace
 
@@ -47,6 +50,7 @@ def train_loop(
     objects = dict(strategy=strategy, optimizer=optimizer, scheduler=scheduler, rank=rank)
     start = checkpoint.load(config.checkpoint_dir, **objects) if config.resume else 0
     meter = MemoryMeter(strategy.module, optimizer, device)
+    scaler = LossScaler(device=device) if config.precision == "fp16" else None
     n = len(ws.dataset)
     total = total_steps(n, batch_size=config.batch_size, epochs=config.epochs, steps=config.steps)
     plan = plan_steps(
@@ -59,7 +63,9 @@ def train_loop(
     )
     last = start
     for step in plan:
-        publish(_step(ws, strategy, config, step, total, optimizer, scheduler, meter, device))
+        publish(
+            _step(ws, strategy, config, step, total, optimizer, scheduler, meter, device, scaler)
+        )
         last = step.number
         stop = should_stop(step.number)
         every = config.checkpoint_every
@@ -70,20 +76,28 @@ def train_loop(
     return last
 
 
-def _step(ws, strategy, config, step, total, optimizer, scheduler, meter, device) -> dict:
+def _step(ws, strategy, config, step, total, optimizer, scheduler, meter, device, scaler) -> dict:
     """One optimizer step; returns its metrics."""
     started = time.perf_counter()
     meter.start_step()
-    loss, samples, tokens = _accumulate(
-        ws, strategy, meter, step.indices, config.grad_accum, device
-    )
+    loss_scale = scaler.scale if scaler is not None else 1.0
+    with autocast(config.precision, device):
+        loss, samples, tokens = _accumulate(
+            ws, strategy, meter, step.indices, config.grad_accum, device, loss_scale
+        )
     metrics: dict[str, Any] = {"step": step.number, "total_steps": total, "epoch": step.epoch}
     if loss is not None:
         metrics["loss"] = loss
-    if config.clip_grad_norm is not None:
+    finite = True
+    if scaler is not None:
+        metrics["loss_scale"] = loss_scale
+        finite = scaler.unscale(strategy.parameters())
+        metrics["skipped_step"] = int(not finite)
+    if config.clip_grad_norm is not None and finite:
         metrics["grad_norm"] = strategy.clip_grad_norm(config.clip_grad_norm)
     metrics["lr"] = optimizer.param_groups[0]["lr"]
-    optimizer.step()
+    if finite:
+        optimizer.step()
     if scheduler is not None:
         scheduler.step()
     metrics.update(meter.snapshot())
@@ -101,8 +115,10 @@ def _step(ws, strategy, config, step, total, optimizer, scheduler, meter, device
     return metrics
 
 
-def _accumulate(ws, strategy, meter, indices, grad_accum, device):
-    """Forward and backward over the grad_accum slices of one global batch."""
+def _accumulate(ws, strategy, meter, indices, grad_accum, device, loss_scale):
+    """Forward and backward over the grad_accum slices of one global batch (the backward
+    runs under the forward's autocast too: pipeline schedules interleave the two, and
+    autocast leaves backward's dtypes to those of the forward ops)."""
     losses = []
     samples = tokens = 0
     slices = indices.chunk(grad_accum)
@@ -111,7 +127,7 @@ def _accumulate(ws, strategy, meter, indices, grad_accum, device):
         batch = to_device(fetch(ws.dataset, local), device)
         with meter.track():
             loss = strategy.forward_backward(
-                batch, ws.loss_fn, scale=1.0 / grad_accum, sync=k == len(slices) - 1
+                batch, ws.loss_fn, scale=loss_scale / grad_accum, sync=k == len(slices) - 1
             )
         if loss is not None:
             losses.append(loss)

@@ -15,13 +15,26 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from sagenb.engine.dtensors import local
+
 __all__ = ["MemoryMeter"]
 
 MIB = 1024 * 1024
 
 
 def _tensor_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+    # a DTensor counts its local shard: what this engine holds
+    return sum(local(t).numel() * t.element_size() for t in tensors if t is not None)
+
+
+def _storage_of(tensor: torch.Tensor) -> tuple[int, int]:
+    """(a key identifying the memory, its bytes). Tensor subclasses without a storage of
+    their own (tensor parallel's in-flight all-reduce results) count by their own size."""
+    try:
+        storage = local(tensor).untyped_storage()
+        return storage.data_ptr(), storage.nbytes()
+    except (RuntimeError, NotImplementedError):
+        return id(tensor), tensor.numel() * tensor.element_size()
 
 
 class _Saved:
@@ -36,7 +49,7 @@ class MemoryMeter:
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device):
         self.module, self.optimizer, self.device = module, optimizer, device
-        self._param_storages = {p.untyped_storage().data_ptr() for p in module.parameters()}
+        self._param_storages = {local(p).untyped_storage().data_ptr() for p in module.parameters()}
         self._live: dict[int, list[int]] = {}  # storage ptr -> [bytes, references]
         self._current = 0
         self.peak_activations = 0
@@ -48,14 +61,15 @@ class MemoryMeter:
             self._process = None
 
     def _pack(self, tensor: torch.Tensor) -> _Saved:
-        storage = tensor.untyped_storage()
-        key = storage.data_ptr()
+        if isinstance(tensor, nn.Parameter):  # FSDP's gathered weights: parameters, not activations
+            return _Saved(tensor, None)
+        key, nbytes = _storage_of(tensor)
         if key in self._param_storages or key == 0:
             return _Saved(tensor, None)
         entry = self._live.get(key)
         if entry is None:
-            self._live[key] = [storage.nbytes(), 1]
-            self._current += storage.nbytes()
+            self._live[key] = [nbytes, 1]
+            self._current += nbytes
             self.peak_activations = max(self.peak_activations, self._current)
         else:
             entry[1] += 1

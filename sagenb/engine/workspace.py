@@ -27,6 +27,7 @@ class Workspace:
     make_optimizer: Callable[..., torch.optim.Optimizer] | None = None
     make_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None
     eval_dataset: Any = None
+    tp_plan: dict[str, Any] | None = None
 
 
 def seed_everything(seed: int) -> None:
@@ -56,6 +57,7 @@ def build_workspace(job: Job, seed: int, *, delay_init: bool = False) -> Workspa
         make_optimizer=ns.get("make_optimizer"),
         make_scheduler=ns.get("make_scheduler"),
         eval_dataset=ns.get("eval_dataset"),
+        tp_plan=ns.get("tp_plan"),
     )
     _check(ws)
     return ws
@@ -75,5 +77,7 @@ def _check(ws: Workspace) -> None:
         value = getattr(ws, name)
         if value is not None and not callable(value):
             raise JobError(f"{name} must be callable, got {type(value).__name__}")
+    if ws.tp_plan is not None and not isinstance(ws.tp_plan, dict):
+        raise JobError(f"tp_plan must be a dict of module path -> style, got {ws.tp_plan!r}")
     if not any(p.requires_grad for p in ws.model.parameters()):
         raise JobError("model has no trainable parameters")

@@ -12,7 +12,7 @@ __all__ = ["Strategy"]
 
 
 class Strategy(Protocol):
-    """One engine's part in a step. Data parallel implements it; pipeline and sharded follow."""
+    """One engine's part in a step: data parallel, pipeline, sharded and tensor implement it."""
 
     #: the module whose parameters this engine holds (for the optimizer and memory accounting)
     module: nn.Module

@@ -1,0 +1,67 @@
+"""What sharded and tensor parallel share: parameters that are DTensors.
+
+FSDP2 (`fully_shard`) and tensor parallel (`parallelize_module`) both turn parameters into
+DTensors: each engine holds a local shard, the DTensor knows the whole. Memory accounting,
+the global gradient norm and the full state_dict need the local shard or the whole, and these
+helpers give each.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+__all__ = ["local", "is_sharded", "full_state_dict", "clip_grad_norm"]
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard, else the tensor itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def is_sharded(tensor: torch.Tensor) -> bool:
+    return isinstance(tensor, DTensor) and any(p.is_shard() for p in tensor.placements)
+
+
+def full_state_dict(module: torch.nn.Module, *, keep: bool) -> dict[str, torch.Tensor] | None:
+    """The whole, unsharded state_dict on the CPU (a collective: every rank calls it; only
+    the ranks with `keep` hold on to the result)."""
+    out = {}
+    for key, value in module.state_dict().items():
+        whole = value.full_tensor() if isinstance(value, DTensor) else value
+        if keep:
+            out[key] = whole.detach().to("cpu", copy=True)
+    return out if keep else None
+
+
+def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float) -> float:
+    """Clip to `max_norm` the norm over every gradient of the whole model, as one process
+    would compute it: squares of sharded gradients are summed over the ranks holding the
+    shards; replicated ones (identical on every rank) are counted once. Same formula as
+    torch.nn.utils.clip_grad_norm_ (coefficient max_norm / (norm + 1e-6), at most 1)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    squares: dict[object, torch.Tensor] = {}  # process group of the shards -> sum of squares
+    replicated = torch.zeros((), dtype=torch.float64)
+    for g in grads:
+        part = local(g).detach().double().pow(2).sum().cpu()
+        if is_sharded(g):
+            dims = [i for i, p in enumerate(g.placements) if p.is_shard()]
+            for dim in dims:  # one mesh dimension per sharded placement (1-D in sagenb)
+                group = g.device_mesh.get_group(dim)
+                squares[group] = squares.get(group, torch.zeros((), dtype=torch.float64)) + part
+        else:
+            replicated += part
+    total = replicated
+    for group, part in squares.items():
+        device_part = part.to(grads[0].device)
+        dist.all_reduce(device_part, group=group)
+        total = total + device_part.cpu()
+    norm = float(total.sqrt())
+    coef = min(1.0, max_norm / (norm + 1e-6))
+    if coef < 1.0:
+        for g in grads:
+            local(g).mul_(coef)
+    return norm

@@ -1,0 +1,116 @@
+"""Sharded data parallel: FSDP2 (`fully_shard`), ZeRO-3 style, across every engine.
+
+Each engine takes its share of every global batch, as in data parallel, but holds only 1/N of
+every parameter, gradient and optimizer state. Every repeated block (as found for pipeline
+splitting) is its own FSDP unit, and the root holds the rest (embeddings, head): before a unit
+computes, its parameters are all-gathered; after backward its gradients are reduce-scattered
+(averaged), so each engine steps the optimizer on its own shard. With
+--no-reshard-after-forward the gathered parameters stay until backward (ZeRO-2: more memory,
+one all-gather fewer per block). torch's FSDP2 tutorial and torchtitan apply it the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+
+from sagenb.engine import dtensors
+from sagenb.engine.data import fetch, to_device
+from sagenb.engine.delayed import materialize
+from sagenb.engine.partition import find_blocks
+from sagenb.engine.strategies.data_parallel import DataParallel
+from sagenb.engine.workspace import Workspace
+from sagenb.job import JobError
+
+__all__ = ["Sharded"]
+
+
+class Sharded(DataParallel):
+    """Data parallel whose parameters, gradients and optimizer state are split N ways."""
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        seed: int = 0,
+        reshard_after_forward: bool = True,
+    ):
+        super().__init__(rank=rank, world_size=world_size, device=device, seed=seed)
+        self.reshard_after_forward = reshard_after_forward
+
+    def setup(self, ws: Workspace) -> None:
+        model = ws.model
+        self.key_order = list(model.state_dict().keys())
+        mesh = init_device_mesh(self.device.type, (self.world_size,))
+        delayed = any(p.is_meta for p in model.parameters())
+        for block in _blocks(model):
+            if delayed:  # materialise one block at a time: no engine ever holds the whole
+                materialize(model, [block], seed=self.seed, device=self.device)
+            fully_shard(block.to(self.device), mesh=mesh, **self._options())
+        if delayed:
+            materialize(model, [model], seed=self.seed, device=self.device)
+        self.module = fully_shard(model.to(self.device), mesh=mesh, **self._options())
+
+    def _options(self) -> dict[str, Any]:
+        return {"reshard_after_forward": self.reshard_after_forward}
+
+    def forward_backward(
+        self, batch: Any, loss_fn: Callable[..., torch.Tensor], *, scale: float, sync: bool
+    ) -> torch.Tensor:
+        inputs, targets = batch
+        root: FSDPModule = self.module  # type: ignore[assignment]
+        root.set_requires_gradient_sync(sync)  # accumulate locally until the last slice
+        loss = loss_fn(self.module(inputs), targets)
+        (loss * scale).backward()
+        return loss.detach()
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        return dtensors.clip_grad_norm(self.module.parameters(), max_norm)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        return dtensors.full_state_dict(self.module, keep=self.rank == 0)
+
+    @torch.no_grad()
+    def evaluate(
+        self, dataset: Any, loss_fn: Callable[..., torch.Tensor], batch_size: int
+    ) -> float:
+        return evaluate_everywhere(self.module, dataset, loss_fn, batch_size, self.device)
+
+
+def _blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated blocks, each its own FSDP unit; a model without any is sharded whole."""
+    try:
+        blocks = find_blocks(model)
+    except JobError:
+        return []
+    modules = [model.get_submodule(blocks.qualified(i)) for i in range(len(blocks))]
+    return [m for m in modules if any(True for _ in m.parameters())]  # Tanh has nothing to shard
+
+
+def evaluate_everywhere(
+    module: torch.nn.Module,
+    dataset: Any,
+    loss_fn: Callable[..., torch.Tensor],
+    batch_size: int,
+    device: torch.device,
+) -> float:
+    """Mean loss over the whole dataset, in order, computed by every rank on every batch.
+
+    Sharded and tensor-parallel forwards are collectives, so every rank must run the same
+    batches; splitting the eval set would leave a rank with one batch fewer waiting forever."""
+    was_training = module.training
+    module.eval()
+    total, count = torch.zeros((), dtype=torch.float64), 0
+    for start in range(0, len(dataset), batch_size):
+        idx = torch.arange(start, min(start + batch_size, len(dataset)))
+        inputs, targets = to_device(fetch(dataset, idx), device)
+        total += loss_fn(module(inputs), targets).double().cpu() * len(idx)
+        count += len(idx)
+    module.train(was_training)
+    return float(total / count)

@@ -1,0 +1,87 @@
+"""Tensor parallel: single Linear layers split across T engines, data parallel across the rest.
+
+The engines form groups of T (--tensor-parallel): within a group every engine sees the same
+samples and holds 1/T of each split layer (sagenb/engine/tp_plan.py says which and how);
+`parallelize_module` turns those weights into DTensors and inserts the all-reduces Megatron-LM
+needs. With more engines than T, the groups are data-parallel replicas: each takes its share
+of the global batch and their gradients are averaged, as DDP would, after the last slice.
+Ranks are laid out group-major (rank = replica * T + position), so a group's engines are
+neighbours: on a GPU machine the chatty tensor-parallel all-reduces stay within a node.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.parallel import parallelize_module
+
+from sagenb.config import TrainConfig
+from sagenb.engine import dtensors
+from sagenb.engine.delayed import materialize
+from sagenb.engine.strategies.data_parallel import DataParallel
+from sagenb.engine.strategies.sharded import evaluate_everywhere
+from sagenb.engine.tp_plan import derive_plan, split_heads, to_styles
+from sagenb.engine.workspace import Workspace
+
+__all__ = ["TensorParallel"]
+
+
+class TensorParallel(DataParallel):
+    def __init__(self, config: TrainConfig, *, rank: int, world_size: int, device: torch.device):
+        super().__init__(rank=rank, world_size=world_size, device=device, seed=config.seed)
+        self.T = config.tensor_parallel or world_size
+        self.D = world_size // self.T
+        self.replica = rank // self.T
+        self.plan: dict[str, Any] = {}
+
+    def setup(self, ws: Workspace) -> None:
+        model = ws.model
+        self.key_order = list(model.state_dict().keys())
+        if any(p.is_meta for p in model.parameters()):
+            materialize(model, [model], seed=self.seed, device=self.device)
+        mesh = init_device_mesh(self.device.type, (self.D, self.T), mesh_dim_names=("dp", "tp"))
+        self.plan = dict(ws.tp_plan) if ws.tp_plan is not None else derive_plan(model, self.T)
+        split_heads(model, self.plan, self.T)
+        self.module = parallelize_module(model.to(self.device), mesh["tp"], to_styles(self.plan))
+        self._dp_group = mesh["dp"].get_group() if self.D > 1 else None
+
+    def local_indices(self, slice_indices: torch.Tensor) -> torch.Tensor:
+        share = len(slice_indices) // self.D
+        return slice_indices[self.replica * share : (self.replica + 1) * share]
+
+    def forward_backward(
+        self, batch: Any, loss_fn: Callable[..., torch.Tensor], *, scale: float, sync: bool
+    ) -> torch.Tensor | None:
+        inputs, targets = batch
+        loss = loss_fn(self.module(inputs), targets)
+        (loss * scale).backward()
+        if sync and self._dp_group is not None:
+            self._average_across_replicas()
+        # a group's engines all compute the same loss: one of them reports it for the replica
+        return loss.detach() if self.rank % self.T == 0 else None
+
+    def _average_across_replicas(self) -> None:
+        grads = [dtensors.local(p.grad) for p in self.module.parameters() if p.grad is not None]
+        flat = torch.cat([g.reshape(-1) for g in grads])  # one all-reduce, not one per tensor
+        dist.all_reduce(flat, group=self._dp_group)
+        flat.div_(self.D)
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        return dtensors.clip_grad_norm(self.module.parameters(), max_norm)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        return dtensors.full_state_dict(self.module, keep=self.rank == 0)
+
+    @torch.no_grad()
+    def evaluate(
+        self, dataset: Any, loss_fn: Callable[..., torch.Tensor], batch_size: int
+    ) -> float:
+        return evaluate_everywhere(self.module, dataset, loss_fn, batch_size, self.device)
