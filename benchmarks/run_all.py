@@ -4,7 +4,8 @@
 
 Runs, one after another (each alone on the machine): time to first step (cold and warm pool),
 sagenb against a torchrun DDP script, Accelerate's notebook_launcher, its own live dashboard and
-1 engine, the pipeline benchmarks, and recovery from injected faults. On a machine with CUDA the
+1 engine, the pipeline benchmarks, the memory savers (data, sharded and tensor parallel, with and
+without activation checkpointing), and recovery from injected faults. On a machine with CUDA the
 same command runs there too: engines use nccl and CUDA memory when each has its own GPU.
 """
 
@@ -74,6 +75,7 @@ def summary_md(res: dict) -> str:
         "Throughput (samples/s, medians): " + ", ".join(f"{k} {v:.0f}" for k, v in tp.items()),
     ]
     lines += ["", (HERE / "results" / "pipeline.md").read_text().split("\n", 2)[2]]
+    lines += ["#" + (HERE / "results" / "memory_savers.md").read_text()]
     lines += [(HERE / "results" / "recovery.md").read_text().split("\n", 1)[1]]
     return "\n".join(lines) + "\n"
 
@@ -88,9 +90,10 @@ def main() -> None:
         run("first_step.py", "--repeats", repeats)
         run("against_peers.py", "--rounds", repeats)
         run("pipeline.py")
+        run("memory_savers.py", "--rounds", "1" if args.quick else "2")
         run("recovery.py")
     res = {"machine": machine()}
-    for name in ("first_step", "against_peers", "pipeline", "recovery"):
+    for name in ("first_step", "against_peers", "pipeline", "memory_savers", "recovery"):
         res[name] = json.loads((OUT / f"{name}.json").read_text())
     (OUT / "summary.json").write_text(json.dumps(res, indent=1))
     (OUT / "summary.md").write_text(summary_md(res))

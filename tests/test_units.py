@@ -8,7 +8,11 @@ import torch
 from sagenb.config import ConfigError, TrainConfig
 from sagenb.cost import CostMeter, instance_price
 from sagenb.engine.data import plan_steps
+from sagenb.engine.precision import LossScaler, check_supported
+from sagenb.engine.tp_plan import derive_plan, split_heads
 from sagenb.job import Job, JobError, defined_names
+
+from .models import SPLIT_GPT_CELL
 
 
 @pytest.mark.parametrize(
@@ -154,3 +158,37 @@ def test_own_price_table_and_price(tmp_path):
         TrainConfig(price_table=str(tmp_path / "missing.json"))
     with pytest.raises(ConfigError, match="--spot-discount 1.5: must be between 0 and 0.95"):
         TrainConfig(spot_discount=1.5)
+
+
+def test_tensor_parallel_plan_splits_mlp_pairs_and_attention_by_heads():
+    ns: dict = {}
+    exec(SPLIT_GPT_CELL, ns)
+    plan = derive_plan(ns["model"], 2)
+    assert {k: v for k, v in plan.items() if k.startswith("blocks.0.")} == {
+        "blocks.0.attn.q": "colwise",
+        "blocks.0.attn.k": "colwise",
+        "blocks.0.attn.v": "colwise",
+        "blocks.0.attn.proj": "rowwise",
+        "blocks.0.mlp.0": "colwise",
+        "blocks.0.mlp.2": "rowwise",
+    }
+    assert "head" not in plan  # tied to the embedding: left whole
+    split_heads(ns["model"], plan, 2)
+    assert ns["model"].blocks[1].attn.n_head == 2
+    with pytest.raises(JobError, match="no Linear pair whose hidden width divides by 3"):
+        derive_plan(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)), 3)
+
+
+def test_precision_and_loss_scaler():
+    with pytest.raises(ConfigError, match="--precision 'bf16': no autocast on meta"):
+        check_supported("bf16", torch.device("meta"))
+    p = torch.nn.Parameter(torch.ones(3))
+    scaler = LossScaler(init_scale=8.0, growth_interval=2, device=torch.device("cpu"))
+    p.grad = torch.tensor([8.0, 16.0, float("inf")])
+    assert not scaler.unscale([p]) and scaler.scale == 4.0  # overflow: skip, halve
+    p.grad = torch.tensor([4.0, 8.0, 12.0])
+    assert scaler.unscale([p]) and torch.equal(p.grad, torch.tensor([1.0, 2.0, 3.0]))
+    p.grad = torch.ones(3)
+    assert scaler.unscale([p]) and scaler.scale == 8.0  # two clean steps: double
+    with pytest.raises(ConfigError, match="--tensor-parallel 2: needs --strategy tensor"):
+        TrainConfig(tensor_parallel=2)

@@ -14,6 +14,7 @@ from contextlib import contextmanager
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from sagenb.engine.dtensors import local
 
@@ -50,6 +51,9 @@ class MemoryMeter:
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device):
         self.module, self.optimizer, self.device = module, optimizer, device
         self._param_storages = {local(p).untyped_storage().data_ptr() for p in module.parameters()}
+        # FSDP swaps in gathered (unsharded) parameters for each block's forward and backward:
+        # their storages change, so look them up again on a miss
+        self._gathered = isinstance(module, FSDPModule)
         self._live: dict[int, list[int]] = {}  # storage ptr -> [bytes, references]
         self._current = 0
         self.peak_activations = 0
@@ -64,7 +68,7 @@ class MemoryMeter:
         if isinstance(tensor, nn.Parameter):  # FSDP's gathered weights: parameters, not activations
             return _Saved(tensor, None)
         key, nbytes = _storage_of(tensor)
-        if key in self._param_storages or key == 0:
+        if key in self._param_storages or key == 0 or (self._gathered and self._is_gathered(key)):
             return _Saved(tensor, None)
         entry = self._live.get(key)
         if entry is None:
@@ -74,6 +78,9 @@ class MemoryMeter:
         else:
             entry[1] += 1
         return _Saved(tensor, key)
+
+    def _is_gathered(self, key: int) -> bool:
+        return any(_storage_of(p)[0] == key for p in self.module.parameters())
 
     def _unpack(self, saved: _Saved) -> torch.Tensor:
         entry = self._live.get(saved.key) if saved.key is not None else None
