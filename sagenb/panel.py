@@ -20,6 +20,7 @@ from sagenb import cluster
 from sagenb.config import (
     AVAILABLE_STRATEGIES,
     PARTITION_METHODS,
+    PRECISIONS,
     SCHEDULES,
     ConfigError,
     TrainConfig,
@@ -38,6 +39,8 @@ def current_panel() -> ControlPanel | None:
 
 LABELS = {
     "steps": "steps (0: all)",
+    "tensor_parallel": "tensor parallel (0: all)",
+    "activation_checkpointing": "recompute blocks",
     "partition_by": "partition by",
     "batch_size": "batch size",
     "lr": "learning rate",
@@ -57,6 +60,9 @@ def _controls(d: TrainConfig) -> dict[str, widgets.Widget]:
         "epochs": widgets.BoundedIntText(d.epochs, min=1, max=10_000),
         "steps": widgets.BoundedIntText(d.steps or 0, min=0, max=10**9),
         "lr": widgets.FloatText(d.lr),
+        "tensor_parallel": widgets.BoundedIntText(d.tensor_parallel or 0, min=0, max=64),
+        "precision": widgets.Dropdown(options=PRECISIONS, value=d.precision),
+        "activation_checkpointing": widgets.Checkbox(d.activation_checkpointing),
         "instance": widgets.Dropdown(options=sorted(price_table()), value=d.instance),
     }
     for name, control in controls.items():
@@ -122,6 +128,7 @@ class ControlPanel:
     def values(self) -> dict[str, Any]:
         out = {name: c.value for name, c in self.controls.items()}
         out["steps"] = out["steps"] or None
+        out["tensor_parallel"] = out["tensor_parallel"] or None
         return {**self._fixed, **out}
 
     def _update(self, change: Any = None) -> None:

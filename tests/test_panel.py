@@ -33,6 +33,8 @@ def set_options(panel, **values):
             "steps": 10,
             "partition_by": "parameters",
         },
+        {"strategy": "tensor", "tensor_parallel": 2, "precision": "bf16"},
+        {"strategy": "sharded", "activation_checkpointing": True, "precision": "fp16"},
     ],
 )
 def test_panel_round_trips_to_the_magic_line(values):
