@@ -185,6 +185,7 @@ def figure(board: Any) -> go.Figure:
             mode="lines",
             stackgroup="t",
             line={"color": "#E45756"},
+            visible=pipeline,  # always zero without a pipeline: a red line along the top
             **next(data),
         ),
         2,

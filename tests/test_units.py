@@ -192,3 +192,14 @@ def test_precision_and_loss_scaler():
     assert scaler.unscale([p]) and scaler.scale == 8.0  # two clean steps: double
     with pytest.raises(ConfigError, match="--tensor-parallel 2: needs --strategy tensor"):
         TrainConfig(tensor_parallel=2)
+
+
+def test_dashboard_header_names_the_layout():
+    from sagenb.dashboard import layout_text
+
+    tensor = TrainConfig(strategy="tensor", engines=4, tensor_parallel=2, precision="bf16")
+    assert layout_text(tensor) == "tensor: 2-way layer splits x 2 replicas, bf16"
+    sharded = TrainConfig(
+        strategy="sharded", engines=2, reshard_after_forward=False, activation_checkpointing=True
+    )
+    assert layout_text(sharded) == "sharded (ZeRO-2) on 2 engines, activation checkpointing"
