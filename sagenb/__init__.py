@@ -38,6 +38,7 @@ _PUBLIC = {
     "ControlPanel": "sagenb.panel",
     "fit_scaling": "sagenb.whatif",
     "what_if": "sagenb.whatif",
+    "teaching_case": "sagenb.whatif",
     "Plan": "sagenb.planner",
 }
 

@@ -126,8 +126,9 @@ class Dashboard:
             self._redraw()
             self._last_draw = now
 
-    def finish(self, elapsed: float, *, failed: bool) -> None:
-        self.elapsed, self.status = elapsed, "failed" if failed else "done"
+    def finish(self, elapsed: float, *, status: str) -> None:
+        """The run ended: "done", "failed" or "interrupted" (the header says which)."""
+        self.elapsed, self.status = elapsed, status
         self.cost_points.append((elapsed, self.cost.cost(elapsed)))
         self._dirty = True
         self._redraw()

@@ -120,6 +120,7 @@ class _Run:
         )
         self.sinks = [self.history, *sinks, *([self.dashboard] if self.dashboard else [])]
         self.first_step_s: float | None = None
+        self.ended: float | None = None  # when the run ended (before any repair of the pool)
         self.last_progress = time.monotonic()
 
     def execute(self) -> TrainResult:
@@ -149,9 +150,9 @@ class _Run:
         except KeyboardInterrupt:
             raise TrainingInterrupted(self._interrupted()) from None
         except BaseException:
-            self._close_sinks(failed=True)
+            self._close_sinks(status="failed")
             raise
-        self._close_sinks(failed=False)
+        self._close_sinks(status="done")
         return self._result(results, status="done")
 
     def _result(self, results: list[RankResult] | None, *, status: str) -> TrainResult:
@@ -214,6 +215,7 @@ class _Run:
     # -- when things go wrong --------------------------------------------------------------
     def _contain(self) -> None:
         """Every rank ends within seconds and the pool heals (dead engines replaced)."""
+        self._mark_end()  # repairing the pool is not part of the run's time or cost
         ars, ids = self.ars, self.ids
         if not self._wait_all(SETTLE_S):
             # Some rank is still running: blocked in a collective with a failed rank whose
@@ -284,13 +286,18 @@ class _Run:
             self.pool.interrupt([self.ids[r] for r, ar in enumerate(self.ars) if not ar.ready()])
             self._contain()
             self._drain()
-        self._close_sinks(failed=results is None)
+        self._close_sinks(status="interrupted" if results is not None else "failed")
         return self._result(results, status="interrupted")
 
-    def _close_sinks(self, *, failed: bool) -> None:
-        self.wall_s = time.perf_counter() - self.started
+    def _mark_end(self) -> None:
+        if self.ended is None:
+            self.ended = time.perf_counter()
+
+    def _close_sinks(self, *, status: str) -> None:
+        self._mark_end()
+        self.wall_s = self.ended - self.started
         if self.dashboard is not None:
-            self.dashboard.finish(self.wall_s, failed=failed)
+            self.dashboard.finish(self.wall_s, status=status)
         for sink in self.sinks:
             sink.close()
 

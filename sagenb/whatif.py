@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from sagenb.cost import CostMeter, instance_price
 from sagenb.result import TrainResult
 
-__all__ = ["Scaling", "fit_scaling", "what_if"]
+__all__ = ["Scaling", "fit_scaling", "what_if", "teaching_case"]
 
 
 @dataclass(frozen=True)

@@ -83,7 +83,7 @@ def test_live_dashboard_redraws_are_throttled():
             )
         board.tick(time.perf_counter() - started)
     elapsed = time.perf_counter() - started
-    board.finish(elapsed, failed=False)
+    board.finish(elapsed, status="done")
     assert board.redraws <= elapsed / REDRAW_S + 2  # a fast run does not flood the browser
     widget_trace = board._figure_widget.data[2]  # the smoothed loss, as the browser has it
     assert len(widget_trace.x) == steps

@@ -167,6 +167,7 @@ def test_interrupt_in_the_magic_keeps_the_result(pool):
     with pytest.raises(KeyboardInterrupt):
         shell.run_cell_magic("smp_train", "--batch-size 2 --epochs 200 --out part", REGRESSION_CELL)
     assert shell.user_ns["part"].status == "interrupted"
+    assert shell.user_ns["part"].dashboard.status == "interrupted"  # the header says so too
 
 
 def listening_ports(procs) -> set[int]:
