@@ -9,7 +9,7 @@ from sagenb.config import ConfigError, TrainConfig
 from sagenb.cost import CostMeter, instance_price
 from sagenb.engine.data import plan_steps
 from sagenb.engine.precision import LossScaler, check_supported
-from sagenb.engine.tp_plan import derive_plan, split_heads
+from sagenb.engine.tp_plan import check_plan, derive_plan, split_heads
 from sagenb.job import Job, JobError, defined_names
 
 from .models import SPLIT_GPT_CELL
@@ -177,6 +177,16 @@ def test_tensor_parallel_plan_splits_mlp_pairs_and_attention_by_heads():
     assert ns["model"].blocks[1].attn.n_head == 2
     with pytest.raises(JobError, match="no Linear pair whose hidden width divides by 3"):
         derive_plan(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)), 3)
+
+
+def test_a_hand_plan_key_that_names_no_module_is_refused():
+    ns: dict = {}
+    exec(SPLIT_GPT_CELL, ns)
+    check_plan(ns["model"], {"blocks.*.mlp.0": "colwise", "blocks.1.attn.proj": "rowwise"})
+    with pytest.raises(JobError, match=r"tp_plan\['blocks.\*.mpl.0'\] matches no module"):
+        check_plan(ns["model"], {"blocks.*.mlp.2": "rowwise", "blocks.*.mpl.0": "colwise"})
+    with pytest.raises(JobError, match="matches no module"):  # '*' is one name, as in torch
+        check_plan(ns["model"], {"*.mlp.0": "colwise"})
 
 
 def test_precision_and_loss_scaler():

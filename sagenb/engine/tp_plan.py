@@ -31,7 +31,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from sagenb.job import JobError
 
-__all__ = ["derive_plan", "to_styles", "split_heads", "HEAD_ATTRS"]
+__all__ = ["derive_plan", "check_plan", "to_styles", "split_heads", "HEAD_ATTRS"]
 
 QKV = re.compile(r"^(q|k|v|query|key|value|wq|wk|wv|[qkv]_proj)$")
 OUT = re.compile(r"^(o|out|wo|proj|out_proj|o_proj|c_proj|dense)$")
@@ -101,6 +101,29 @@ def _tied_ids(model: nn.Module) -> set[int]:
             if p is not None:
                 seen[id(p)] = seen.get(id(p), 0) + 1
     return {pid for pid, count in seen.items() if count > 1}
+
+
+def check_plan(model: nn.Module, plan: dict[str, Any]) -> None:
+    """Raise a JobError for a key of a hand-written plan that names no module of `model`.
+
+    parallelize_module only warns about such a key, on the engine where nobody sees it, and
+    splits nothing for it: a typo would train every layer whole without a word."""
+    paths = [name.split(".") for name, _ in model.named_modules() if name]
+    for key in plan:
+        pattern = key.split(".")
+        if key and not any(_path_matches(path, pattern) for path in paths):
+            linears = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+            more = ", ..." if len(linears) > 6 else ""
+            raise JobError(
+                f"tp_plan[{key!r}] matches no module of the model, so nothing would be split "
+                f"for it; its Linear layers are {', '.join(linears[:6])}{more} ('*' stands for "
+                "one name, e.g. 'blocks.*.mlp.0')"
+            )
+
+
+def _path_matches(path: list[str], pattern: list[str]) -> bool:
+    """parallelize_module's matching: name by name, fnmatch within each."""
+    return len(path) == len(pattern) and all(map(fnmatch.fnmatchcase, path, pattern))
 
 
 def to_styles(plan: dict[str, Any]) -> dict[str, Any]:

@@ -24,7 +24,7 @@ from sagenb.engine import dtensors
 from sagenb.engine.delayed import materialize
 from sagenb.engine.strategies.data_parallel import DataParallel
 from sagenb.engine.strategies.sharded import evaluate_everywhere
-from sagenb.engine.tp_plan import derive_plan, split_heads, to_styles
+from sagenb.engine.tp_plan import check_plan, derive_plan, split_heads, to_styles
 from sagenb.engine.workspace import Workspace
 
 __all__ = ["TensorParallel"]
@@ -44,7 +44,11 @@ class TensorParallel(DataParallel):
         if any(p.is_meta for p in model.parameters()):
             materialize(model, [model], seed=self.seed, device=self.device)
         mesh = init_device_mesh(self.device.type, (self.D, self.T), mesh_dim_names=("dp", "tp"))
-        self.plan = dict(ws.tp_plan) if ws.tp_plan is not None else derive_plan(model, self.T)
+        if ws.tp_plan is not None:
+            check_plan(model, ws.tp_plan)
+            self.plan = dict(ws.tp_plan)
+        else:
+            self.plan = derive_plan(model, self.T)
         split_heads(model, self.plan, self.T)
         self.module = parallelize_module(model.to(self.device), mesh["tp"], to_styles(self.plan))
         self._dp_group = mesh["dp"].get_group() if self.D > 1 else None
