@@ -20,6 +20,7 @@ from sagenb.config import ConfigError, TrainConfig
 from sagenb.cost import CostMeter, meter_for
 from sagenb.engine.entry import RankResult, RankSpec, run_rank
 from sagenb.engine.process_group import STOP_KEY
+from sagenb.engine.rendezvous import bound_store, host_for_run
 from sagenb.failures import DEAD_ENGINE, StalledError, TrainingError, TrainingInterrupted, classify
 from sagenb.job import Job, JobError
 from sagenb.metrics import History, MetricSink, RankStream
@@ -93,16 +94,15 @@ def _resolve_engines(config: TrainConfig, pool: cluster.EnginePool) -> TrainConf
     return config.with_engines(engines)
 
 
-def _rendezvous(world_size: int, timeout_s: float) -> TCPStore:
-    """A fresh torch.distributed store on 127.0.0.1, on a port the OS picks, for one run."""
-    return TCPStore(
-        cluster.LOOPBACK,
-        0,
-        world_size,
-        is_master=True,
-        wait_for_workers=False,
-        timeout=timedelta(seconds=timeout_s),
-    )
+def _rendezvous(pool: cluster.EnginePool, world_size: int, timeout_s: float) -> TCPStore:
+    """A fresh torch.distributed store for one run, on a port its host picks: hosted here on
+    127.0.0.1 when every engine is on this machine, else by the rank-0 engine on its
+    reachable address (engine/rendezvous.py), this notebook connecting to it as a client."""
+    if not pool.multi_host:
+        return bound_store(cluster.LOOPBACK, world_size, timeout_s)
+    rank0 = pool.client[pool.engine_ids[0]]
+    addr, port = rank0.apply_sync(host_for_run, pool.controller_host, world_size, timeout_s)
+    return TCPStore(addr, port, world_size, is_master=False, timeout=timedelta(seconds=timeout_s))
 
 
 class _Run:
@@ -124,21 +124,23 @@ class _Run:
         self.last_progress = time.monotonic()
 
     def execute(self) -> TrainResult:
-        threads = self.config.threads_per_engine(self.engines)
-        self.store = _rendezvous(self.engines, self.config.collective_timeout)
+        self.store = _rendezvous(self.pool, self.engines, self.config.collective_timeout)
         specs = [
             (
                 RankSpec(
                     r,
                     self.engines,
-                    cluster.LOOPBACK,
+                    self.store.host,
                     self.store.port,
-                    threads,
+                    # the host's cores shared by its engines (counted on this machine)
+                    self.config.threads_per_engine(local_size),
                     self.config,
                     self.job,
+                    local_rank=local_rank,
+                    local_size=local_size,
                 ),
             )
-            for r in range(self.engines)
+            for r, (local_rank, local_size) in enumerate(self.pool.local_ranks(self.engines))
         ]
         self.started = time.perf_counter()
         self.ids = self.pool.engine_ids[: self.engines]

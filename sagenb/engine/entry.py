@@ -39,6 +39,9 @@ class RankSpec:
     threads: int
     config: TrainConfig
     job: Job
+    #: the engine's position among the run's engines on its host, and how many there are
+    local_rank: int = 0
+    local_size: int = 1
 
 
 @dataclass
@@ -78,7 +81,7 @@ def run_rank(spec: RankSpec, publish: Publisher | None = None) -> RankResult:
 
 def _train(spec: RankSpec, publish: Publisher) -> RankResult:
     torch.set_num_threads(spec.threads)
-    device = process_group.pick_device(spec.rank, spec.world_size)
+    device = process_group.pick_device(spec.local_rank, spec.local_size)
     process_group.init_process_group(
         rank=spec.rank,
         world_size=spec.world_size,

@@ -9,6 +9,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from sagenb.engine.rendezvous import use_interface
+
 __all__ = ["init_process_group", "shutdown", "pick_device", "stop_requested", "STOP_KEY"]
 
 #: set by the notebook in the run's store when the user interrupts
@@ -19,10 +21,11 @@ _store: dist.TCPStore | None = None
 _request_checked = 0.0
 
 
-def pick_device(rank: int, world_size: int) -> torch.device:
-    """One CUDA device per engine when the host has enough of them, else the CPU."""
-    if torch.cuda.is_available() and torch.cuda.device_count() >= world_size:
-        return torch.device("cuda", rank % torch.cuda.device_count())
+def pick_device(local_rank: int, local_size: int) -> torch.device:
+    """One CUDA device per engine when its host has one for each of its engines, else the
+    CPU; `local_rank` is the engine's position among the run's engines on its host."""
+    if torch.cuda.is_available() and torch.cuda.device_count() >= local_size:
+        return torch.device("cuda", local_rank)
     return torch.device("cpu")
 
 
@@ -41,6 +44,7 @@ def init_process_group(
     if device.type == "cuda":
         torch.cuda.set_device(device)
     timeout = timedelta(seconds=timeout_s)
+    use_interface(addr)  # gloo/nccl talk on the interface that reaches the store
     global _store
     store = _store = dist.TCPStore(addr, port, world_size, is_master=False, timeout=timeout)
     dist.init_process_group(

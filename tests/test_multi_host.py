@@ -1,0 +1,171 @@
+"""Beyond one machine: engines started by MPI, and engines on two 'hosts' (network namespaces
+with their own addresses) training together with the rendezvous on a non-loopback address.
+Both equal the single-process reference."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import ipyparallel as ipp
+import pytest
+
+import sagenb
+from sagenb import cluster
+
+from .conftest import max_param_diff
+from .models import SEQUENTIAL_CELL
+from .reference import train_reference
+
+TOL = 1e-5
+
+
+def check_both_strategies():
+    for options in (dict(strategy="data"), dict(strategy="model", partitions=2)):
+        result = sagenb.train(SEQUENTIAL_CELL, batch_size=32, steps=6, dashboard=False, **options)
+        model, _, _ = train_reference(SEQUENTIAL_CELL, batch_size=32, steps=6)
+        assert max_param_diff(result.state_dict(), model) <= TOL, options
+
+
+# -- MPI ------------------------------------------------------------------------------------
+def _mpi_missing() -> str | None:
+    if shutil.which("mpiexec") is None:
+        return "no mpiexec (Debian: apt-get install openmpi-bin; scripts/test.sh does it as root)"
+    if importlib.util.find_spec("mpi4py") is None:
+        return "no mpi4py (ipyparallel's MPI engines need it)"
+    return None
+
+
+@pytest.fixture
+def mpi_pool(_stop_pool_at_end, monkeypatch):
+    reason = _mpi_missing()
+    if reason:
+        pytest.skip(reason)
+    if os.getuid() == 0:  # Open MPI refuses to run as root unless told
+        monkeypatch.setenv("OMPI_ALLOW_RUN_AS_ROOT", "1")
+        monkeypatch.setenv("OMPI_ALLOW_RUN_AS_ROOT_CONFIRM", "1")
+    pool = cluster.start_pool(2, launcher="mpi")
+    yield pool
+    cluster.stop_pool()
+
+
+def test_mpi_launcher_pool_trains_like_one_process(mpi_pool):
+    assert mpi_pool.launcher == "mpi" and mpi_pool.size == 2
+    check_both_strategies()
+    assert cluster.restart_pool().launcher == "mpi"  # a restart keeps the launcher
+
+
+# -- two hosts on one machine -----------------------------------------------------------------
+class TwoHosts:
+    """A bridge with this machine's side at .1 and two network namespaces at .2 and .3."""
+
+    def __init__(self) -> None:
+        tag = os.getpid() % 100_000
+        self.subnet = f"10.{77 + tag % 100}.{tag % 250}"
+        self.bridge = f"smpbr{tag}"
+        self.namespaces = [f"smp{tag}-h{i}" for i in (1, 2)]
+        self.veths = [f"smpv{tag}{i}" for i in (1, 2)]
+
+    @property
+    def address(self) -> str:
+        return f"{self.subnet}.1"
+
+    def create(self) -> None:
+        run = _ip
+        run("link", "add", self.bridge, "type", "bridge")
+        run("addr", "add", f"{self.address}/24", "dev", self.bridge)
+        run("link", "set", self.bridge, "up")
+        for i, (ns, veth) in enumerate(zip(self.namespaces, self.veths), start=2):
+            run("netns", "add", ns)
+            run("link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
+            run("link", "set", veth, "master", self.bridge, "up")
+            run("-n", ns, "addr", "add", f"{self.subnet}.{i}/24", "dev", "eth0")
+            run("-n", ns, "link", "set", "eth0", "up")
+            run("-n", ns, "link", "set", "lo", "up")
+
+    def remove(self) -> None:
+        for ns in self.namespaces:
+            _ip("netns", "delete", ns, check=False)
+        _ip("link", "delete", self.bridge, check=False)
+
+
+def _ip(*args: str, check: bool = True) -> None:
+    subprocess.run(["ip", *args], check=check, capture_output=True, timeout=30)
+
+
+def _namespaces_unavailable() -> str | None:
+    if shutil.which("ip") is None:
+        return "no iproute2 `ip` command"
+    probe = f"smpprobe{os.getpid() % 100_000}"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if made.returncode != 0:
+        return f"cannot create network namespaces here: {made.stderr.strip()}"
+    subprocess.run(["ip", "netns", "delete", probe], capture_output=True)
+    return None
+
+
+@pytest.fixture
+def two_host_pool(_stop_pool_at_end, tmp_path):
+    """A controller on the bridge address and one engine in each namespace, started outside
+    sagenb (as `ipcluster` on two machines would); sagenb attaches to it."""
+    reason = _namespaces_unavailable()
+    if reason:
+        pytest.skip(reason)
+    cluster.stop_pool()
+    hosts = TwoHosts()
+    engines: list[subprocess.Popen] = []
+    controller = None
+    try:
+        hosts.create()
+        profile = tmp_path / "profile"
+        controller = ipp.Cluster(
+            n=0,
+            controller_ip=hosts.address,
+            profile_dir=str(profile),
+            cluster_id="twohosts",
+            log_level=logging.ERROR,
+        )
+        controller.start_controller_sync()
+        controller.update_cluster_file()
+        connection = profile / "security" / "ipcontroller-twohosts-engine.json"
+        for ns in hosts.namespaces:
+            command = ["ip", "netns", "exec", ns, sys.executable, "-m", "ipyparallel.engine"]
+            engines.append(
+                subprocess.Popen(
+                    [*command, f"--file={connection}", "--log-level=ERROR"],
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
+            )
+        client = controller.connect_client_sync()
+        client.wait_for_engines(2, timeout=120, interactive=False)
+        client.close()
+        yield cluster.attach_pool(profile=str(profile), cluster_id="twohosts"), hosts
+    finally:
+        cluster.stop_pool()  # lets go of the attached pool; its engines are ours to stop
+        for proc in engines:
+            proc.kill()
+        for proc in engines:
+            proc.wait(timeout=30)
+        if controller is not None:
+            controller.stop_cluster_sync()
+        hosts.remove()
+
+
+def test_two_hosts_train_like_one_process(two_host_pool):
+    pool, hosts = two_host_pool
+    assert not pool.owned and pool.multi_host
+    addresses = sorted(row.address for row in pool.status())
+    assert addresses == [f"{hosts.subnet}.2", f"{hosts.subnet}.3"]
+    check_both_strategies()
+    stopped = time.perf_counter()
+    cluster.stop_pool()  # an attached pool is let go of, not stopped: its engines live on
+    assert time.perf_counter() - stopped < 5
+    again = cluster.attach_pool(profile=str(Path(pool.cluster.profile_dir)), cluster_id="twohosts")
+    assert again.size == 2
