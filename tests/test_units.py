@@ -82,7 +82,7 @@ import torch
 from torch import nn
 # two heavy blocks at the front, eight light ones behind: equal block counts are unbalanced
 model = nn.Sequential(
-    nn.Linear(64, 768), nn.Linear(768, 768), nn.Linear(768, 64),
+    nn.Linear(64, 1536), nn.Linear(1536, 1536), nn.Linear(1536, 64),
     *[nn.Linear(64, 64) for _ in range(8)], nn.Linear(64, 1),
 )
 X = torch.randn(256, 64)
@@ -98,13 +98,13 @@ def test_auto_partitioning_balances_unequal_layers():
     torch.manual_seed(0)
     exec(UNEQUAL, ns)
     x, y = ns["dataset"][:64]
-    profile = profile_blocks(ns["model"], x, y, ns["loss_fn"], repeats=5)
+    profile = profile_blocks(ns["model"], x, y, ns["loss_fn"], repeats=9)
     uniform = choose_starts("uniform", 2, profile, blocks=12)
     auto = choose_starts("auto", 2, profile, blocks=12)
     by_params = choose_starts("parameters", 2, profile, blocks=12)
     assert uniform == [0, 6]
     assert auto != uniform and auto[1] <= 3  # the heavy blocks get a stage of their own
-    assert by_params == [0, 2]  # 768x768 alone outweighs everything after it
+    assert by_params == [0, 2]  # 1536x1536 alone outweighs everything after it
 
     def slowest(starts):
         return max(profile.stage_sums(starts)["seconds"])
