@@ -322,10 +322,12 @@ def start_pool(
 
 
 def attach_pool(*, profile: str | None = None, cluster_id: str = "") -> EnginePool:
-    """Use a pool started outside the notebook (`ipcluster start`), replacing any running one."""
+    """Use a pool started outside the notebook (`ipcluster start`), replacing any running one
+    (which keeps running if the pool cannot be found)."""
     global _current
+    attached = EnginePool.attach(profile=profile, cluster_id=cluster_id)
     stop_pool()
-    _current = EnginePool.attach(profile=profile, cluster_id=cluster_id)
+    _current = attached
     return _current
 
 

@@ -169,3 +169,21 @@ def test_two_hosts_train_like_one_process(two_host_pool):
     assert time.perf_counter() - stopped < 5
     again = cluster.attach_pool(profile=str(Path(pool.cluster.profile_dir)), cluster_id="twohosts")
     assert again.size == 2
+
+
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ("start --launcher pbs", r"argument --launcher: invalid choice: 'pbs'"),
+        ("start --launcher-option nope", r"--launcher-option 'nope': must be CLASS.TRAIT=VALUE"),
+        ("start --profile /no/such/dir --cluster-id x", r"no running ipyparallel cluster found"),
+    ],
+)
+def test_bad_cluster_lines_say_what_to_change(line, message):
+    from IPython.core.error import UsageError
+    from IPython.core.interactiveshell import InteractiveShell
+
+    shell = InteractiveShell.instance()
+    shell.run_line_magic("load_ext", "sagenb")
+    with pytest.raises(UsageError, match=message):
+        shell.run_line_magic("smp_cluster", line)
