@@ -1,0 +1,259 @@
+"""Train a cell under torchrun, with no notebook: what a script from `%%smp_export` runs.
+
+    torchrun --nproc-per-node 2 train.py [--output PATH] [--metrics-file PATH]
+        [--checkpoint-dir DIR] [--checkpoint-every N] [--resume]
+
+Each process is one rank and runs the very code a notebook's engine runs (entry._train: the
+cell after seeding, the strategy, the loop), so the script trains the model `%%smp_train`
+would. Only the surroundings differ: the rendezvous comes from torchrun's environment, rank 0
+writes every step's metrics, combined across ranks as `smp_result.history` rows are, as JSON
+lines, and the full state_dict is gathered on rank 0 and saved with torch.save.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+import torch.distributed as dist
+
+from sagenb.config import ConfigError, TrainConfig
+from sagenb.engine import process_group
+from sagenb.engine.entry import RankResult, RankSpec, _train
+from sagenb.engine.publish import Publisher
+from sagenb.job import Job, JobError
+from sagenb.metrics import History
+
+__all__ = ["TorchrunEnv", "main", "parse_args"]
+
+
+@dataclass(frozen=True)
+class TorchrunEnv:
+    """This process's place in the run, from the variables torchrun sets."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    local_size: int
+    addr: str
+    port: int
+    #: torchrun's agent already hosts the store at addr:port (every rank is its client)
+    agent_store: bool
+
+    @classmethod
+    def from_environ(cls, env: Mapping[str, str] = os.environ) -> TorchrunEnv:
+        """torchrun's variables; without them (`python train.py`) one process on this host."""
+        if "RANK" not in env:
+            return cls(0, 1, 0, 1, "127.0.0.1", 0, agent_store=False)
+        world = int(env["WORLD_SIZE"])
+        return cls(
+            rank=int(env["RANK"]),
+            world_size=world,
+            local_rank=int(env.get("LOCAL_RANK", env["RANK"])),
+            local_size=int(env.get("LOCAL_WORLD_SIZE", world)),
+            addr=env["MASTER_ADDR"],
+            port=int(env["MASTER_PORT"]),
+            agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
+        )
+
+    @property
+    def hosts_store(self) -> bool:
+        """Whether this process hosts the rendezvous store, decided as torch's own env://
+        rendezvous does (torch/distributed/rendezvous.py, _create_c10d_store): torchrun's
+        agent hosts it when it says so (static and c10d rendezvous do), otherwise rank 0."""
+        return self.rank == 0 and not self.agent_store
+
+
+def parse_args(
+    argv: Sequence[str] | None = None, *, script: str | None = None
+) -> argparse.Namespace:
+    """The script's own command line (SageMaker passes hyperparameters the same way)."""
+    stem = Path(script or sys.argv[0]).stem
+    parser = argparse.ArgumentParser(
+        prog=Path(script or sys.argv[0]).name,
+        description="Train the exported cell; run under torchrun, one process per engine.",
+    )
+    parser.add_argument(
+        "--output",
+        default=f"{stem}_state.pt",
+        help="where rank 0 saves the trained model's full state_dict (torch.save)",
+    )
+    parser.add_argument(
+        "--metrics-file", help="write each step's metrics as JSON lines here instead of stdout"
+    )
+    parser.add_argument("--checkpoint-dir", help="as %%smp_train's --checkpoint-dir")
+    parser.add_argument("--checkpoint-every", type=int, help="as %%smp_train's")
+    parser.add_argument(
+        "--resume",
+        nargs="?",
+        const=True,
+        type=_true,
+        help="continue from the newest checkpoint in --checkpoint-dir (also --resume True)",
+    )
+    return parser.parse_args(argv)
+
+
+def _true(text: str) -> bool:
+    if text.lower() not in ("true", "false", "1", "0"):
+        raise argparse.ArgumentTypeError(f"expected True or False, got {text!r}")
+    return text.lower() in ("true", "1")
+
+
+def main(
+    cell: str,
+    config: TrainConfig,
+    argv: Sequence[str] | None = None,
+    *,
+    script: str | None = None,
+) -> None:
+    """Train `cell` with `config` as this torchrun process's rank; rank 0 writes the metrics
+    and saves the full state_dict to --output."""
+    env = TorchrunEnv.from_environ()
+    args = parse_args(argv, script=script)
+    try:
+        config = _for_this_run(config, args, env)
+        job = Job.from_cell(cell)
+    except (ConfigError, JobError) as exc:
+        if env.rank == 0:
+            print(f"sagenb: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    started = time.perf_counter()
+    result, state = _run(job, config, env, args)
+    if env.rank == 0:
+        output = Path(args.output)
+        output.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(state, output)
+        print(
+            f"sagenb: {result.steps} steps on {env.world_size} rank(s) ({config.strategy}) in "
+            f"{time.perf_counter() - started:.1f} s; full state_dict ({len(state)} tensors) "
+            f"saved to {output}",
+            file=sys.stderr,
+        )
+
+
+def _for_this_run(config: TrainConfig, args: argparse.Namespace, env: TorchrunEnv) -> TrainConfig:
+    """The exported config with the command line's checkpoint options and torchrun's world
+    size (validated again, so an impossible split is refused before any rank trains)."""
+    overrides = {
+        "checkpoint_dir": args.checkpoint_dir,
+        "checkpoint_every": args.checkpoint_every,
+        "resume": args.resume,
+    }
+    config = dataclasses.replace(config, **{k: v for k, v in overrides.items() if v is not None})
+    if config.engines == env.world_size:
+        return config
+    try:
+        resized = config.with_engines(env.world_size)
+    except ConfigError as exc:
+        raise ConfigError(
+            exc.name,
+            exc.value,
+            f"{exc.allowed} (the script was exported for {config.engines} processes and runs "
+            f"on {env.world_size}: start it with torchrun --nproc-per-node {config.engines})",
+        ) from None
+    if env.rank == 0:
+        print(
+            f"sagenb: exported for {config.engines} processes, training on {env.world_size} "
+            "(the same model: every strategy trains as one process would)",
+            file=sys.stderr,
+        )
+    return resized
+
+
+def _run(
+    job: Job, config: TrainConfig, env: TorchrunEnv, args: argparse.Namespace
+) -> tuple[RankResult, dict[str, torch.Tensor] | None]:
+    """Train as this rank; returns its result and, on rank 0, the full state_dict."""
+    store = _host_store(env, config.collective_timeout)
+    spec = RankSpec(
+        env.rank,
+        env.world_size,
+        env.addr,
+        store.port if store is not None else env.port,
+        config.threads_per_engine(env.local_size),
+        config,
+        job,
+        local_rank=env.local_rank,
+        local_size=env.local_size,
+    )
+    writer = _StepWriter(env, config.batch_size, args.metrics_file, append=config.resume)
+    try:
+        result = _train(spec, Publisher(writer, interval=0.0))  # one gather per step
+        return result, _gather_state(result, env)
+    finally:
+        writer.close()
+        process_group.shutdown()
+
+
+def _host_store(env: TorchrunEnv, timeout_s: float) -> dist.TCPStore | None:
+    """The rendezvous store, when this process is the one to host it; the ranks (this one
+    too) then connect to it as the notebook's engines connect to the notebook's."""
+    if not env.hosts_store:
+        return None
+    return dist.TCPStore(
+        env.addr,
+        env.port,  # 0 (a plain `python train.py`): the OS picks a free port
+        env.world_size,
+        is_master=True,
+        wait_for_workers=False,
+        timeout=timedelta(seconds=timeout_s),
+    )
+
+
+class _StepWriter:
+    """The Publisher's `send` under torchrun: each rank's step metrics are gathered on rank 0
+    (every rank publishes once per step, so the gathers line up), which combines them as the
+    notebook does (metrics.History) and writes one JSON line per step."""
+
+    def __init__(
+        self, env: TorchrunEnv, batch_size: int, path: str | None, *, append: bool
+    ) -> None:
+        self.env, self.batch_size = env, batch_size
+        self.out: TextIO | None = None
+        if env.rank == 0:
+            self.out = open(path, "a" if append else "w") if path else sys.stdout
+
+    def __call__(self, batch: dict[str, Any]) -> None:
+        for metrics in batch.values():
+            gathered: list[Any] | None = [None] * self.env.world_size if self.out else None
+            dist.gather_object(metrics, gathered, dst=0)
+            if self.out is not None and gathered is not None:
+                self._write(gathered)
+
+    def _write(self, ranks: list[dict[str, Any]]) -> None:
+        history = History(self.env.world_size, self.batch_size)
+        for rank, metrics in enumerate(ranks):
+            history.log(metrics, metrics["step"], rank)
+        row = {**history.steps[0], "total_steps": ranks[0]["total_steps"]}
+        self.out.write(json.dumps(row, default=str) + "\n")
+        self.out.flush()
+
+    def close(self) -> None:
+        if self.out is not None and self.out is not sys.stdout:
+            self.out.close()
+
+
+def _gather_state(result: RankResult, env: TorchrunEnv) -> dict[str, torch.Tensor] | None:
+    """The full state_dict on rank 0 from every rank's part, in the unsplit model's key
+    order (as the notebook merges the parts its engines return)."""
+    parts: list[Any] | None = [None] * env.world_size if env.rank == 0 else None
+    dist.gather_object(result.state_dict, parts, dst=0)
+    if parts is None:
+        return None
+    merged: dict[str, torch.Tensor] = {}
+    for part in parts:
+        merged.update(part or {})
+    missing = [k for k in result.key_order if k not in merged]
+    if missing:
+        raise RuntimeError(f"no rank returned {', '.join(missing[:5])}")
+    return {k: merged[k] for k in result.key_order}
