@@ -4,7 +4,9 @@
     %smp_cluster start -n 2
     %%smp_train --strategy data --batch-size 64 --epochs 1
 
-or, from a script, `sagenb.train(job, strategy="data", engines=2, batch_size=64)`.
+or, from a script, `sagenb.train(job, strategy="data", engines=2, batch_size=64)`;
+`%%smp_export --to torchrun train.py` (`sagenb.export`) writes a script that trains the same
+way under torchrun, without a notebook.
 
 This module imports nothing heavy: the engine side (`sagenb.engine`) must load without IPython,
 ipywidgets or plotly, and the public names below are resolved on first use.
@@ -40,6 +42,7 @@ _PUBLIC = {
     "what_if": "sagenb.whatif",
     "teaching_case": "sagenb.whatif",
     "Plan": "sagenb.planner",
+    "export": "sagenb.export_script",
 }
 
 __all__ = [*sorted(_PUBLIC), "load_ipython_extension"]
@@ -52,7 +55,7 @@ def __getattr__(name: str) -> Any:
 
 
 def load_ipython_extension(ipython: Any) -> None:
-    """`%load_ext sagenb`: registers %smp_cluster and %%smp_train."""
+    """`%load_ext sagenb`: registers %smp_cluster, %%smp_train, %%smp_plan and %%smp_export."""
     from sagenb.magics import SmpMagics
 
     ipython.register_magics(SmpMagics)

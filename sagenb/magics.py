@@ -1,4 +1,5 @@
-"""`%smp_cluster` and `%%smp_train`: thin adapters from a magic line to the plain Python API.
+"""`%smp_cluster`, `%%smp_train`, `%%smp_plan`, `%%smp_export`: thin adapters from a magic
+line to the plain Python API.
 
 The flags are generated from TrainConfig's fields, so the magic, the Python call and the help
 text (`%%smp_train?`) cannot drift apart. Bad input raises UsageError before any engine runs.
@@ -18,6 +19,7 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 
 from sagenb import cluster
 from sagenb.config import BOOL_FLAGS, ConfigError, TrainConfig, flag_name
+from sagenb.export_script import TARGETS, ExportError, export
 from sagenb.failures import TrainingInterrupted
 from sagenb.job import JobError
 from sagenb.session import train
@@ -29,6 +31,8 @@ __all__ = [
     "train_parser",
     "cluster_parser",
     "parse_train_line",
+    "export_parser",
+    "parse_export_line",
 ]
 
 
@@ -69,6 +73,30 @@ def train_parser() -> MagicParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         allow_abbrev=False,
     )
+    _add_config_flags(parser)
+    return parser
+
+
+def export_parser() -> MagicParser:
+    parser = MagicParser(
+        prog="%%smp_export",
+        description=(
+            "Write a script that trains the cell with these options under torchrun "
+            "(torchrun --nproc-per-node N FILE), with no notebook; --to sagemaker also writes "
+            "FILE_stem_sagemaker.py (a SageMaker PyTorch estimator), requirements.txt and a "
+            "copy of sagenb beside it. The flags are those of %%smp_train."
+        ),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        allow_abbrev=False,
+    )
+    parser.add_argument("--to", choices=TARGETS, default="torchrun", help="what to run it with")
+    parser.add_argument("file", metavar="FILE", help="the script to write (a .py file)")
+    _add_config_flags(parser)
+    return parser
+
+
+def _add_config_flags(parser: MagicParser) -> None:
+    """One flag per TrainConfig field, with its help text and default."""
     for f in dataclasses.fields(TrainConfig):
         help_text = f.metadata["help"]
         if f.name == "dashboard":
@@ -98,7 +126,6 @@ def train_parser() -> MagicParser:
             metavar=f.name.upper(),
             **extra,
         )
-    return parser
 
 
 def cluster_parser() -> MagicParser:
@@ -151,12 +178,25 @@ def parse_train_line(line: str) -> TrainConfig | None:
     if line.split()[:2] == ["--config", "panel"]:
         return _panel_config(line)
     args = _parse(train_parser(), line)
+    return None if args is None else _config(vars(args), "%%smp_train")
+
+
+def parse_export_line(line: str) -> tuple[str, str, TrainConfig] | None:
+    """(--to, FILE, the TrainConfig) of a `%%smp_export` line (None for --help); bad input
+    gets the same UsageErrors as %%smp_train's."""
+    args = _parse(export_parser(), line)
     if args is None:
         return None
+    options = vars(args)
+    target, path = options.pop("to"), options.pop("file")
+    return target, path, _config(options, "%%smp_export")
+
+
+def _config(options: dict[str, Any], prog: str) -> TrainConfig:
     try:
-        return TrainConfig(**vars(args))
+        return TrainConfig(**options)
     except ConfigError as exc:
-        raise UsageError(f"%%smp_train: {exc}") from None
+        raise UsageError(f"{prog}: {exc}") from None
 
 
 @magics_class
@@ -218,6 +258,18 @@ class SmpMagics(Magics):
         self.shell.user_ns[name] = result
         _show_plan(result)
 
+    @cell_magic
+    def smp_export(self, line: str, cell: str) -> None:
+        parsed = parse_export_line(line)
+        if parsed is None:
+            return
+        target, path, config = parsed
+        try:
+            exported = export(cell, path, config, to=target)
+        except (ConfigError, JobError, ExportError) as exc:
+            raise UsageError(f"%%smp_export: {exc}") from None
+        print(exported.summary())
+
 
 def _show_plan(plan_result) -> None:
     print(plan_result.table())
@@ -241,3 +293,4 @@ def _print_status(pool: cluster.EnginePool) -> None:
 
 SmpMagics.smp_train.__doc__ = train_parser().format_help()
 SmpMagics.smp_cluster.__doc__ = cluster_parser().format_help()
+SmpMagics.smp_export.__doc__ = export_parser().format_help()

@@ -1,0 +1,204 @@
+"""`%%smp_export` / `sagenb.export`: the exported script, run under a real torchrun, trains the
+model `sagenb.train` trains on the pool; the SageMaker launcher is valid Python naming the
+instances; bad input writes nothing."""
+
+from __future__ import annotations
+
+import ast
+import json
+import runpy
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from IPython.core.error import UsageError
+from IPython.core.interactiveshell import InteractiveShell
+
+import sagenb
+from sagenb.config import ConfigError, TrainConfig
+from sagenb.export_script import ExportError
+
+from .conftest import REGRESSION_CELL
+from .models import SEQUENTIAL_CELL
+
+TORCHRUN = Path(sys.executable).parent / "torchrun"
+RUN_TIMEOUT_S = 300  # a cold torchrun on the 2-core CI machine, shared with other tests
+TOL = 1e-6
+
+STRATEGIES = {
+    "data": dict(strategy="data"),
+    "model": dict(strategy="model", partitions=2, microbatches=4, partition_by="parameters"),
+}
+
+
+def options_for(strategy: str) -> dict:
+    # threads=1 in the pool and under torchrun alike: the same kernels, the same rounding
+    return dict(STRATEGIES[strategy], batch_size=32, steps=6, threads=1, dashboard=False)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run(command: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    done = subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    assert done.returncode == 0, f"{command} failed:\n{done.stdout}\n{done.stderr}"
+    return done
+
+
+def max_diff(a: dict, b: dict) -> float:
+    assert list(a) == list(b)
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+
+
+@pytest.mark.parametrize("strategy", sorted(STRATEGIES))
+def test_torchrun_script_trains_what_the_pool_trains(pool, tmp_path, strategy):
+    options = options_for(strategy)
+    result = sagenb.train(SEQUENTIAL_CELL, **options)
+    exported = sagenb.export(SEQUENTIAL_CELL, tmp_path / "train.py", **options)
+    assert exported.command == f"torchrun --nproc-per-node 2 {tmp_path / 'train.py'}"
+    command = [str(TORCHRUN), "--nproc-per-node", "2", "--master-port", str(free_port())]
+    run([*command, "train.py", "--metrics-file", "metrics.jsonl"], cwd=tmp_path)
+    state = torch.load(tmp_path / "train_state.pt", weights_only=True)  # the default --output
+    assert max_diff(state, result.state_dict()) <= TOL
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [r["step"] for r in result.history]
+    torch.testing.assert_close([r["loss"] for r in rows], result.losses, rtol=0, atol=TOL)
+
+
+def test_script_reads_back_the_cell_and_the_options(tmp_path):
+    config = TrainConfig(strategy="data", engines=2, batch_size=16, lr=0.01, grad_accum=2)
+    cell = REGRESSION_CELL + 'note = r"a \\ backslash" + """triple"""\n'
+    sagenb.export(cell, tmp_path / "job.py", config, instance="ml.g5.xlarge", out="r")
+    text = (tmp_path / "job.py").read_text()
+    assert "    batch_size=16,\n    lr=0.01,\n    grad_accum=2,\n" in text  # readable
+    assert "instance=" not in text and "out=" not in text  # they change nothing in training
+    names = runpy.run_path(str(tmp_path / "job.py"), run_name="not_main")
+    assert names["CELL"] == cell
+    assert names["CONFIG"] == config
+
+
+def test_plain_python_trains_on_one_process_with_checkpoints(pool, tmp_path):
+    """Without torchrun the script hosts its own store and trains as one process: the same
+    model (data parallel on 2 engines equals one process up to rounding)."""
+    options = options_for("data")
+    result = sagenb.train(SEQUENTIAL_CELL, **options)
+    sagenb.export(SEQUENTIAL_CELL, tmp_path / "train.py", **options)
+    flags = ["--output", "out/model.pt", "--checkpoint-dir", "ck", "--checkpoint-every", "3"]
+    done = run([sys.executable, "train.py", *flags], cwd=tmp_path)
+    assert "exported for 2 processes, training on 1" in done.stderr
+    rows = [json.loads(line) for line in done.stdout.splitlines()]  # stdout: JSON lines only
+    assert [r["step"] for r in rows] == list(range(1, 7))
+    state = torch.load(tmp_path / "out/model.pt", weights_only=True)
+    assert max_diff(state, result.state_dict()) <= 1e-5
+    assert max_diff(sagenb.load_checkpoint(tmp_path / "ck"), state) == 0
+
+
+def test_sagemaker_launcher_names_the_instances(tmp_path):
+    options = dict(strategy="data", engines=8, batch_size=32, instance="ml.g5.12xlarge")
+    exported = sagenb.export(
+        SEQUENTIAL_CELL, tmp_path / "job" / "train.py", to="sagemaker", **options
+    )
+    folder = tmp_path / "job"
+    launcher = folder / "train_sagemaker.py"
+    assert exported.sagemaker == launcher
+    text = launcher.read_text()
+    call = next(
+        node
+        for node in ast.walk(ast.parse(text))  # it compiles
+        if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "PyTorch"
+    )
+    kwargs = {k.arg: k.value for k in call.keywords}
+    assert ast.literal_eval(kwargs["entry_point"]) == "train.py"
+    assert ast.literal_eval(kwargs["instance_type"]) == "ml.g5.12xlarge"
+    assert ast.literal_eval(kwargs["instance_count"]) == 2  # 8 engines, 4 GPUs each
+    assert ast.literal_eval(kwargs["distribution"]) == {"torch_distributed": {"enabled": True}}
+    assert ast.literal_eval(kwargs["hyperparameters"])["output"].startswith("/opt/ml/model/")
+    assert "estimator.fit()" in text
+    assert "psutil" in (folder / "requirements.txt").read_text()
+    assert (folder / "sagenb" / "engine" / "launch.py").exists()  # the code the script runs
+    assert (folder / "sagenb" / "data" / "prices.json").exists()
+    sagenb.export(SEQUENTIAL_CELL, folder / "train.py", to="sagemaker", **options)  # again
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(to="docker"), r"--to 'docker': must be one of torchrun, sagemaker"),
+        (dict(to="sagemaker", instance="ml.c5.xlarge"), r"runs only on GPU .*ml\.g5\.xlarge"),
+        (
+            dict(to="sagemaker", strategy="model", partitions=2, instance="ml.p4d.24xlarge"),
+            r"--engines 8: --strategy model uses one engine per partition.*8 in all",
+        ),
+        (dict(batch_size=33, engines=2), r"--batch-size 33: must be divisible by"),
+    ],
+)
+def test_bad_input_writes_nothing(tmp_path, options, message):
+    with pytest.raises(ConfigError, match=message):
+        sagenb.export(SEQUENTIAL_CELL, tmp_path / "job" / "train.py", **options)
+    assert not (tmp_path / "job").exists()
+
+
+def test_sagemaker_export_keeps_a_requirements_file_it_did_not_write(tmp_path):
+    (tmp_path / "requirements.txt").write_text("numpy\n")
+    with pytest.raises(ExportError, match="export into a folder of its own"):
+        sagenb.export(SEQUENTIAL_CELL, tmp_path / "train.py", to="sagemaker", engines=8)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["requirements.txt"]
+
+
+@pytest.fixture(scope="module")
+def shell():
+    ip = InteractiveShell.instance()
+    ip.run_line_magic("load_ext", "sagenb")
+    return ip
+
+
+def test_magic_writes_the_script(shell, tmp_path, capsys):
+    path = tmp_path / "train.py"
+    shell.run_cell_magic(
+        "smp_export", f"--to torchrun {path} --strategy data --engines 2 --steps 4", REGRESSION_CELL
+    )
+    assert f"torchrun --nproc-per-node 2 {path}" in capsys.readouterr().out
+    names = runpy.run_path(str(path), run_name="not_main")
+    assert names["CONFIG"] == TrainConfig(strategy="data", engines=2, steps=4)
+    assert "--to {torchrun,sagemaker}" in shell.find_cell_magic("smp_export").__doc__
+
+
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        (
+            "--to docker {path}",
+            r"--to: invalid choice: 'docker' \(choose from '?torchrun'?, '?sagemaker",
+        ),
+        ("--to torchrun", r"the following arguments are required: FILE"),
+        ("{path} --batch-size 33 --engines 2", r"%%smp_export: --batch-size 33: must be divisible"),
+        ("{dir}", r"job: the script's name must end in \.py"),
+    ],
+)
+def test_magic_bad_input_writes_nothing(shell, tmp_path, line, message):
+    line = line.format(path=tmp_path / "train.py", dir=tmp_path / "job")
+    with pytest.raises(UsageError, match=message):
+        shell.run_cell_magic("smp_export", line, REGRESSION_CELL)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_magic_refuses_a_cell_without_a_model(shell, tmp_path):
+    with pytest.raises(UsageError, match="the cell defines no model"):
+        shell.run_cell_magic("smp_export", f"{tmp_path / 't.py'}", "x = 1\n")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_script_side_imports_no_notebook_libraries():
+    code = (
+        "import sys, sagenb.engine.launch; "
+        "print(sorted(m for m in ('IPython', 'ipywidgets', 'plotly', 'ipyparallel') "
+        "if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
