@@ -126,7 +126,7 @@ def _write(path: Path, text: str) -> None:
 SCRIPT = '''\
 """Train the cell below with sagenb's engines under torchrun: no notebook, no ipyparallel.
 
-Exported by sagenb {version} (%%smp_export) from a cell trained with
+Exported by sagenb {version} (%%smp_export) from a cell and the options of
     {flags}
 Run it with one process per engine:
 
