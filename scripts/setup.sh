@@ -14,7 +14,12 @@ fi
 log=$(mktemp)
 echo "installing sagenb and its dependencies into .venv (about a minute the first time)"
 if ! { .venv/bin/python -m pip install --upgrade pip &&
-       .venv/bin/python -m pip install -c scripts/constraints.txt -e '.[test]'; } >"$log" 2>&1; then
+       .venv/bin/python -m pip install -c scripts/constraints.txt -e '.[test]' &&
+       # rfc3987-syntax (pulled in by jupyterlab through jupyter-events) compiles its grammars
+       # whenever jsonschema is imported: 0.7 s idle, 2-3 s on a busy 2-core machine, paid by
+       # every kernel's first dashboard, the JupyterLab server and nbformat. jsonschema guards
+       # that import; only its "iri" format checks go.
+       .venv/bin/python -m pip uninstall -y rfc3987-syntax; } >"$log" 2>&1; then
   cat "$log"; exit 1
 fi
 echo "$want" > "$stamp"
