@@ -8,6 +8,7 @@ text (`%%smp_train?`) cannot drift apart. Bad input raises UsageError before any
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
 import shlex
 import types
@@ -131,12 +132,50 @@ def _add_config_flags(parser: MagicParser) -> None:
 def cluster_parser() -> MagicParser:
     parser = MagicParser(
         prog="%smp_cluster",
-        description="Manage the warm pool of local ipyparallel engines that %%smp_train uses.",
+        description="Manage the warm pool of ipyparallel engines that %%smp_train uses.",
+        epilog="Examples: %smp_cluster start -n 4 --launcher mpi; %smp_cluster start -n 8 "
+        "--launcher slurm --launcher-option SlurmEngineSetLauncher.partition=gpu; "
+        "%smp_cluster start --profile mine --cluster-id abc (a pool started by ipcluster).",
         allow_abbrev=False,
     )
     parser.add_argument("action", choices=("start", "status", "stop", "restart"))
     parser.add_argument("-n", "--engines", type=int, default=None, help="number of engines")
+    parser.add_argument(
+        "--launcher",
+        choices=cluster.LAUNCHERS,
+        default="local",
+        help="ipyparallel's engine launcher; all but local may put engines on other hosts "
+        "(the controller then listens beyond 127.0.0.1)",
+    )
+    parser.add_argument(
+        "--launcher-option",
+        action="append",
+        default=[],
+        metavar="CLASS.TRAIT=VALUE",
+        help="a setting of ipyparallel's launcher, e.g. MPILauncher.mpi_args=['--oversubscribe']"
+        " (repeatable; values read as Python literals, else as text)",
+    )
+    parser.add_argument("--profile", default=None, help="attach: the pool's IPython profile")
+    parser.add_argument(
+        "--cluster-id", default=None, help="attach to the pool `ipcluster start` started"
+    )
     return parser
+
+
+def _launcher_options(items: list[str]) -> dict[str, Any]:
+    options = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        if not sep or "." not in key:
+            raise UsageError(
+                f"%smp_cluster: --launcher-option {item!r}: must be CLASS.TRAIT=VALUE, e.g. "
+                "MPILauncher.mpi_args=['--oversubscribe']"
+            )
+        try:
+            options[key] = ast.literal_eval(text)
+        except (ValueError, SyntaxError):
+            options[key] = text
+    return options
 
 
 def _parse(parser: MagicParser, line: str) -> argparse.Namespace | None:
@@ -206,10 +245,20 @@ class SmpMagics(Magics):
         args = parse_cluster_line(line)
         if args is None:
             return None
-        if args.action == "start":
-            pool = cluster.start_pool(args.engines or cluster.DEFAULT_ENGINES)
+        if args.action == "start" and (args.profile is not None or args.cluster_id is not None):
+            pool = _guard(
+                cluster.attach_pool, profile=args.profile, cluster_id=args.cluster_id or ""
+            )
+        elif args.action == "start":
+            options = _launcher_options(args.launcher_option)
+            pool = _guard(
+                cluster.start_pool,
+                args.engines or cluster.DEFAULT_ENGINES,
+                launcher=args.launcher,
+                options=options,
+            )
         elif args.action == "restart":
-            pool = cluster.restart_pool(args.engines)
+            pool = _guard(cluster.restart_pool, args.engines)
         elif args.action == "stop":
             print(
                 "stopped the engine pool" if cluster.stop_pool() else "no engine pool was running"
@@ -281,13 +330,23 @@ def _show_plan(plan_result) -> None:
         display(plan_result.figure())
 
 
+def _guard(start: Any, *args: Any, **kwargs: Any) -> cluster.EnginePool:
+    """Start or attach; a bad launcher setting or a missing cluster reads as a usage error."""
+    try:
+        return start(*args, **kwargs)
+    except ValueError as exc:
+        raise UsageError(f"%smp_cluster: {exc}") from None
+
+
 def _print_status(pool: cluster.EnginePool) -> None:
     rows = pool.status()
-    print(f"{len(rows)} engines (ipyparallel, controller on {cluster.LOOPBACK})")
+    how = "attached" if not pool.owned else f"{pool.launcher} launcher"
+    print(f"{len(rows)} engines (ipyparallel, {how}, controller on {pool.controller_host})")
     columns = ("rank", "engine", "pid", "threads", "device", "memory(MiB)", "host")
     print("{:>4} {:>6} {:>8} {:>7} {:<8} {:>11}  {}".format(*columns))
     for r in rows:
-        row = (r.rank, r.engine_id, r.pid, r.threads, r.device, f"{r.rss_mib:.0f}", r.host)
+        host = r.host if r.address == cluster.LOOPBACK else f"{r.host} ({r.address})"
+        row = (r.rank, r.engine_id, r.pid, r.threads, r.device, f"{r.rss_mib:.0f}", host)
         print("{:>4} {:>6} {:>8} {:>7} {:<8} {:>11}  {}".format(*row))
 
 
