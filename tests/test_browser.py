@@ -1,0 +1,325 @@
+"""Notebook 1 in a real JupyterLab, driven by headless Debian Chromium the way a user drives it:
+open the notebook, Run > Run All Cells, then check what is on screen. The control panel renders,
+the loss curve grows while the engines train, the memory chart has one bar per engine, and the
+printed result is there. A screenshot of the dashboard goes to artifacts/browser/.
+
+Everything it starts (the server, its kernel and the kernel's engine pool, the browser) comes
+from fixtures that stop it, and kill what is left of its process tree, even when the test fails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from sagenb import cluster
+
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOK = ROOT / "notebooks" / "01_quickstart.ipynb"
+ARTIFACTS = ROOT / "artifacts" / "browser"
+CHROMIUM = "/usr/bin/chromium"
+# Playwright's own browser download is unreachable here: drive Debian's build (see BROWSER.md).
+FLAGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--no-first-run",
+    "--disable-sync",
+    "--disable-dev-shm-usage",
+]
+# The news and update checks would reach for the internet and pop a toast over the notebook.
+NO_NEWS = {
+    "@jupyterlab/apputils-extension:notification": {"fetchNews": "false", "checkForUpdates": False}
+}
+# Generous: the machine has 2 cores, shared with whatever else runs.
+SERVER_S, KERNEL_S, RUN_S, SAMPLE_S = 60, 120, 240, 0.5
+
+pytestmark = pytest.mark.skipif(
+    not os.access(CHROMIUM, os.X_OK),
+    reason=f"needs Debian's chromium at {CHROMIUM}: scripts/test.sh installs it with apt-get when "
+    "run as root; Playwright's own browser download is not reachable from this machine",
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _tree(proc: psutil.Process) -> list[psutil.Process]:
+    """`proc` and all its descendants, taken while they live (an orphan loses its parent)."""
+    try:
+        return [proc, *proc.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _kill_left(tree: list[psutil.Process], *, wait_s: float) -> None:
+    """Wait up to `wait_s` for `tree` to exit on its own, then kill what is left of it."""
+    _, alive = psutil.wait_procs(tree, timeout=wait_s)
+    if alive:
+        print(f"killing {len(alive)} processes left after {wait_s} s: {[p.pid for p in alive]}")
+    for proc in alive:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(alive, timeout=10)
+
+
+def _wait_for_server(server: subprocess.Popen, status_url: str, log: Path) -> None:
+    deadline = time.monotonic() + SERVER_S
+    while True:
+        if server.poll() is not None:
+            raise AssertionError(f"JupyterLab exited ({server.returncode}):\n{_log_tail(log)}")
+        try:
+            urllib.request.urlopen(status_url, timeout=5).close()
+            return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise AssertionError(
+                    f"JupyterLab did not answer within {SERVER_S} s:\n{_log_tail(log)}"
+                ) from None
+            time.sleep(0.25)
+
+
+def _log_tail(path: Path, chars: int = 3000) -> str:
+    return path.read_text(errors="replace")[-chars:] if path.exists() else "(no log)"
+
+
+@pytest.fixture
+def home(tmp_path) -> Path:
+    """HOME for the server, its kernel and the browser (Chromium writes ~/.config, ~/.cache)."""
+    path = tmp_path / "home"
+    path.mkdir()
+    return path
+
+
+@pytest.fixture
+def lab(tmp_path, home) -> Iterator[str]:
+    """A JupyterLab server on 127.0.0.1 serving a copy of notebook 1; yields the notebook's URL."""
+    cluster.stop_pool()  # the notebook's kernel starts its own pool; keep the cores for it
+    root = tmp_path / "notebooks"
+    root.mkdir()
+    shutil.copy(NOTEBOOK, root)
+    settings = tmp_path / "lab-settings"
+    settings.mkdir()
+    (settings / "overrides.json").write_text(json.dumps(NO_NEWS))
+    port, token = _free_port(), secrets.token_hex(16)
+    args = [
+        sys.executable, "-m", "jupyterlab", "--no-browser", "--ip=127.0.0.1", f"--port={port}",
+        "--ServerApp.port_retries=0", f"--IdentityProvider.token={token}",
+        f"--ServerApp.root_dir={root}", "--LabApp.expose_app_in_browser=True",
+        f"--LabApp.app_settings_dir={settings}",
+    ]  # fmt: skip
+    if os.geteuid() == 0:
+        args.append("--allow-root")  # as root the server refuses to start without it
+    log = tmp_path / "jupyterlab.log"
+    with log.open("wb") as out:
+        server = subprocess.Popen(
+            args, env={**os.environ, "HOME": str(home)}, stdout=out, stderr=subprocess.STDOUT
+        )
+    proc = psutil.Process(server.pid)
+    try:
+        _wait_for_server(server, f"http://127.0.0.1:{port}/api/status?token={token}", log)
+        yield f"http://127.0.0.1:{port}/lab/tree/{NOTEBOOK.name}?token={token}"
+    finally:
+        tree = _tree(proc)  # server, kernel, controller, engines
+        server.terminate()  # the server shuts its kernel down, and the kernel its engine pool
+        _kill_left(tree, wait_s=60)
+
+
+@pytest.fixture
+def page(home):
+    """A page in headless Debian Chromium, driven by Playwright."""
+    from playwright.sync_api import sync_playwright
+
+    before = {p.pid for p in psutil.Process().children()}
+    pw = sync_playwright().start()
+    # Playwright's driver, a child of this process; Chromium runs under it
+    drivers = [p for p in psutil.Process().children() if p.pid not in before]
+    browser = None
+    try:
+        browser = pw.chromium.launch(
+            executable_path=CHROMIUM, args=FLAGS, env={**os.environ, "HOME": str(home)}
+        )
+        yield browser.new_page(viewport={"width": 1500, "height": 1200})
+    finally:
+        tree = [proc for driver in drivers for proc in _tree(driver)]
+        try:
+            if browser is not None:
+                browser.close()
+        finally:
+            pw.stop()
+            _kill_left(tree, wait_s=10)
+
+
+# The notebook's kernel is "idle" for a moment before it is really ready, and Run All clicked
+# then never runs: wait on the session itself (window.jupyterapp needs expose_app_in_browser).
+KERNEL_READY = """() => {
+  const widget = window.jupyterapp && window.jupyterapp.shell.currentWidget;
+  const context = widget && widget.sessionContext;
+  const kernel = context && context.session && context.session.kernel;
+  return Boolean(context && context.isReady && kernel && kernel.connectionStatus === 'connected'
+                 && kernel.status === 'idle');
+}"""
+# The dashboard as drawn: its header, the vertices of each loss line in the Loss panel (each
+# replica's loss and the smoothed loss; one vertex per step, plotly.js does not simplify), the
+# memory panel's labels; and whether a cell is still running.
+DASHBOARD = """() => {
+  const board = document.querySelector('.smp-dashboard');
+  const header = board && board.querySelector('.smp-header');
+  const loss = '.subplot.xy .scatterlayer .trace path.js-line';
+  const lines = board ? [...board.querySelectorAll(loss)] : [];
+  const prompts = [...document.querySelectorAll('.jp-CodeCell .jp-InputPrompt')];
+  const engines = board ? [...board.querySelectorAll('.xaxislayer-above .x3tick text')] : [];
+  return {
+    engines: engines.map(t => t.textContent),
+    header: header ? header.textContent : '',
+    points: lines.map(p => ((p.getAttribute('d') || '').match(/[ML]/g) || []).length),
+    running: prompts.some(e => e.textContent.includes('*')),
+  };
+}"""
+# The memory panel (third subplot) as drawn: per bar trace (one per kind of memory, stacked),
+# each segment's horizontal centre and height in pixels.
+MEMORY = """() => [...document.querySelectorAll('.smp-dashboard .subplot.x3y3 .barlayer .trace')]
+  .map(trace => [...trace.querySelectorAll('.point path')].map(path => {
+    const box = path.getBoundingClientRect();
+    return [box.x + box.width / 2, box.height];
+  }))"""
+PROMPTS = """() => [...document.querySelectorAll('.jp-CodeCell .jp-InputPrompt')]
+  .map(e => e.textContent.trim())"""
+OUTPUTS = """() => [...document.querySelectorAll('.jp-OutputArea-output')]
+  .map(e => e.textContent).join('\\n')"""
+HEADER = re.compile(r"sagenb · (\w+) \| .*? \| step (\d+)/(\d+|\?)")
+SUMMARY = re.compile(r"data parallel: (\d+) steps on 2 engines \(cpu\) in [\d.]+ s, final loss ")
+
+
+def _wait(page, script: str, timeout_s: float, what: str) -> None:
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+    try:
+        page.wait_for_function(script, timeout=timeout_s * 1000, polling=250)
+    except PlaywrightTimeout:
+        outputs = page.evaluate(OUTPUTS)[-3000:]
+        raise AssertionError(f"{what} within {timeout_s:.0f} s; outputs:\n{outputs}") from None
+
+
+def _watch_training(page) -> tuple[list[tuple[float, int, int]], list[str], str, int]:
+    """Sample the dashboard until the run ends: (seconds, step in the header, loss points drawn)
+    while its header says training, and the memory panel's labels then; how the run ended and
+    its total steps. A screenshot of the live dashboard is taken once five samples are in."""
+    samples, engines, start = [], [], time.monotonic()
+    while time.monotonic() - start < RUN_S:
+        board = page.evaluate(DASHBOARD)
+        match = HEADER.search(board["header"])
+        if match and match[1] not in ("starting", "training"):
+            return samples, engines, match[1], int(match[3]) if match[3].isdigit() else 0
+        if not board["running"]:  # Run All stopped at an error before the run ended
+            return samples, engines, "never ended", 0
+        if match and match[1] == "training" and any(board["points"]):
+            seconds = round(time.monotonic() - start, 1)
+            samples.append((seconds, int(match[2]), min(board["points"])))
+            engines = board["engines"]
+            if len(samples) == 5:  # enough seen to judge; the screenshot takes a while
+                _screenshot(page, ARTIFACTS / "dashboard-live.png")
+        time.sleep(SAMPLE_S)
+    raise AssertionError(f"the dashboard did not show the run's end within {RUN_S} s: {samples}")
+
+
+def _screenshot(page, path: Path) -> None:
+    """The dashboard as it is now; it is drawn anew when the run ends, which can detach it."""
+    from playwright.sync_api import Error as PlaywrightError
+
+    try:
+        page.locator(".smp-dashboard").screenshot(path=path, timeout=10_000)
+    except PlaywrightError as exc:
+        print(f"no screenshot {path.name}: {exc.message.splitlines()[0]}")
+
+
+def _memory_bars(page) -> tuple[int, dict[int, list[float]]]:
+    """The memory panel as drawn: how many bar traces, and per bar (its x position in pixels)
+    the heights of its stacked segments."""
+    traces = page.evaluate(MEMORY)
+    bars: dict[int, list[float]] = {}
+    for segments in traces:
+        for x, height in segments:
+            bars.setdefault(round(x), []).append(height)
+    return len(traces), bars
+
+
+@pytest.mark.timeout(600)
+def test_quickstart_runs_in_jupyterlab(lab, page):
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    started = time.monotonic()
+    try:
+        page.goto(lab)
+        _wait(page, KERNEL_READY, KERNEL_S, "the notebook's kernel was not connected and idle")
+        page.get_by_role("menuitem", name="Run", exact=True).click()
+        page.get_by_role("menuitem", name="Run All Cells", exact=True).click()
+
+        panel = page.locator(".smp-panel")
+        panel.wait_for(state="visible", timeout=KERNEL_S * 1000)
+        for button in ("Start", "Stop", "Restart", "Plan"):
+            assert panel.get_by_role("button", name=button, exact=True).is_visible()
+        panel_text = panel.inner_text()
+        assert "%%smp_train --engines 2" in panel_text, panel_text
+        assert re.search(r"2 engines: rank 0 .*, rank 1 ", panel_text), panel_text
+
+        samples, engines, status, total = _watch_training(page)
+        print(f"while training (seconds, step, loss points drawn): {samples}")
+        assert status == "done", f"the run ended {status}: {page.evaluate(OUTPUTS)[-3000:]}"
+        counts = [points for _, _, points in samples]
+        # The live chart grew while the engines trained: several samples, never shrinking,
+        # at least three different lengths (two increases seen in the browser).
+        assert len(samples) >= 3 and len(set(counts)) >= 3, (
+            f"the loss curve was seen growing only {len(set(counts))} times in {len(samples)} "
+            f"samples while training (seconds, step, points): {samples}"
+        )
+        assert counts == sorted(counts), f"the loss curve shrank: {samples}"
+        # After the run, every step of every loss line is drawn.
+        _wait(
+            page,
+            f"() => {{ const b = ({DASHBOARD})(); return b.points.length === 3 "
+            f"&& b.points.every(n => n === {total}); }}",
+            60,
+            f"the loss lines did not reach {total} points",
+        )
+
+        # One stacked bar per engine: params, grads, optimizer state, activations.
+        assert engines == ["engine 0", "engine 1"], f"memory bars labelled {engines} in training"
+        kinds, bars = _memory_bars(page)
+        assert kinds == 4 and len(bars) == 2, f"{kinds} kinds of memory, bars: {bars}"
+        for x, segments in bars.items():
+            assert len(segments) == 4 and sum(segments) > 20, f"bar at x={x}px: {segments}"
+
+        _wait(
+            page,
+            f"() => ({PROMPTS})().every(p => /^\\[\\d+\\]:$/.test(p))",
+            RUN_S,
+            "not every cell ran (Run All stops at the first error)",
+        )
+        outputs = page.evaluate(OUTPUTS)
+        summary = SUMMARY.search(outputs)
+        assert summary and int(summary[1]) == total, outputs[-3000:]
+        assert f"largest parameter difference after {total} steps" in outputs, outputs[-3000:]
+    finally:
+        _screenshot(page, ARTIFACTS / "dashboard.png")
+        page.screenshot(path=ARTIFACTS / "page.png")
+        (ARTIFACTS / "page.html").write_text(page.content())
+        print(f"screenshots in {ARTIFACTS}; {time.monotonic() - started:.0f} s in the browser")
