@@ -34,6 +34,7 @@ _PUBLIC = {
     "stop_pool": "sagenb.cluster",
     "restart_pool": "sagenb.cluster",
     "current_pool": "sagenb.cluster",
+    "attach_pool": "sagenb.cluster",
     "Dashboard": "sagenb.dashboard",
     "plan": "sagenb.planner",
     "load_checkpoint": "sagenb.checkpoints",

@@ -3,12 +3,16 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-# The browser tests use Debian's Chromium (no browser download): one renders the saved
-# dashboard, one drives notebook 1 in JupyterLab through Playwright. Without it they skip.
-if ! command -v chromium >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-  echo "installing Debian's chromium for the browser tests (about a minute)"
-  { apt-get update -qq >/dev/null && apt-get install -y -qq chromium >/dev/null; } ||
-    echo "could not install chromium: the browser tests will be skipped"
+# From Debian, when missing (root only; without them those tests skip and say why):
+# Chromium for the browser tests (one renders the saved dashboard, one drives notebook 1 in
+# JupyterLab through Playwright; no browser download), Open MPI for the MPI-launched pool.
+missing=()
+command -v chromium >/dev/null || missing+=(chromium)
+command -v mpiexec >/dev/null || missing+=(openmpi-bin)
+if [ ${#missing[@]} -gt 0 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  echo "installing ${missing[*]} from Debian for the browser and MPI tests (a minute or two)"
+  { apt-get update -qq >/dev/null && apt-get install -y -qq "${missing[@]}" >/dev/null; } ||
+    echo "could not install ${missing[*]}: the tests that need them will be skipped"
 fi
 .venv/bin/python -m ruff check sagenb tests
 exec .venv/bin/python -m pytest "$@"
