@@ -29,6 +29,8 @@ import ipyparallel as ipp
 import psutil
 from traitlets.config import Config
 
+from sagenb.config import DEFAULT_ENGINES
+
 __all__ = [
     "EnginePool",
     "EngineStatus",
@@ -42,7 +44,6 @@ __all__ = [
 ]
 
 LOOPBACK = "127.0.0.1"
-DEFAULT_ENGINES = 2
 #: ipyparallel's engine launchers sagenb passes through; all but local may span hosts
 LAUNCHERS = ("local", "mpi", "slurm", "ssh")
 

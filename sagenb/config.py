@@ -29,6 +29,8 @@ STRATEGIES = ("data", "model", "hybrid", "sharded", "tensor")
 AVAILABLE_STRATEGIES = STRATEGIES
 PIPELINED = ("model", "hybrid")
 PRECISIONS = ("fp32", "bf16", "fp16")
+#: engines a pool starts with when nothing says otherwise
+DEFAULT_ENGINES = 2
 #: options that are off unless their flag is given (`--resume`)
 BOOL_FLAGS = ("delay_init", "activation_checkpointing", "resume")
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
@@ -200,6 +202,20 @@ class TrainConfig:
             self.check_split(self.engines)
         elif self.strategy == "model":
             self.check_split(self.partitions)
+
+    def engines_to_start(self) -> int:
+        """Engines a pool needs for this config when none runs: --engines, else one per
+        partition (model), two replicas of the pipeline (hybrid), one tensor-parallel group
+        (tensor), else DEFAULT_ENGINES."""
+        if self.engines is not None:
+            return self.engines
+        if self.strategy == "model":
+            return self.partitions
+        if self.strategy == "hybrid":
+            return 2 * self.partitions
+        if self.strategy == "tensor" and self.tensor_parallel:
+            return self.tensor_parallel
+        return DEFAULT_ENGINES
 
     def threads_per_engine(self, engines: int) -> int:
         """--threads, or the machine's cores shared by the engines (at least 1 each), so

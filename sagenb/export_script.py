@@ -111,9 +111,7 @@ def _engines(config: TrainConfig) -> int:
     pool = cluster.current_pool()
     if pool is not None:
         return pool.size
-    from sagenb.session import _pool_size_for
-
-    return _pool_size_for(config)
+    return config.engines_to_start()
 
 
 def _write(path: Path, text: str) -> None:

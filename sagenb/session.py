@@ -18,7 +18,7 @@ from torch.distributed import TCPStore
 from sagenb import cluster
 from sagenb.config import ConfigError, TrainConfig
 from sagenb.cost import CostMeter, meter_for
-from sagenb.engine.entry import RankResult, RankSpec, run_rank
+from sagenb.engine.entry import RankResult, RankSpec, merge_states, run_rank
 from sagenb.engine.process_group import STOP_KEY
 from sagenb.engine.rendezvous import bound_store, host_for_run
 from sagenb.failures import DEAD_ENGINE, StalledError, TrainingError, TrainingInterrupted, classify
@@ -61,22 +61,9 @@ def train(
         config = dataclasses.replace(config, **options)
     prepared = prepare(job, config)
     if pool is None:
-        pool = cluster.ensure_pool(_pool_size_for(config))
+        pool = cluster.ensure_pool(config.engines_to_start())
     config = _resolve_engines(config, pool)
     return _Run(pool, config, prepared, list(sinks)).execute()
-
-
-def _pool_size_for(config: TrainConfig) -> int:
-    """Engines to start when no pool runs."""
-    if config.engines is not None:
-        return config.engines
-    if config.strategy == "model":
-        return config.partitions
-    if config.strategy == "hybrid":
-        return 2 * config.partitions
-    if config.strategy == "tensor" and config.tensor_parallel:
-        return config.tensor_parallel
-    return cluster.DEFAULT_ENGINES
 
 
 def _resolve_engines(config: TrainConfig, pool: cluster.EnginePool) -> TrainConfig:
@@ -171,7 +158,11 @@ class _Run:
             device=results[0].device if results else "unknown",
             source=self.job.source,
             status=status,
-            _state_dict=_merge_state(results) if results else {},
+            _state_dict=(
+                merge_states([r.state_dict for r in results], results[0].key_order)
+                if results
+                else {}
+            ),
             dashboard=self.dashboard,
         )
 
@@ -309,17 +300,6 @@ def _died(ar: Any) -> bool:
         return False
     err = ar.exception()
     return isinstance(err, EngineError) or getattr(err, "ename", "") in DEAD_ENGINE
-
-
-def _merge_state(results: list[RankResult]) -> dict:
-    """The full state_dict from the ranks' parts, in the unsplit model's key order."""
-    parts: dict = {}
-    for res in results:
-        parts.update(res.state_dict or {})
-    missing = [k for k in results[0].key_order if k not in parts]
-    if missing:
-        raise RuntimeError(f"no rank returned {', '.join(missing[:5])}")
-    return {k: parts[k] for k in results[0].key_order}
 
 
 def _make_dashboard(config: TrainConfig, cost: CostMeter, history: History):

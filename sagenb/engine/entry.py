@@ -25,7 +25,16 @@ from sagenb.engine.strategies import make_strategy
 from sagenb.engine.workspace import build_workspace
 from sagenb.job import Job, JobError
 
-__all__ = ["RankSpec", "RankResult", "RankFailure", "run_rank", "probe", "warm"]
+__all__ = [
+    "RankSpec",
+    "RankResult",
+    "RankFailure",
+    "run_rank",
+    "train_rank",
+    "merge_states",
+    "probe",
+    "warm",
+]
 
 
 @dataclass(frozen=True)
@@ -62,7 +71,7 @@ def run_rank(spec: RankSpec, publish: Publisher | None = None) -> RankResult:
     publish = publish if publish is not None else Publisher()
     error: Exception | None = None
     try:
-        return _train(spec, publish)
+        return train_rank(spec, publish)
     except JobError as exc:
         error = JobError(str(exc))
     except ConfigError as exc:  # an option this engine cannot honour (--precision on its device)
@@ -79,7 +88,9 @@ def run_rank(spec: RankSpec, publish: Publisher | None = None) -> RankResult:
     raise error
 
 
-def _train(spec: RankSpec, publish: Publisher) -> RankResult:
+def train_rank(spec: RankSpec, publish: Publisher) -> RankResult:
+    """One rank's whole run (process group, the cell, the strategy, the loop), whoever
+    launched the process: an ipyparallel engine (run_rank) or torchrun (engine/launch.py)."""
     torch.set_num_threads(spec.threads)
     device = process_group.pick_device(spec.local_rank, spec.local_size)
     process_group.init_process_group(
@@ -113,6 +124,19 @@ def _train(spec: RankSpec, publish: Publisher) -> RankResult:
         key_order=strategy.key_order,
         device=str(device),
     )
+
+
+def merge_states(
+    parts: list[dict[str, torch.Tensor] | None], key_order: list[str]
+) -> dict[str, torch.Tensor]:
+    """The full state_dict from the ranks' parts, in the unsplit model's key order."""
+    merged: dict[str, torch.Tensor] = {}
+    for part in parts:
+        merged.update(part or {})
+    missing = [k for k in key_order if k not in merged]
+    if missing:
+        raise RuntimeError(f"no rank returned {', '.join(missing[:5])}")
+    return {k: merged[k] for k in key_order}
 
 
 def warm() -> None:

@@ -3,7 +3,7 @@
     torchrun --nproc-per-node 2 train.py [--output PATH] [--metrics-file PATH]
         [--checkpoint-dir DIR] [--checkpoint-every N] [--resume]
 
-Each process is one rank and runs the very code a notebook's engine runs (entry._train: the
+Each process is one rank and runs the very code a notebook's engine runs (entry.train_rank: the
 cell after seeding, the strategy, the loop), so the script trains the model `%%smp_train`
 would. Only the surroundings differ: the rendezvous comes from torchrun's environment, rank 0
 writes every step's metrics, combined across ranks as `smp_result.history` rows are, as JSON
@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from sagenb.config import ConfigError, TrainConfig
 from sagenb.engine import process_group
-from sagenb.engine.entry import RankResult, RankSpec, _train
+from sagenb.engine.entry import RankResult, RankSpec, merge_states, train_rank
 from sagenb.engine.publish import Publisher
 from sagenb.job import Job, JobError
 from sagenb.metrics import History
@@ -188,7 +188,7 @@ def _run(
     )
     writer = _StepWriter(env, config.batch_size, args.metrics_file, append=config.resume)
     try:
-        result = _train(spec, Publisher(writer, interval=0.0))  # one gather per step
+        result = train_rank(spec, Publisher(writer, interval=0.0))  # one gather per step
         return result, _gather_state(result, env)
     finally:
         writer.close()
@@ -250,10 +250,4 @@ def _gather_state(result: RankResult, env: TorchrunEnv) -> dict[str, torch.Tenso
     dist.gather_object(result.state_dict, parts, dst=0)
     if parts is None:
         return None
-    merged: dict[str, torch.Tensor] = {}
-    for part in parts:
-        merged.update(part or {})
-    missing = [k for k in result.key_order if k not in merged]
-    if missing:
-        raise RuntimeError(f"no rank returned {', '.join(missing[:5])}")
-    return {k: merged[k] for k in result.key_order}
+    return merge_states(parts, result.key_order)
