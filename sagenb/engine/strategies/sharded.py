@@ -18,18 +18,16 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
-from sagenb.engine import dtensors
-from sagenb.engine.data import fetch, to_device
 from sagenb.engine.delayed import materialize
 from sagenb.engine.partition import find_blocks
-from sagenb.engine.strategies.data_parallel import DataParallel
+from sagenb.engine.strategies.split_params import SplitParameters
 from sagenb.engine.workspace import Workspace
 from sagenb.job import JobError
 
 __all__ = ["Sharded"]
 
 
-class Sharded(DataParallel):
+class Sharded(SplitParameters):
     """Data parallel whose parameters, gradients and optimizer state are split N ways."""
 
     def __init__(
@@ -70,18 +68,6 @@ class Sharded(DataParallel):
         (loss * scale).backward()
         return loss.detach()
 
-    def clip_grad_norm(self, max_norm: float) -> float:
-        return dtensors.clip_grad_norm(self.module.parameters(), max_norm)
-
-    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
-        return dtensors.full_state_dict(self.module, keep=self.rank == 0)
-
-    @torch.no_grad()
-    def evaluate(
-        self, dataset: Any, loss_fn: Callable[..., torch.Tensor], batch_size: int
-    ) -> float:
-        return evaluate_everywhere(self.module, dataset, loss_fn, batch_size, self.device)
-
 
 def _blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The repeated blocks, each its own FSDP unit; a model without any is sharded whole."""
@@ -91,26 +77,3 @@ def _blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
         return []
     modules = [model.get_submodule(blocks.qualified(i)) for i in range(len(blocks))]
     return [m for m in modules if any(True for _ in m.parameters())]  # Tanh has nothing to shard
-
-
-def evaluate_everywhere(
-    module: torch.nn.Module,
-    dataset: Any,
-    loss_fn: Callable[..., torch.Tensor],
-    batch_size: int,
-    device: torch.device,
-) -> float:
-    """Mean loss over the whole dataset, in order, computed by every rank on every batch.
-
-    Sharded and tensor-parallel forwards are collectives, so every rank must run the same
-    batches; splitting the eval set would leave a rank with one batch fewer waiting forever."""
-    was_training = module.training
-    module.eval()
-    total, count = torch.zeros((), dtype=torch.float64), 0
-    for start in range(0, len(dataset), batch_size):
-        idx = torch.arange(start, min(start + batch_size, len(dataset)))
-        inputs, targets = to_device(fetch(dataset, idx), device)
-        total += loss_fn(module(inputs), targets).double().cpu() * len(idx)
-        count += len(idx)
-    module.train(was_training)
-    return float(total / count)

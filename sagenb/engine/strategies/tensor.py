@@ -22,15 +22,14 @@ from torch.distributed.tensor.parallel import parallelize_module
 from sagenb.config import TrainConfig
 from sagenb.engine import dtensors
 from sagenb.engine.delayed import materialize
-from sagenb.engine.strategies.data_parallel import DataParallel
-from sagenb.engine.strategies.sharded import evaluate_everywhere
+from sagenb.engine.strategies.split_params import SplitParameters
 from sagenb.engine.tp_plan import check_plan, derive_plan, split_heads, to_styles
 from sagenb.engine.workspace import Workspace
 
 __all__ = ["TensorParallel"]
 
 
-class TensorParallel(DataParallel):
+class TensorParallel(SplitParameters):
     def __init__(self, config: TrainConfig, *, rank: int, world_size: int, device: torch.device):
         super().__init__(rank=rank, world_size=world_size, device=device, seed=config.seed)
         self.T = config.tensor_parallel or world_size
@@ -77,15 +76,3 @@ class TensorParallel(DataParallel):
         for g in grads:
             g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
-
-    def clip_grad_norm(self, max_norm: float) -> float:
-        return dtensors.clip_grad_norm(self.module.parameters(), max_norm)
-
-    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
-        return dtensors.full_state_dict(self.module, keep=self.rank == 0)
-
-    @torch.no_grad()
-    def evaluate(
-        self, dataset: Any, loss_fn: Callable[..., torch.Tensor], batch_size: int
-    ) -> float:
-        return evaluate_everywhere(self.module, dataset, loss_fn, batch_size, self.device)
