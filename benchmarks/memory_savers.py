@@ -19,61 +19,10 @@ from pathlib import Path
 
 import sagenb
 from sagenb import cluster
+from sagenb.examples import gpt_cell
 
-# GPT-shaped, with attention that tensor parallel can split by heads (see tests/models.py).
-GPT = """
-import torch
-from torch import nn
-import torch.nn.functional as F
-
-VOCAB, CONTEXT, WIDTH, HEADS, LAYERS = 512, 64, 256, 8, 4
-
-class Attention(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.n_head = HEADS
-        self.q, self.k, self.v = (nn.Linear(WIDTH, WIDTH) for _ in range(3))
-        self.proj = nn.Linear(WIDTH, WIDTH)
-    def forward(self, x):
-        B, L, _ = x.shape
-        q, k, v = (f(x).view(B, L, self.n_head, -1).transpose(1, 2)
-                   for f in (self.q, self.k, self.v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.proj(y.transpose(1, 2).reshape(B, L, -1))
-
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.ln1, self.ln2 = nn.LayerNorm(WIDTH), nn.LayerNorm(WIDTH)
-        self.attn = Attention()
-        self.mlp = nn.Sequential(
-            nn.Linear(WIDTH, 4 * WIDTH), nn.GELU(), nn.Linear(4 * WIDTH, WIDTH)
-        )
-    def forward(self, x):
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
-
-class GPT(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.wte = nn.Embedding(VOCAB, WIDTH)
-        self.wpe = nn.Parameter(torch.randn(CONTEXT, WIDTH) * 0.02)
-        self.blocks = nn.ModuleList(Block() for _ in range(LAYERS))
-        self.ln_f = nn.LayerNorm(WIDTH)
-        self.head = nn.Linear(WIDTH, VOCAB, bias=False)
-        self.head.weight = self.wte.weight
-    def forward(self, idx):
-        x = self.wte(idx) + self.wpe
-        for block in self.blocks:
-            x = block(x)
-        return self.head(self.ln_f(x))
-
-model = GPT()
-tokens = torch.randint(0, VOCAB, (1024, CONTEXT + 1))
-dataset = torch.utils.data.TensorDataset(tokens[:, :-1], tokens[:, 1:])
-def loss_fn(logits, targets):
-    return F.cross_entropy(logits.reshape(-1, VOCAB), targets.reshape(-1))
-"""
+# GPT-shaped, with attention that tensor parallel can split by heads; SGD with momentum
+GPT = gpt_cell(vocab=512, context=64, width=256, heads=8, layers=4, samples=1024, lr=0.01)
 
 CONFIGS = {
     "data": dict(strategy="data"),
