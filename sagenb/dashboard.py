@@ -27,6 +27,7 @@ from sagenb.metrics import History
 __all__ = ["Dashboard", "layout_text"]
 
 REDRAW_S = 0.25
+LIVE_WIDTH_PX = 1000  # the live chart's width (see _show)
 
 
 def _in_kernel() -> bool:
@@ -213,7 +214,9 @@ class Dashboard:
 
         self._header = widgets.HTML(self._header_html())
         self._figure_widget = go.FigureWidget(self.to_figure())
-        self._figure_widget.update_layout(title=None)
+        # a FigureWidget does not follow its output's width (plotly/plotly.py#2062): at plotly's
+        # default 700 px the subplot titles overlapped; 1000 px fits JupyterLab's output area
+        self._figure_widget.update_layout(title=None, width=LIVE_WIDTH_PX)
         self._widget = widgets.VBox([self._header, self._figure_widget])
         self._widget.add_class("smp-dashboard")
         self._display = display(self._widget, display_id=True)
@@ -235,6 +238,11 @@ class Dashboard:
         widget manager runs (JupyterLab), the figure where none does (nbconvert, GitHub)."""
         if self._display is None or self._widget is None:
             return
+        # The widget is rendered again from its synced state, which plotly refreshes only in
+        # _repr_mimebundle_; without this the new view drew the memory bars' first state
+        # (no engine labels) while the old one had the last.
+        if self._figure_widget is not None:
+            self._figure_widget._repr_mimebundle_()
         static = self._header_html() + self.to_figure().to_html(
             include_plotlyjs="cdn", full_html=False
         )

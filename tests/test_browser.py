@@ -314,6 +314,8 @@ def test_quickstart_runs_in_jupyterlab(lab, page):
             RUN_S,
             "not every cell ran (Run All stops at the first error)",
         )
+        after = page.evaluate(DASHBOARD)["engines"]  # the finished dashboard, drawn again
+        assert after == ["engine 0", "engine 1"], f"memory bars labelled {after} after the run"
         outputs = page.evaluate(OUTPUTS)
         summary = SUMMARY.search(outputs)
         assert summary and int(summary[1]) == total, outputs[-3000:]
