@@ -49,3 +49,19 @@ def max_param_diff(state: dict, model: torch.nn.Module) -> float:
     ref = model.state_dict()
     assert state.keys() == ref.keys()
     return max((state[k].double() - v.double()).abs().max().item() for k, v in ref.items())
+
+
+# Modules whose tests start pools or kernels of their own (and stop the shared pool first).
+OWN_POOLS = ("test_multi_host", "test_notebooks", "test_browser")
+
+
+def pytest_collection_modifyitems(items):
+    """Run the tests on the shared 2-engine pool first, then those on 4 engines, then those
+    with pools of their own: each switch restarts engines (8-16 s), so group, don't alternate."""
+
+    def group(item) -> int:
+        if "pool4" in getattr(item, "fixturenames", ()):
+            return 1
+        return 2 if item.module.__name__.rsplit(".", 1)[-1] in OWN_POOLS else 0
+
+    items.sort(key=group)  # stable: file order within a group
