@@ -3,13 +3,13 @@
     .venv/bin/python benchmarks/recovery.py [--out benchmarks/results]
 
 Each fault strikes rank 1 of a 2-engine data-parallel run at step 30, with a checkpoint every 25
-steps. "detect" runs from the last metrics the notebook received before the fault to the moment the
-notebook noticed it; "contain + heal" from then to the error in the cell (every rank stopped,
-dead or stuck engines replaced); then the next run's time to its first step; "lost" counts the
-steps done since the last checkpoint (what --resume must redo). A kernel interrupt instead
-stops every rank after the same step and writes a checkpoint there, so it loses nothing; its
-"contain" is the time from the interrupt to the cell's return. Detection is measured at the
-notebook's polling granularity (50 ms).
+steps. "detect" runs from the fault (the cell writes the wall-clock time just before it) to the
+moment the notebook noticed it; "contain + heal" from then to the error in the cell (every rank
+stopped, dead or stuck engines replaced); then the next run's time to its first step; "lost"
+counts the steps finished since the last checkpoint (29 - 25: what --resume must redo). A
+kernel interrupt instead stops every rank after the same step and writes a checkpoint there, so
+it loses nothing; its "contain" is the time from the interrupt to the cell's return. Detection
+is measured at the notebook's polling granularity (50 ms).
 """
 
 from __future__ import annotations
@@ -38,10 +38,12 @@ dataset = torch.utils.data.TensorDataset(X, X.sum(1, keepdim=True))
 calls = [0]
 def loss_fn(output, target):
     calls[0] += 1
-    if dist.get_rank() == 1 and calls[0] == 30:
+    if dist.get_rank() == 1 and calls[0] == FAULT_STEP:
+        open(FAULT_AT, "w").write(repr(time.time()))
         FAULT
     return nn.functional.mse_loss(output, target)
 """
+FAULT_STEP = 30
 FAULTS = {
     "exception in the cell": "raise ValueError('injected')",
     "engine killed (SIGKILL)": "os.kill(os.getpid(), signal.SIGKILL)",
@@ -72,16 +74,17 @@ def one(name: str, action: str, directory: str) -> dict:
 
     def timed_contain(run) -> None:  # when the notebook noticed, before containing
         if not noticed:
-            noticed.append(time.perf_counter())
+            noticed.append(time.time())
         contain(run)
 
     session._Run._contain = timed_contain
-    cell = BASE.replace("FAULT", action)
+    fault_at = Path(directory) / "fault_at"
+    cell = _cell(action, fault_at)
     if name == "kernel interrupt":
-        cell = BASE.replace("calls[0] == 30", "False").replace("FAULT", "pass")
+        cell = _cell("pass", fault_at).replace(f"calls[0] == {FAULT_STEP}", "False")
 
         def interrupt() -> None:
-            noticed.append(time.perf_counter())  # the interrupt itself is the notice
+            noticed.append(time.time())  # the interrupt itself is the notice
             os.kill(os.getpid(), signal.SIGINT)
 
         threading.Timer(1.5, interrupt).start()
@@ -98,21 +101,35 @@ def one(name: str, action: str, directory: str) -> dict:
         )
         raise AssertionError(f"{name}: the run did not fail")
     except (failures.TrainingError, KeyboardInterrupt) as exc:
-        raised, kind = time.perf_counter(), type(exc).__name__
+        raised, kind = time.time(), type(exc).__name__
     finally:
         session._Run._contain = contain
     path = latest(directory)
     saved = int(path.name.split("-")[1]) if path else 0
-    after = sagenb.train(BASE.replace("FAULT", "pass"), batch_size=16, steps=2, dashboard=False)
+    after = sagenb.train(_cell("pass", fault_at), batch_size=16, steps=2, dashboard=False)
     first_noticed = noticed[0] if noticed else raised
+    faulted = fault_at.exists()
+    finished = FAULT_STEP - 1 if faulted else arrival.step  # the fault strikes inside a step
     return {
         "fault": name,
         "raised": kind,
-        "detect_s": max(0.0, first_noticed - arrival.at),
+        "detect_s": first_noticed - float(fault_at.read_text()) if faulted else None,
         "contain_and_heal_s": raised - first_noticed,
         "next_first_step_s": after.time_to_first_step_s,
-        "steps_lost": max(0, arrival.step - saved),
+        "steps_lost": max(0, finished - saved),
     }
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def _cell(action: str, fault_at: Path) -> str:
+    return (
+        BASE.replace("FAULT_AT", repr(str(fault_at)))
+        .replace("FAULT_STEP", str(FAULT_STEP))
+        .replace("FAULT", action)
+    )
 
 
 def main() -> None:
@@ -138,7 +155,8 @@ def main() -> None:
         "|---|---|---|---|---|---|",
     ]
     lines += [
-        f"| {r['fault']} | {r['raised']} | {r['detect_s']:.2f} | {r['contain_and_heal_s']:.2f} "
+        f"| {r['fault']} | {r['raised']} | {_seconds(r['detect_s'])} | "
+        f"{r['contain_and_heal_s']:.2f} "
         f"| {r['next_first_step_s']:.2f} | {r['steps_lost']} |"
         for r in rows
     ]
