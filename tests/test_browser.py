@@ -27,20 +27,14 @@ import pytest
 
 from sagenb import cluster
 
+from .conftest import CHROMIUM_FLAGS
+
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOK = ROOT / "notebooks" / "01_quickstart.ipynb"
 ARTIFACTS = ROOT / "artifacts" / "browser"
 CHROMIUM = "/usr/bin/chromium"
 # Playwright's own browser download is unreachable here: drive Debian's build (see BROWSER.md).
-FLAGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--no-first-run",
-    "--disable-sync",
-    "--disable-dev-shm-usage",
-]
+FLAGS = CHROMIUM_FLAGS
 # The news and update checks would reach for the internet and pop a toast over the notebook.
 NO_NEWS = {
     "@jupyterlab/apputils-extension:notification": {"fetchNews": "false", "checkForUpdates": False}

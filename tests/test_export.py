@@ -10,19 +10,10 @@ import pytest
 
 import sagenb
 
-from .conftest import REGRESSION_CELL
+from .conftest import CHROMIUM_FLAGS, REGRESSION_CELL
 
 CHROMIUM = shutil.which("chromium")
-FLAGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--no-first-run",
-    "--disable-sync",
-    "--disable-dev-shm-usage",
-]
+FLAGS = ["--headless", *CHROMIUM_FLAGS]
 
 
 @pytest.mark.skipif(
