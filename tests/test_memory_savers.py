@@ -101,6 +101,10 @@ def test_sharded_holds_a_half_per_engine(pool):
         whole = memory["data"][0][key]
         for values in memory["sharded"]:  # FSDP pads each parameter to a multiple of 2 rows
             assert 0.45 * whole <= values[key] <= 0.56 * whole, (kind, values[key], whole)
+    # the same samples per engine, so the same activations: the weights FSDP gathers for a
+    # block's forward are parameters, not activations
+    key = "memory/activations(MiB)"
+    assert [v[key] for v in memory["sharded"]] == pytest.approx([memory["data"][0][key]] * 2)
 
 
 @pytest.mark.parametrize("strategy", ["data", "sharded", "model"])

@@ -14,7 +14,6 @@ from contextlib import contextmanager
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 
 from sagenb.engine.dtensors import local
 
@@ -51,9 +50,6 @@ class MemoryMeter:
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device):
         self.module, self.optimizer, self.device = module, optimizer, device
         self._param_storages = {local(p).untyped_storage().data_ptr() for p in module.parameters()}
-        # FSDP swaps in gathered (unsharded) parameters for each block's forward and backward:
-        # their storages change, so look them up again on a miss
-        self._gathered = isinstance(module, FSDPModule)
         self._live: dict[int, list[int]] = {}  # storage ptr -> [bytes, references]
         self._current = 0
         self.peak_activations = 0
@@ -65,10 +61,12 @@ class MemoryMeter:
             self._process = None
 
     def _pack(self, tensor: torch.Tensor) -> _Saved:
-        if isinstance(tensor, nn.Parameter):  # FSDP's gathered weights: parameters, not activations
+        # a parameter, or a view of one (linear saves weight.t()): not an activation. This also
+        # catches the weights FSDP gathers for a block, whose storages are not the shards'
+        if isinstance(tensor, nn.Parameter) or isinstance(tensor._base, nn.Parameter):
             return _Saved(tensor, None)
         key, nbytes = _storage_of(tensor)
-        if key in self._param_storages or key == 0 or (self._gathered and self._is_gathered(key)):
+        if key in self._param_storages or key == 0:
             return _Saved(tensor, None)
         entry = self._live.get(key)
         if entry is None:
@@ -78,9 +76,6 @@ class MemoryMeter:
         else:
             entry[1] += 1
         return _Saved(tensor, key)
-
-    def _is_gathered(self, key: int) -> bool:
-        return any(_storage_of(p)[0] == key for p in self.module.parameters())
 
     def _unpack(self, saved: _Saved) -> torch.Tensor:
         entry = self._live.get(saved.key) if saved.key is not None else None
