@@ -43,22 +43,25 @@ def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float) -> flo
     shards; replicated ones (identical on every rank) are counted once. Same formula as
     torch.nn.utils.clip_grad_norm_ (coefficient max_norm / (norm + 1e-6), at most 1)."""
     grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return 0.0
+    device = local(grads[0]).device  # sums stay on the device: one host sync, at the end
+    zero = torch.zeros((), dtype=torch.float64, device=device)
     squares: dict[object, torch.Tensor] = {}  # process group of the shards -> sum of squares
-    replicated = torch.zeros((), dtype=torch.float64)
+    replicated = zero.clone()
     for g in grads:
-        part = local(g).detach().double().pow(2).sum().cpu()
+        part = local(g).detach().double().pow(2).sum()
         if is_sharded(g):
             dims = [i for i, p in enumerate(g.placements) if p.is_shard()]
             for dim in dims:  # one mesh dimension per sharded placement (1-D in sagenb)
                 group = g.device_mesh.get_group(dim)
-                squares[group] = squares.get(group, torch.zeros((), dtype=torch.float64)) + part
+                squares[group] = squares.get(group, zero) + part
         else:
             replicated += part
     total = replicated
     for group, part in squares.items():
-        device_part = part.to(grads[0].device)
-        dist.all_reduce(device_part, group=group)
-        total = total + device_part.cpu()
+        dist.all_reduce(part, group=group)
+        total = total + part
     norm = float(total.sqrt())
     coef = min(1.0, max_norm / (norm + 1e-6))
     if coef < 1.0:
