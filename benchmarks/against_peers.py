@@ -49,7 +49,18 @@ def run_sagenb(*, engines: int = 2, live_dashboard: bool = False) -> dict:
     return {"throughput": rate(stamps), "first_step_s": stamps[0] - called}
 
 
-def run_torchrun() -> dict:
+def run_torchrun(attempts: int = 3) -> dict:
+    """One torchrun run; a port taken between choosing and binding it (seen once in ~20 runs)
+    fails the launch, so a failed launch is retried on a fresh port, and its output shown."""
+    for attempt in range(1, attempts + 1):
+        try:
+            return _torchrun_once()
+        except subprocess.CalledProcessError as exc:
+            print(f"torchrun failed (attempt {attempt} of {attempts}):\n{exc.stderr[-2000:]}")
+    raise RuntimeError(f"torchrun failed {attempts} times; its output is above")
+
+
+def _torchrun_once() -> dict:
     launched = time.time()
     out = subprocess.run(
         [
