@@ -175,6 +175,14 @@ def test_tensor_parallel_plan_splits_mlp_pairs_and_attention_by_heads():
     assert "head" not in plan  # tied to the embedding: left whole
     split_heads(ns["model"], plan, 2)
     assert ns["model"].blocks[1].attn.n_head == 2
+    # a hand plan with torch's styles and '*' (one name, as parallelize_module matches)
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    hand = {f"blocks.*.attn.{n}": ColwiseParallel() for n in "qkv"}
+    split_heads(ns["model"], {**hand, "blocks.*.attn.proj": RowwiseParallel()}, 2)
+    assert ns["model"].blocks[0].attn.n_head == 1
+    split_heads(ns["model"], {"*.q": "colwise"}, 2)  # names no module: torch splits nothing
+    assert ns["model"].blocks[0].attn.n_head == 1
     with pytest.raises(JobError, match="no Linear pair whose hidden width divides by 3"):
         derive_plan(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)), 3)
 

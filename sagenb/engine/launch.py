@@ -20,7 +20,6 @@ import sys
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -31,6 +30,7 @@ from sagenb.config import ConfigError, TrainConfig
 from sagenb.engine import process_group
 from sagenb.engine.entry import RankResult, RankSpec, merge_states, train_rank
 from sagenb.engine.publish import Publisher
+from sagenb.engine.rendezvous import bound_store
 from sagenb.job import Job, JobError
 from sagenb.metrics import History
 
@@ -200,14 +200,9 @@ def _host_store(env: TorchrunEnv, timeout_s: float) -> dist.TCPStore | None:
     too) then connect to it as the notebook's engines connect to the notebook's."""
     if not env.hosts_store:
         return None
-    return dist.TCPStore(
-        env.addr,
-        env.port,  # 0 (a plain `python train.py`): the OS picks a free port
-        env.world_size,
-        is_master=True,
-        wait_for_workers=False,
-        timeout=timedelta(seconds=timeout_s),
-    )
+    # listening on MASTER_ADDR only, as the notebook's store listens on loopback only; port 0
+    # (a plain `python train.py`): the OS picks a free one
+    return bound_store(env.addr, env.world_size, timeout_s, port=env.port)
 
 
 class _StepWriter:

@@ -32,12 +32,12 @@ __all__ = [
 _hosted: dist.TCPStore | None = None  # the store this engine hosts for the current run
 
 
-def bound_store(addr: str, world_size: int, timeout_s: float) -> dist.TCPStore:
-    """A TCPStore server listening on `addr` only, on a port the OS picks."""
+def bound_store(addr: str, world_size: int, timeout_s: float, port: int = 0) -> dist.TCPStore:
+    """A TCPStore server listening on `addr` only, on `port` (0: one the OS picks)."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((addr, 0))
+        sock.bind((addr, port))
         sock.listen(128)
         port = sock.getsockname()[1]
     except BaseException:

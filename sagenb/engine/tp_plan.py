@@ -149,7 +149,7 @@ def split_heads(model: nn.Module, plan: dict[str, Any], tp: int) -> None:
         split = [
             name
             for name, _ in module.named_children()
-            if QKV.match(name) and _style_of(plan, prefix + name) == "colwise"
+            if QKV.match(name) and _is_colwise(_style_at(plan, prefix + name))
         ]
         if not split:
             continue
@@ -161,12 +161,12 @@ def split_heads(model: nn.Module, plan: dict[str, Any], tp: int) -> None:
                 setattr(module, attr, heads // tp)
 
 
-def _style_of(plan: dict[str, Any], path: str) -> str | None:
-    for pattern, style in plan.items():
-        if fnmatch.fnmatchcase(path, pattern):
-            return (
-                style
-                if isinstance(style, str)
-                else type(style).__name__.lower().replace("parallel", "")
-            )
-    return None
+def _style_at(plan: dict[str, Any], path: str) -> Any:
+    """The style the plan gives the module at `path`, matched as parallelize_module matches
+    (name by name), so heads are divided exactly where torch splits the projections."""
+    names = path.split(".")
+    return next((s for key, s in plan.items() if _path_matches(names, key.split("."))), None)
+
+
+def _is_colwise(style: Any) -> bool:
+    return style == "colwise" or isinstance(style, ColwiseParallel)

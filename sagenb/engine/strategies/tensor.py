@@ -35,7 +35,6 @@ class TensorParallel(SplitParameters):
         self.T = config.tensor_parallel or world_size
         self.D = world_size // self.T
         self.replica = rank // self.T
-        self.plan: dict[str, Any] = {}
 
     def setup(self, ws: Workspace) -> None:
         model = ws.model
@@ -45,11 +44,11 @@ class TensorParallel(SplitParameters):
         mesh = init_device_mesh(self.device.type, (self.D, self.T), mesh_dim_names=("dp", "tp"))
         if ws.tp_plan is not None:
             check_plan(model, ws.tp_plan)
-            self.plan = dict(ws.tp_plan)
+            plan = dict(ws.tp_plan)
         else:
-            self.plan = derive_plan(model, self.T)
-        split_heads(model, self.plan, self.T)
-        self.module = parallelize_module(model.to(self.device), mesh["tp"], to_styles(self.plan))
+            plan = derive_plan(model, self.T)
+        split_heads(model, plan, self.T)
+        self.module = parallelize_module(model.to(self.device), mesh["tp"], to_styles(plan))
         self._dp_group = mesh["dp"].get_group() if self.D > 1 else None
 
     def local_indices(self, slice_indices: torch.Tensor) -> torch.Tensor:
