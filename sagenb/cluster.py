@@ -157,18 +157,22 @@ class EnginePool:
         ids = sorted(self.client.ids)
         first_on_host: dict[str, int] = {}
         for eid in ids:
-            first_on_host.setdefault(self.places.get(eid, ("", ""))[1], eid)
-        return sorted(ids, key=lambda e: (first_on_host[self.places.get(e, ("", ""))[1]], e))
+            first_on_host.setdefault(self.address(eid), eid)
+        return sorted(ids, key=lambda e: (first_on_host[self.address(e)], e))
+
+    def address(self, engine_id: int) -> str:
+        """The engine's address toward the controller ('' until it has been located)."""
+        return self.places.get(engine_id, ("", ""))[1]
 
     @property
     def multi_host(self) -> bool:
         """Whether any engine reaches the controller other than through loopback."""
-        return any(addr != LOOPBACK for _, addr in self.places.values())
+        return any(self.address(e) not in (LOOPBACK, "") for e in self.client.ids)
 
     def local_ranks(self, engines: int) -> list[tuple[int, int]]:
         """(position on its host, engines of the run on that host) for each of the first
         `engines` ranks."""
-        addrs = [self.places.get(e, ("", ""))[1] for e in self.engine_ids[:engines]]
+        addrs = [self.address(e) for e in self.engine_ids[:engines]]
         return [(addrs[:r].count(a), addrs.count(a)) for r, a in enumerate(addrs)]
 
     @property
@@ -208,7 +212,7 @@ class EnginePool:
                     engine_id=eid,
                     pid=info["pid"],
                     host=info["host"],
-                    address=self.places.get(eid, ("", "?"))[1],
+                    address=self.address(eid) or "?",
                     threads=info["threads"],
                     device=info["device"],
                     rss_mib=info["rss_mib"],

@@ -279,7 +279,7 @@ class _Run:
             self.pool.interrupt([self.ids[r] for r, ar in enumerate(self.ars) if not ar.ready()])
             self._contain()
             self._drain()
-        self._close_sinks(status="interrupted" if results is not None else "failed")
+        self._close_sinks(status="interrupted")
         return self._result(results, status="interrupted")
 
     def _mark_end(self) -> None:
