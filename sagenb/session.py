@@ -19,8 +19,8 @@ from sagenb import cluster
 from sagenb.config import ConfigError, TrainConfig
 from sagenb.cost import CostMeter, meter_for
 from sagenb.engine.entry import RankResult, RankSpec, merge_states, run_rank
-from sagenb.engine.process_group import STOP_KEY
 from sagenb.engine.rendezvous import bound_store, host_for_run
+from sagenb.engine.stopping import REQUEST_KEY
 from sagenb.failures import DEAD_ENGINE, StalledError, TrainingError, TrainingInterrupted, classify
 from sagenb.job import Job, JobError
 from sagenb.metrics import History, MetricSink, RankStream
@@ -266,11 +266,11 @@ class _Run:
         )
 
     def _interrupted(self) -> TrainResult:
-        """Ask every rank to stop after the same step (engine/process_group.stop_requested);
+        """Ask every rank to stop after the same step (engine/stopping.py);
         if they have not within STOP_S, interrupt and contain them. Return what was done."""
         results = None
         try:
-            self.store.set(STOP_KEY, "1")
+            self.store.set(REQUEST_KEY, "1")
             if self._wait_all(STOP_S) and all(ar.successful() for ar in self.ars):
                 results = self._collect()
         except KeyboardInterrupt:  # a second interrupt: stop at once

@@ -24,6 +24,7 @@ from sagenb.failures import (
 )
 
 from .conftest import REGRESSION_CELL, max_param_diff
+from .models import SEQUENTIAL_CELL
 from .reference import train_reference
 
 
@@ -53,7 +54,7 @@ def pids(pool) -> list[int]:
 
 def assert_healed(pool, before: list[int], *, replaced: int) -> None:
     after = pids(pool)
-    assert pool.size == 2 and len(set(after) - set(before)) == replaced
+    assert pool.size == len(before) and len(set(after) - set(before)) == replaced
     gone = set(before) - set(after)
     deadline = time.monotonic() + 5
     while any(psutil.pid_exists(p) for p in gone) and time.monotonic() < deadline:
@@ -156,6 +157,24 @@ def test_interrupt_stops_every_rank_and_keeps_the_work(pool):
     model, _, _ = train_reference(REGRESSION_CELL, batch_size=2, epochs=200, steps=steps)
     assert max_param_diff(result.state_dict(), model) <= 1e-5
     assert_healed(pool, pids(pool), replaced=0)
+
+
+def test_interrupt_stops_four_pipeline_ranks_at_one_step(pool4):
+    """Hybrid 2 x 2: rank 3 meets rank 0 in no collective of its own, only through ranks 1 and
+    2; all four still stop after the same step (engine/stopping.py)."""
+    cell = SEQUENTIAL_CELL.replace("lr=0.05", "lr=0.005")  # stable over hundreds of steps
+    options = dict(strategy="hybrid", partitions=2, microbatches=2, batch_size=8, epochs=400)
+    interrupt_after(4.0)
+    with pytest.raises(TrainingInterrupted) as info:
+        sagenb.train(cell, dashboard=False, **options)
+    result = info.value.result
+    steps = len(result.history)
+    assert result.status == "interrupted" and 0 < steps < 400 * 32
+    assert [row["step"] for row in result.history] == list(range(1, steps + 1))
+    assert all(len(row["rank_losses"]) == 2 for row in result.history)  # both replicas, every step
+    model, _, _ = train_reference(cell, batch_size=8, epochs=400, steps=steps)
+    assert max_param_diff(result.state_dict(), model) <= 1e-5
+    assert_healed(pool4, pids(pool4), replaced=0)
 
 
 def test_interrupt_in_the_magic_keeps_the_result(pool):

@@ -67,7 +67,7 @@ def train_loop(
             _step(ws, strategy, config, step, total, optimizer, scheduler, meter, device, scaler)
         )
         last = step.number
-        stop = should_stop(step.number)
+        stop = last < total and should_stop(last)  # after the last step, there is none to skip
         every = config.checkpoint_every
         if config.checkpoint_dir and (stop or last == total or (every and last % every == 0)):
             checkpoint.save(config.checkpoint_dir, last, **objects)

@@ -3,22 +3,18 @@
 from __future__ import annotations
 
 import gc
-import time
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from sagenb.engine.rendezvous import use_interface
+from sagenb.engine.stopping import StopWatch
 
-__all__ = ["init_process_group", "shutdown", "pick_device", "stop_requested", "STOP_KEY"]
+__all__ = ["init_process_group", "shutdown", "pick_device", "stop_requested"]
 
-#: set by the notebook in the run's store when the user interrupts
-STOP_KEY = "sagenb/stop_requested"
-#: set by rank 0 once it sees STOP_KEY: every rank stops after this step
-_STOP_AT = "sagenb/stop_after_step"
 _store: dist.TCPStore | None = None
-_request_checked = 0.0
+_stop_watch: StopWatch | None = None
 
 
 def pick_device(local_rank: int, local_size: int) -> torch.device:
@@ -45,7 +41,7 @@ def init_process_group(
         torch.cuda.set_device(device)
     timeout = timedelta(seconds=timeout_s)
     use_interface(addr)  # gloo/nccl talk on the interface that reaches the store
-    global _store
+    global _store, _stop_watch
     store = _store = dist.TCPStore(addr, port, world_size, is_master=False, timeout=timeout)
     dist.init_process_group(
         backend,
@@ -53,6 +49,9 @@ def init_process_group(
         rank=rank,
         world_size=world_size,
         timeout=timeout,
+    )
+    _stop_watch = StopWatch(
+        store, addr=addr, port=port, rank=rank, world_size=world_size, timeout=timeout
     )
 
 
@@ -62,28 +61,15 @@ def shutdown() -> None:
     Collect garbage first: a traceback or tensor still holding the group keeps its sockets open
     (measured in ../shared/FACTS.md, "Failures").
     """
-    global _store
-    _store = None
+    global _store, _stop_watch
+    watch, _store, _stop_watch = _stop_watch, None, None
     gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()
+    if watch is not None:  # after the peers are released
+        watch.close()
 
 
 def stop_requested(step: int, rank: int) -> bool:
-    """Whether every rank is to stop after `step`, so that all stop after the same step.
-
-    Rank 0, seeing the notebook's request after step s, fixes the last step at s + 1. No rank
-    can have finished step s + 1 yet: each step ends in collectives that need rank 0, which has
-    not started it. So every rank reads the decision at or before its boundary after s + 1.
-    One look-up in the notebook's store per step (~0.1 ms on loopback); rank 0 adds one for
-    the request at most every 50 ms.
-    """
-    global _request_checked
-    if _store is None:
-        return False
-    now = time.monotonic()  # rank 0 looks for the request at most every 50 ms
-    if rank == 0 and now - _request_checked > 0.05:
-        _request_checked = now
-        if _store.check([STOP_KEY]) and not _store.check([_STOP_AT]):
-            _store.set(_STOP_AT, str(step + 1))
-    return _store.check([_STOP_AT]) and step >= int(_store.get(_STOP_AT))
+    """Whether every rank is to stop after `step` (engine/stopping.py)."""
+    return _stop_watch is not None and _stop_watch.should_stop(step)
