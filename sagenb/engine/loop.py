@@ -79,7 +79,7 @@ def train_loop(
 def _step(ws, strategy, config, step, total, optimizer, scheduler, meter, device, scaler) -> dict:
     """One optimizer step; returns its metrics."""
     started = time.perf_counter()
-    meter.start_step()
+    meter.start_step(step.number, total)
     loss_scale = scaler.scale if scaler is not None else 1.0
     with autocast(config.precision, device):
         loss, samples, tokens = _accumulate(

@@ -4,13 +4,18 @@ torch keeps no allocator statistics on the CPU, so the bytes are counted from th
 themselves; the peak of activations saved for backward is tracked with saved-tensor hooks,
 deduplicated by storage and leaving parameters out (../shared/FACTS.md, "Memory per partition").
 On CUDA the allocator's own peak is reported beside it.
+
+The hooks cost about 1% of a small model's step, so activations are counted on the first steps,
+every COUNT_EVERY-th and the last; in between the last count stands (a job's shapes, and so its
+activations, are the same every step). Process RSS, secondary, is read at most every RSS_EVERY_S.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+import time
+from collections.abc import Iterable
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 from torch import nn
@@ -20,6 +25,8 @@ from sagenb.engine.dtensors import local
 __all__ = ["MemoryMeter"]
 
 MIB = 1024 * 1024
+COUNT_EVERY = 10
+RSS_EVERY_S = 1.0
 
 
 def _tensor_bytes(tensors: Iterable[torch.Tensor | None]) -> int:
@@ -49,10 +56,13 @@ class MemoryMeter:
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device):
         self.module, self.optimizer, self.device = module, optimizer, device
-        self._param_storages = {local(p).untyped_storage().data_ptr() for p in module.parameters()}
+        self._params = list(module.parameters())  # final: the strategy has wrapped the model
+        self._param_storages = {local(p).untyped_storage().data_ptr() for p in self._params}
         self._live: dict[int, list[int]] = {}  # storage ptr -> [bytes, references]
         self._current = 0
         self.peak_activations = 0
+        self.counting = True
+        self._rss_mib, self._rss_read = 0.0, -RSS_EVERY_S
         try:
             import psutil
 
@@ -86,30 +96,36 @@ class MemoryMeter:
                 del self._live[saved.key]
         return saved.tensor
 
-    @contextmanager
-    def track(self) -> Iterator[None]:
-        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
-            yield
+    def track(self) -> AbstractContextManager:
+        """Wraps each forward+backward of the step; counts saved activations when counting."""
+        if not self.counting:
+            return nullcontext()
+        return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
-    def start_step(self) -> None:
-        self._live.clear()
-        self._current = 0
-        self.peak_activations = 0
+    def start_step(self, step: int, last: int) -> None:
+        """Step `step` of the run's `last` begins."""
+        self.counting = step <= 3 or step % COUNT_EVERY == 0 or step == last
+        if self.counting:
+            self._live.clear()
+            self._current = 0
+            self.peak_activations = 0
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
 
     def snapshot(self) -> dict[str, float]:
         """MiB per kind, taken after backward and before gradients are cleared."""
-        params = list(self.module.parameters())
         state = (v for s in self.optimizer.state.values() for v in s.values() if torch.is_tensor(v))
         out = {
-            "memory/params(MiB)": _tensor_bytes(params) / MIB,
-            "memory/grads(MiB)": _tensor_bytes(p.grad for p in params) / MIB,
+            "memory/params(MiB)": _tensor_bytes(self._params) / MIB,
+            "memory/grads(MiB)": _tensor_bytes(p.grad for p in self._params) / MIB,
             "memory/optimizer(MiB)": _tensor_bytes(state) / MIB,
             "memory/activations(MiB)": self.peak_activations / MIB,
         }
         if self._process is not None:
-            out["memory/rss(MiB)"] = self._process.memory_info().rss / MIB
+            now = time.monotonic()
+            if now - self._rss_read >= RSS_EVERY_S:
+                self._rss_mib, self._rss_read = self._process.memory_info().rss / MIB, now
+            out["memory/rss(MiB)"] = self._rss_mib
         if self.device.type == "cuda":
             out["memory/device_peak(MiB)"] = torch.cuda.max_memory_allocated(self.device) / MIB
             out["memory/device_capacity(MiB)"] = (
