@@ -60,6 +60,7 @@ def test_live_dashboard_redraws_are_throttled():
 
     from sagenb.config import TrainConfig
     from sagenb.cost import CostMeter, instance_price
+    from sagenb.charts import MAX_POINTS
     from sagenb.dashboard import REDRAW_S, Dashboard
 
     config = TrainConfig(engines=2, batch_size=8)
@@ -86,7 +87,9 @@ def test_live_dashboard_redraws_are_throttled():
     board.finish(elapsed, status="done")
     assert board.redraws <= elapsed / REDRAW_S + 2  # a fast run does not flood the browser
     widget_trace = board._figure_widget.data[2]  # the smoothed loss, as the browser has it
-    assert len(widget_trace.x) == steps
+    # a long run is drawn every k-th step (k = 2 here), ending with the last
+    assert len(widget_trace.x) == steps // 2 <= MAX_POINTS
+    assert list(widget_trace.x[-2:]) == [steps - 2, steps]
     assert "done" in board._header.value and f"step {steps}/{steps}" in board._header.value
 
 
