@@ -2,10 +2,10 @@
 torchrun, Hugging Face Accelerate's notebook_launcher (when installed: `pip install accelerate`),
 sagenb with and without its live dashboard, and sagenb on 1 engine against 2.
 
-    .venv/bin/python benchmarks/against_peers.py [--rounds 3] [--out benchmarks/results]
+    .venv/bin/python benchmarks/against_peers.py [--rounds 5] [--out benchmarks/results]
 
 Throughput is samples/s between the end of step 5 and the end of the last step, read from each
-side's own per-step wall-clock stamps (same model, data, sample order, batch 256, 60 steps,
+side's own per-step wall-clock stamps (same model, data, sample order, batch 256, 200 steps,
 1 torch thread per process). Time to first step runs from the call (or the process launch) to
 the end of the first step. This machine is noisy: the table quotes medians over the rounds, and
 each ratio is computed round by round.
@@ -141,7 +141,7 @@ def summarise(runs: dict[str, list[dict]], cold_s: float) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
     sagenb.stop_pool()

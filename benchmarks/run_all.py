@@ -5,8 +5,10 @@
 Runs, one after another (each alone on the machine): time to first step (cold and warm pool),
 sagenb against a torchrun DDP script, Accelerate's notebook_launcher, its own live dashboard and
 1 engine, the pipeline benchmarks, the memory savers (data, sharded and tensor parallel, with and
-without activation checkpointing), and recovery from injected faults. On a machine with CUDA the
-same command runs there too: engines use nccl and CUDA memory when each has its own GPU.
+without activation checkpointing), and recovery from injected faults. On a machine with CUDA it
+also runs one_gpu.py (sagenb on the GPU against plain PyTorch on it, with torch.cuda memory);
+engines use nccl and CUDA memory wherever each has its own GPU. `bash benchmarks/gpu.sh` is the
+one command for a one-GPU machine.
 """
 
 from __future__ import annotations
@@ -28,6 +30,12 @@ def run(script: str, *args: str) -> None:
     started = time.perf_counter()
     subprocess.run([sys.executable, str(HERE / script), *args], check=True)
     print(f"{script}: {time.perf_counter() - started:.0f} s", flush=True)
+
+
+def cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def machine() -> str:
@@ -77,6 +85,8 @@ def summary_md(res: dict) -> str:
     lines += ["", (HERE / "results" / "pipeline.md").read_text().split("\n", 2)[2]]
     lines += ["#" + (HERE / "results" / "memory_savers.md").read_text()]
     lines += [(HERE / "results" / "recovery.md").read_text().split("\n", 1)[1]]
+    if res.get("one_gpu"):
+        lines += ["#" + (HERE / "results" / "one_gpu.md").read_text()]
     return "\n".join(lines) + "\n"
 
 
@@ -88,13 +98,17 @@ def main() -> None:
     repeats = "1" if args.quick else "3"
     if not args.summary_only:
         run("first_step.py", "--repeats", repeats)
-        run("against_peers.py", "--rounds", repeats)
+        run("against_peers.py", "--rounds", "1" if args.quick else "5")  # the noisiest figures
         run("pipeline.py")
         run("memory_savers.py", "--rounds", "1" if args.quick else "2")
         run("recovery.py")
+        if cuda():
+            run("one_gpu.py", "--rounds", "1" if args.quick else "3")
     res = {"machine": machine()}
     for name in ("first_step", "against_peers", "pipeline", "memory_savers", "recovery"):
         res[name] = json.loads((OUT / f"{name}.json").read_text())
+    if cuda():
+        res["one_gpu"] = json.loads((OUT / "one_gpu.json").read_text())
     (OUT / "summary.json").write_text(json.dumps(res, indent=1))
     (OUT / "summary.md").write_text(summary_md(res))
     print(summary_md(res))

@@ -12,7 +12,7 @@ def make_optimizer(params):
     return torch.optim.SGD(params, lr=0.01, momentum=0.9)
 """
 BATCH = 256
-STEPS = 60
+STEPS = 200
 WARMUP = 5  # steps left out of the rate (first calls pay for allocation)
 
 
