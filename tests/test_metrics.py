@@ -58,9 +58,9 @@ def test_dashboard_records_every_step(pool):
 def test_live_dashboard_redraws_are_throttled():
     import time
 
+    from sagenb.charts import MAX_POINTS
     from sagenb.config import TrainConfig
     from sagenb.cost import CostMeter, instance_price
-    from sagenb.charts import MAX_POINTS
     from sagenb.dashboard import REDRAW_S, Dashboard
 
     config = TrainConfig(engines=2, batch_size=8)
