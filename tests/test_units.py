@@ -221,3 +221,22 @@ def test_dashboard_header_names_the_layout():
         strategy="sharded", engines=2, reshard_after_forward=False, activation_checkpointing=True
     )
     assert layout_text(sharded) == "sharded (ZeRO-2) on 2 engines, activation checkpointing"
+
+
+def test_activations_are_counted_on_a_runs_first_steps_and_then_sampled():
+    """Counted on the first three steps of this run (a resumed one starts at step 21), every
+    10th and the last; in between the last count stands."""
+    from sagenb.engine.memory import MemoryMeter
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    meter = MemoryMeter(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.device("cpu"))
+    seen = {}
+    for step, rows in ((21, 4), (22, 4), (23, 4), (24, 64), (30, 64), (31, 4), (40, 4)):
+        meter.start_step(step, 40)
+        with meter.track():
+            model(torch.randn(rows, 8)).sum().backward()
+        seen[step] = meter.snapshot()["memory/activations(MiB)"]
+    assert seen[21] > 0 and seen[21] == seen[22] == seen[23]  # counted from the run's first step
+    assert seen[24] == seen[23]  # not counted: the count of step 23 stands
+    assert seen[30] > seen[24]  # counted: 64 rows save more than 4
+    assert seen[31] == seen[30] and seen[40] == seen[21]  # the last step is counted

@@ -5,9 +5,10 @@ themselves; the peak of activations saved for backward is tracked with saved-ten
 deduplicated by storage and leaving parameters out (../shared/FACTS.md, "Memory per partition").
 On CUDA the allocator's own peak is reported beside it.
 
-The hooks cost about 1% of a small model's step, so activations are counted on the first steps,
-every COUNT_EVERY-th and the last; in between the last count stands (a job's shapes, and so its
-activations, are the same every step). Process RSS, secondary, is read at most every RSS_EVERY_S.
+The hooks cost about 1% of a small model's step, so activations are counted on the first three
+steps of a run (resumed or not), every COUNT_EVERY-th and the last; in between the last count
+stands (a job's shapes, and so its activations, are the same every step). Process RSS,
+secondary, is read at most every RSS_EVERY_S.
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ class MemoryMeter:
         self._current = 0
         self.peak_activations = 0
         self.counting = True
+        self._started = 0  # steps begun in this run (a resumed run starts past step 1)
         self._rss_mib, self._rss_read = 0.0, -RSS_EVERY_S
         try:
             import psutil
@@ -104,7 +106,8 @@ class MemoryMeter:
 
     def start_step(self, step: int, last: int) -> None:
         """Step `step` of the run's `last` begins."""
-        self.counting = step <= 3 or step % COUNT_EVERY == 0 or step == last
+        self._started += 1
+        self.counting = self._started <= 3 or step % COUNT_EVERY == 0 or step == last
         if self.counting:
             self._live.clear()
             self._current = 0
