@@ -27,18 +27,18 @@ from sagenb.examples import gpt_cell
 
 CUDA = torch.cuda.is_available()
 # ~40 M parameters, 256 tokens a sample on the GPU; a toy on the CPU
+CONTEXT = 256 if CUDA else 32
 CELL = (
-    gpt_cell(layers=8, width=512, heads=8, vocab=8192, context=256, samples=8192, lr=0.01)
+    gpt_cell(layers=8, width=512, heads=8, vocab=8192, context=CONTEXT, samples=8192, lr=0.01)
     if CUDA
-    else gpt_cell(layers=2, width=64, heads=4, vocab=256, context=32, samples=2048, lr=0.01)
+    else gpt_cell(layers=2, width=64, heads=4, vocab=256, context=CONTEXT, samples=2048, lr=0.01)
 )
 BATCH, STEPS, WARMUP = 32, 60, 10
 
 
 def tokens_per_s(stamps: list[float]) -> float:
     """Tokens per second between the end of step WARMUP and the end of the last step."""
-    context = 256 if CUDA else 32
-    return (len(stamps) - WARMUP) * BATCH * context / (stamps[-1] - stamps[WARMUP - 1])
+    return (len(stamps) - WARMUP) * BATCH * CONTEXT / (stamps[-1] - stamps[WARMUP - 1])
 
 
 def plain(precision: str) -> dict:

@@ -101,8 +101,8 @@ def trace_data(board: Any) -> list[dict[str, Any]]:
     busy, idle = board.step_split()
     data.append(_line(steps, [busy[i] for i in shown]))
     data.append(_line(steps, [idle[i] for i in shown]))
-    for kind in "FB":
-        data.append(_timeline(board)[kind])
+    timeline = _timeline(board)
+    data += [timeline["F"], timeline["B"]]
     cost = _thin(board.cost_points)  # one point per redraw: four a second
     data.append(_line([t for t, _ in cost], [c for _, c in cost]))
     data.append(_line([t for t, _ in cost], [board.cost.spot(c) for _, c in cost]))

@@ -11,7 +11,6 @@ import os
 import socket
 import traceback
 from dataclasses import dataclass
-from functools import partial
 
 import torch
 
@@ -114,7 +113,7 @@ def train_rank(spec: RankSpec, publish: Publisher) -> RankResult:
         device=device,
         publish=publish,
         rank=spec.rank,
-        should_stop=partial(process_group.stop_requested, rank=spec.rank),
+        should_stop=process_group.stop_requested,
     )
     return RankResult(
         rank=spec.rank,

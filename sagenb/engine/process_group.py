@@ -70,6 +70,6 @@ def shutdown() -> None:
         watch.close()
 
 
-def stop_requested(step: int, rank: int) -> bool:
+def stop_requested(step: int) -> bool:
     """Whether every rank is to stop after `step` (engine/stopping.py)."""
     return _stop_watch is not None and _stop_watch.should_stop(step)
