@@ -144,6 +144,30 @@ def test_hybrid_two_pipelines_of_two_stages(pool4, name):
     check_equal(result, cell, batch_size=32, epochs=5, steps=20)
 
 
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_four_stages_match_reference(pool4, schedule):
+    """Middle stages receive from both sides (activations from the left, gradients from the
+    right); on gloo every receive of a step is posted at its start."""
+    result = sagenb.train(
+        SEQUENTIAL_CELL,
+        strategy="model",
+        partitions=4,
+        microbatches=4,
+        schedule=schedule,
+        batch_size=32,
+        epochs=5,
+        steps=20,
+        dashboard=False,
+    )
+    assert sorted(r["stages"][0] for r in _last_step_pipeline_metrics(result)) == [0, 1, 2, 3]
+    check_equal(result, SEQUENTIAL_CELL, batch_size=32, epochs=5, steps=20)
+
+
+def _last_step_pipeline_metrics(result) -> list[dict]:
+    last = max(r.step for r in result.metrics)
+    return [r.values for r in result.metrics if r.step == last and "stages" in r.values]
+
+
 def test_errors_name_the_numbers(pool):
     with pytest.raises(ConfigError, match=r"--microbatches 2: 1f1b needs .* >= --partitions \(3\)"):
         sagenb.train(SEQUENTIAL_CELL, strategy="model", partitions=3, microbatches=2)

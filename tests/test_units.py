@@ -240,3 +240,34 @@ def test_activations_are_counted_on_a_runs_first_steps_and_then_sampled():
     assert seen[24] == seen[23]  # not counted: the count of step 23 stands
     assert seen[30] > seen[24]  # counted: 64 rows save more than 4
     assert seen[31] == seen[30] and seen[40] == seen[21]  # the last step is counted
+
+
+@pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
+def test_prefetching_schedule_posts_receives_first_and_pairs_them_in_order(kind):
+    """Each stage posts all of its receives before its first compute; the receives from a
+    neighbour come in the order it sends (gloo matches them in order); each microbatch's
+    backward follows its forward; 1F1B holds at most p - stage microbatches' activations."""
+    from sagenb.engine.prefetch_schedule import action_lists, compute_order
+
+    p, m = 4, 8
+    lists = action_lists(kind, p, m)
+    for s, actions in lists.items():
+        kinds = [a.computation_type.value for a in actions]
+        first_compute = kinds.index("F")
+        assert set(kinds[:first_compute]) <= {"RECV_F", "RECV_B"}
+        assert "RECV_F" not in kinds[first_compute:] and "RECV_B" not in kinds[first_compute:]
+        order = compute_order(kind, p, m, s)
+        assert sorted(order) == sorted([("F", i) for i in range(m)] + [("B", i) for i in range(m)])
+        assert all(order.index(("F", i)) < order.index(("B", i)) for i in range(m))
+        in_flight = peak = 0
+        for op, _ in order:
+            in_flight += 1 if op == "F" else -1
+            peak = max(peak, in_flight)
+        assert peak == (m if kind == "gpipe" else min(m, p - s))
+
+    def sequence(stage: int, kind_name: str) -> list[int]:
+        return [a.microbatch_index for a in lists[stage] if a.computation_type.value == kind_name]
+
+    for s in range(p - 1):
+        assert sequence(s, "SEND_F") == sequence(s + 1, "RECV_F") == list(range(m))
+        assert sequence(s + 1, "SEND_B") == sequence(s, "RECV_B") == list(range(m))

@@ -2,7 +2,9 @@
 
 The model is split at block boundaries into `partitions x virtual stages` stages
 (engine/partition.py); engine r holds stages r, r + P, ... of its replica and runs them with
-torch.distributed.pipelining's PipelineStage and schedules (GPipe, 1F1B, interleaved 1F1B).
+torch.distributed.pipelining's PipelineStage and schedules (GPipe, 1F1B, interleaved 1F1B); on
+gloo, GPipe and 1F1B run with every receive posted at the start of the step
+(engine/prefetch_schedule.py).
 
 Why the gradients equal one process's: the schedule's loss for a microbatch is scaled by
 1 / (microbatches x grad-accum) and gradient scaling is left off (it would also rescale the
@@ -35,6 +37,7 @@ from sagenb.engine.balance import choose_starts, profile_blocks, static_profile
 from sagenb.engine.data import fetch, to_device
 from sagenb.engine.delayed import materialize, release_others
 from sagenb.engine.partition import find_blocks, split_model, tied_groups
+from sagenb.engine.prefetch_schedule import PrefetchingSchedule
 from sagenb.engine.workspace import Workspace
 from sagenb.job import JobError
 
@@ -162,6 +165,8 @@ class Pipeline:
         kind, M = self.config.schedule, self.config.microbatches
         if kind == "interleaved":
             return ScheduleInterleaved1F1B(stages, M, loss_fn=scaled, scale_grads=False)
+        if dist.get_backend(self.pp_group) == "gloo":  # receives posted ahead (see the module)
+            return PrefetchingSchedule(stages[0], M, kind, loss_fn=scaled)
         cls = ScheduleGPipe if kind == "gpipe" else Schedule1F1B
         return cls(stages[0], M, loss_fn=scaled, scale_grads=False)
 
