@@ -1,33 +1,36 @@
 """Pipeline benchmarks: measured bubble against the formula, GPipe against 1F1B activation
-memory, and partition balance of auto, parameters and uniform, all in one run.
+memory, partition balance of auto, parameters and uniform, and sagenb's pipeline against the
+same job written with torch.distributed.pipelining under torchrun, all in one run.
 
-    .venv/bin/python benchmarks/pipeline.py [--steps 12] [--out benchmarks/results]
+    .venv/bin/python benchmarks/pipeline.py [--steps 20] [--rounds 3] [--out benchmarks/results]
 
-Writes pipeline.md (a Markdown table) and pipeline.json. Every figure comes from the engines'
-own per-step telemetry (busy forward/backward time, idle time, exact activation bytes) on a real
-2-engine pool; the first two steps of each run are left out (warm-up).
+Writes pipeline.md (a Markdown table) and pipeline.json. The bubble, memory and balance figures
+come from the engines' own per-step telemetry (busy forward/backward time per microbatch, idle
+time, exact activation bytes) on a real 2-engine pool; the first two steps of each run are left
+out (warm-up). The formula (p-1)/(m+p-1) assumes stages of equal speed; the "ideal" column is
+the bubble a GPipe step with no transfer or bookkeeping time would have with the stage times
+measured in the same run, so measured/ideal is what the runtime adds, and ideal/formula what
+the stages' imbalance adds.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import socket
 import statistics
+import subprocess
+import sys
 from pathlib import Path
 
-import sagenb
-from sagenb.planner import bubble_fraction
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE / "peers"))
 
-# Compute-heavy blocks so that a microbatch's work (~10 ms a stage) dwarfs the sends.
-EVEN = """
-import torch
-from torch import nn
-model = nn.Sequential(*[nn.Sequential(nn.Linear(1024, 1024), nn.Tanh()) for _ in range(8)],
-                      nn.Linear(1024, 1))
-X = torch.randn(4096, 1024)
-dataset = torch.utils.data.TensorDataset(X, X[:, :1])
-loss_fn = nn.functional.mse_loss
-"""
+from workload import PIPELINE_CELL as EVEN  # noqa: E402
+from workload import rate  # noqa: E402
+
+import sagenb  # noqa: E402
+from sagenb.planner import bubble_fraction  # noqa: E402
 
 # Heterogeneous: two heavy blocks (4 units of work each) then eight light ones (1 unit each):
 # a perfect split exists (the heavy pair | the light eight), equal block counts miss it.
@@ -63,6 +66,35 @@ def measured_bubble(result) -> float:
     return statistics.mean(shares)
 
 
+def stage_times(result) -> tuple[list[float], list[float]]:
+    """Median seconds of one microbatch's forward and backward, per stage (engine)."""
+    forward, backward = [], []
+    for _, steps in sorted(_steps(result).items()):
+        events = [e for v in steps for e in v["timeline"]]
+        forward.append(statistics.median(e[4] - e[3] for e in events if e[0] == "F"))
+        backward.append(statistics.median(e[4] - e[3] for e in events if e[0] == "B"))
+    return forward, backward
+
+
+def ideal_bubble(forward: list[float], backward: list[float], m: int) -> float:
+    """Idle share of a GPipe step with these per-microbatch stage times and nothing else:
+    each forward starts when its input and its stage are ready, each backward when its
+    gradient and its stage are (after the stage's last forward); averaged over stages."""
+    p = len(forward)
+    end_f = [[0.0] * m for _ in range(p)]
+    end_b = [[0.0] * m for _ in range(p)]
+    for s in range(p):
+        for i in range(m):
+            ready = max(end_f[s - 1][i] if s else 0.0, end_f[s][i - 1] if i else 0.0)
+            end_f[s][i] = ready + forward[s]
+    for s in reversed(range(p)):
+        for i in range(m):
+            ready = max(end_b[s + 1][i] if s < p - 1 else 0.0, end_b[s][i - 1] if i else 0.0)
+            end_b[s][i] = max(ready, end_f[s][m - 1]) + backward[s]
+    span = max(end_b[s][m - 1] for s in range(p))
+    return statistics.mean((span - m * (forward[s] + backward[s])) / span for s in range(p))
+
+
 def stage_busy(result) -> list[float]:
     """Median busy seconds per step of each engine (its stage)."""
     return [
@@ -83,16 +115,20 @@ def bubble_rows(steps: int) -> list[dict]:
             partition_by="uniform",
             batch_size=128 * m,
             steps=steps,
+            epochs=steps,  # a run of `steps` steps whatever the batch
             dashboard=False,
         )
         formula = bubble_fraction(2, m)
         measured = measured_bubble(result)
+        ideal = ideal_bubble(*stage_times(result), m)
         rows.append(
             {
                 "microbatches": m,
                 "formula": formula,
+                "ideal": ideal,
                 "measured": measured,
                 "measured/formula": measured / formula,
+                "measured/ideal": measured / ideal,
             }
         )
     return rows
@@ -110,6 +146,7 @@ def memory_rows(steps: int) -> list[dict]:
             partition_by="uniform",
             batch_size=256,
             steps=steps,
+            epochs=steps,  # a run of `steps` steps whatever the batch
             dashboard=False,
         )
         peaks[schedule] = {
@@ -139,6 +176,7 @@ def balance_rows(steps: int) -> list[dict]:
             partition_by=method,
             batch_size=256,
             steps=steps,
+            epochs=steps,  # a run of `steps` steps whatever the batch
             dashboard=False,
         )
         busy = stage_busy(result)
@@ -153,6 +191,85 @@ def balance_rows(steps: int) -> list[dict]:
     return rows
 
 
+PEER_MICROBATCHES = 4
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_sagenb_pipeline(schedule: str, steps: int) -> float:
+    m = PEER_MICROBATCHES
+    result = sagenb.train(
+        EVEN,
+        strategy="model",
+        partitions=2,
+        microbatches=m,
+        schedule=schedule,
+        partition_by="uniform",
+        batch_size=128 * m,
+        steps=steps,
+        epochs=steps,
+        dashboard=False,
+    )
+    stamps = [r.values["time(unix s)"] for r in result.metrics if r.rank == 0]
+    return rate(stamps, batch=128 * m)
+
+
+def run_torchrun_pipeline(schedule: str, steps: int) -> float:
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(_port()),
+            str(HERE / "peers" / "pipeline_script.py"),
+            "--schedule",
+            schedule,
+            "--microbatches",
+            str(PEER_MICROBATCHES),
+            "--steps",
+            str(steps),
+            "--threads",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
+    )
+    stamps = json.loads(out.stdout.strip().splitlines()[-1])["stamps"]
+    return rate(stamps, batch=128 * PEER_MICROBATCHES)
+
+
+def peer_rows(rounds: int, steps: int) -> list[dict]:
+    """sagenb against torch.distributed.pipelining under torchrun, alternating, per schedule."""
+    rows = []
+    for schedule in ("gpipe", "1f1b"):
+        ours, theirs = [], []
+        for _ in range(rounds):
+            ours.append(run_sagenb_pipeline(schedule, steps))
+            theirs.append(run_torchrun_pipeline(schedule, steps))
+        rows.append(
+            {
+                "schedule": schedule,
+                "microbatches": PEER_MICROBATCHES,
+                "sagenb_samples_s": statistics.median(ours),
+                "torchrun_samples_s": statistics.median(theirs),
+                "sagenb/torchrun": statistics.median(a / b for a, b in zip(ours, theirs)),
+                "rounds": rounds,
+            }
+        )
+    return rows
+
+
 def markdown(results: dict) -> str:
     out = [
         "# Pipeline benchmarks",
@@ -161,12 +278,15 @@ def markdown(results: dict) -> str:
         "",
         "## Bubble: measured idle share against (p-1)/(m+p-1), p = 2, GPipe",
         "",
-        "| microbatches | formula | measured | measured/formula |",
-        "|---|---|---|---|",
+        "ideal: the bubble of these stages' measured microbatch times with no transfer or "
+        "bookkeeping time (the formula assumes equal stages)",
+        "",
+        "| microbatches | formula | ideal | measured | measured/formula | measured/ideal |",
+        "|---|---|---|---|---|---|",
     ]
     out += [
-        f"| {r['microbatches']} | {r['formula']:.3f} | {r['measured']:.3f} | "
-        f"{r['measured/formula']:.2f} |"
+        f"| {r['microbatches']} | {r['formula']:.3f} | {r['ideal']:.3f} | {r['measured']:.3f} | "
+        f"{r['measured/formula']:.2f} | {r['measured/ideal']:.2f} |"
         for r in results["bubble"]
     ]
     out += [
@@ -192,12 +312,25 @@ def markdown(results: dict) -> str:
         f"{r['slowest/mean']:.2f} | {r['step_s']:.4f} |"
         for r in results["balance"]
     ]
+    out += [
+        "",
+        "## Against torch.distributed.pipelining under torchrun (same job, throughput)",
+        "",
+        "| schedule | microbatches | sagenb samples/s | torchrun samples/s | sagenb/torchrun |",
+        "|---|---|---|---|---|",
+    ]
+    out += [
+        f"| {r['schedule']} | {r['microbatches']} | {r['sagenb_samples_s']:.0f} | "
+        f"{r['torchrun_samples_s']:.0f} | {r['sagenb/torchrun']:.3f} |"
+        for r in results["peers"]
+    ]
     return "\n".join(out) + "\n"
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=3, help="alternations against torchrun")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
     import os
@@ -213,6 +346,7 @@ def main() -> None:
             "bubble": bubble_rows(args.steps),
             "memory": memory_rows(args.steps),
             "balance": balance_rows(args.steps),
+            "peers": peer_rows(args.rounds, 3 * args.steps),
         }
     finally:
         sagenb.stop_pool()

@@ -78,6 +78,16 @@ def summary_md(res: dict) -> str:
             f"| first step, repeated run: sagenb / Accelerate (s) | "
             f"{first['sagenb']:.2f} / {first['accelerate']:.2f} | sagenb ahead |",
         ]
+    pipe = {r["schedule"]: r["sagenb/torchrun"] for r in res["pipeline"].get("peers", [])}
+    if pipe:
+        lines.insert(
+            lines.index("|---|---|---|") + 2,
+            "| sagenb / torchrun torch.distributed.pipelining throughput, 2 stages ("
+            + ", ".join(pipe)
+            + ") | "
+            + ", ".join(f"{v:.3f}" for v in pipe.values())
+            + " | |",
+        )
     lines += [
         "",
         "Throughput (samples/s, medians): " + ", ".join(f"{k} {v:.0f}" for k, v in tp.items()),
@@ -99,7 +109,7 @@ def main() -> None:
     if not args.summary_only:
         run("first_step.py", "--repeats", repeats)
         run("against_peers.py", "--rounds", "1" if args.quick else "5")  # the noisiest figures
-        run("pipeline.py")
+        run("pipeline.py", "--rounds", "1" if args.quick else "3")
         run("memory_savers.py", "--rounds", "1" if args.quick else "2")
         run("recovery.py")
         if cuda():
