@@ -23,19 +23,6 @@ def make_optimizer(params):
 """
 
 
-# Debian's chromium, as ../shared/BROWSER.md measured it: no sandbox as root, nothing that
-# reaches for the network (Playwright's and Chrome's own downloads are unreachable here).
-CHROMIUM_FLAGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--no-first-run",
-    "--disable-sync",
-    "--disable-dev-shm-usage",
-]
-
-
 @pytest.fixture(scope="session")
 def _stop_pool_at_end():
     yield

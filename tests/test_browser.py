@@ -9,91 +9,39 @@ from fixtures that stop it, and kill what is left of its process tree, even when
 
 from __future__ import annotations
 
-import json
 import os
 import re
-import secrets
 import shutil
-import socket
-import subprocess
-import sys
 import time
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
-import psutil
 import pytest
 
 from sagenb import cluster
 
-from .conftest import CHROMIUM_FLAGS
+from .lab import (
+    ALL_RAN,
+    CHROMIUM,
+    KERNEL_READY,
+    OUTPUTS,
+    chromium_page,
+    jupyterlab,
+    run_all,
+)
+from .lab import wait_for as _wait
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOK = ROOT / "notebooks" / "01_quickstart.ipynb"
 ARTIFACTS = ROOT / "artifacts" / "browser"
-CHROMIUM = "/usr/bin/chromium"
-# Playwright's own browser download is unreachable here: drive Debian's build (see BROWSER.md).
-FLAGS = CHROMIUM_FLAGS
-# The news and update checks would reach for the internet and pop a toast over the notebook.
-NO_NEWS = {
-    "@jupyterlab/apputils-extension:notification": {"fetchNews": "false", "checkForUpdates": False}
-}
 # Generous: the machine has 2 cores, shared with whatever else runs.
-SERVER_S, KERNEL_S, RUN_S, SAMPLE_S = 60, 120, 240, 0.5
+KERNEL_S, RUN_S, SAMPLE_S = 120, 240, 0.5
 
 pytestmark = pytest.mark.skipif(
     not os.access(CHROMIUM, os.X_OK),
     reason=f"needs Debian's chromium at {CHROMIUM}: scripts/test.sh installs it with apt-get when "
     "run as root; Playwright's own browser download is not reachable from this machine",
 )
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _tree(proc: psutil.Process) -> list[psutil.Process]:
-    """`proc` and all its descendants, taken while they live (an orphan loses its parent)."""
-    try:
-        return [proc, *proc.children(recursive=True)]
-    except psutil.NoSuchProcess:
-        return []
-
-
-def _kill_left(tree: list[psutil.Process], *, wait_s: float) -> None:
-    """Wait up to `wait_s` for `tree` to exit on its own, then kill what is left of it."""
-    _, alive = psutil.wait_procs(tree, timeout=wait_s)
-    if alive:
-        print(f"killing {len(alive)} processes left after {wait_s} s: {[p.pid for p in alive]}")
-    for proc in alive:
-        try:
-            proc.kill()
-        except psutil.NoSuchProcess:
-            pass
-    psutil.wait_procs(alive, timeout=10)
-
-
-def _wait_for_server(server: subprocess.Popen, status_url: str, log: Path) -> None:
-    deadline = time.monotonic() + SERVER_S
-    while True:
-        if server.poll() is not None:
-            raise AssertionError(f"JupyterLab exited ({server.returncode}):\n{_log_tail(log)}")
-        try:
-            urllib.request.urlopen(status_url, timeout=5).close()
-            return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise AssertionError(
-                    f"JupyterLab did not answer within {SERVER_S} s:\n{_log_tail(log)}"
-                ) from None
-            time.sleep(0.25)
-
-
-def _log_tail(path: Path, chars: int = 3000) -> str:
-    return path.read_text(errors="replace")[-chars:] if path.exists() else "(no log)"
 
 
 @pytest.fixture
@@ -111,67 +59,17 @@ def lab(tmp_path, home) -> Iterator[str]:
     root = tmp_path / "notebooks"
     root.mkdir()
     shutil.copy(NOTEBOOK, root)
-    settings = tmp_path / "lab-settings"
-    settings.mkdir()
-    (settings / "overrides.json").write_text(json.dumps(NO_NEWS))
-    port, token = _free_port(), secrets.token_hex(16)
-    args = [
-        sys.executable, "-m", "jupyterlab", "--no-browser", "--ip=127.0.0.1", f"--port={port}",
-        "--ServerApp.port_retries=0", f"--IdentityProvider.token={token}",
-        f"--ServerApp.root_dir={root}", "--LabApp.expose_app_in_browser=True",
-        f"--LabApp.app_settings_dir={settings}",
-    ]  # fmt: skip
-    if os.geteuid() == 0:
-        args.append("--allow-root")  # as root the server refuses to start without it
-    log = tmp_path / "jupyterlab.log"
-    with log.open("wb") as out:
-        server = subprocess.Popen(
-            args, env={**os.environ, "HOME": str(home)}, stdout=out, stderr=subprocess.STDOUT
-        )
-    proc = psutil.Process(server.pid)
-    try:
-        _wait_for_server(server, f"http://127.0.0.1:{port}/api/status?token={token}", log)
-        yield f"http://127.0.0.1:{port}/lab/tree/{NOTEBOOK.name}?token={token}"
-    finally:
-        tree = _tree(proc)  # server, kernel, controller, engines
-        server.terminate()  # the server shuts its kernel down, and the kernel its engine pool
-        _kill_left(tree, wait_s=60)
+    with jupyterlab(root, home, tmp_path) as server:
+        yield server.url(NOTEBOOK.name)
 
 
 @pytest.fixture
 def page(home):
     """A page in headless Debian Chromium, driven by Playwright."""
-    from playwright.sync_api import sync_playwright
-
-    before = {p.pid for p in psutil.Process().children()}
-    pw = sync_playwright().start()
-    # Playwright's driver, a child of this process; Chromium runs under it
-    drivers = [p for p in psutil.Process().children() if p.pid not in before]
-    browser = None
-    try:
-        browser = pw.chromium.launch(
-            executable_path=CHROMIUM, args=FLAGS, env={**os.environ, "HOME": str(home)}
-        )
-        yield browser.new_page(viewport={"width": 1500, "height": 1200})
-    finally:
-        tree = [proc for driver in drivers for proc in _tree(driver)]
-        try:
-            if browser is not None:
-                browser.close()
-        finally:
-            pw.stop()
-            _kill_left(tree, wait_s=10)
+    with chromium_page(home) as (page, _):
+        yield page
 
 
-# The notebook's kernel is "idle" for a moment before it is really ready, and Run All clicked
-# then never runs: wait on the session itself (window.jupyterapp needs expose_app_in_browser).
-KERNEL_READY = """() => {
-  const widget = window.jupyterapp && window.jupyterapp.shell.currentWidget;
-  const context = widget && widget.sessionContext;
-  const kernel = context && context.session && context.session.kernel;
-  return Boolean(context && context.isReady && kernel && kernel.connectionStatus === 'connected'
-                 && kernel.status === 'idle');
-}"""
 # The dashboard as drawn: its header, the vertices of each loss line in the Loss panel (each
 # replica's loss and the smoothed loss; one vertex per step, plotly.js does not simplify), the
 # memory panel's labels; and whether a cell is still running.
@@ -196,22 +94,8 @@ MEMORY = """() => [...document.querySelectorAll('.smp-dashboard .subplot.x3y3 .b
     const box = path.getBoundingClientRect();
     return [box.x + box.width / 2, box.height];
   }))"""
-PROMPTS = """() => [...document.querySelectorAll('.jp-CodeCell .jp-InputPrompt')]
-  .map(e => e.textContent.trim())"""
-OUTPUTS = """() => [...document.querySelectorAll('.jp-OutputArea-output')]
-  .map(e => e.textContent).join('\\n')"""
 HEADER = re.compile(r"sagenb · (\w+) \| .*? \| step (\d+)/(\d+|\?)")
 SUMMARY = re.compile(r"data parallel: (\d+) steps on 2 engines \(cpu\) in [\d.]+ s, final loss ")
-
-
-def _wait(page, script: str, timeout_s: float, what: str) -> None:
-    from playwright.sync_api import TimeoutError as PlaywrightTimeout
-
-    try:
-        page.wait_for_function(script, timeout=timeout_s * 1000, polling=250)
-    except PlaywrightTimeout:
-        outputs = page.evaluate(OUTPUTS)[-3000:]
-        raise AssertionError(f"{what} within {timeout_s:.0f} s; outputs:\n{outputs}") from None
 
 
 def _watch_training(page) -> tuple[list[tuple[float, int, int]], list[str], str, int]:
@@ -264,8 +148,7 @@ def test_quickstart_runs_in_jupyterlab(lab, page):
     try:
         page.goto(lab)
         _wait(page, KERNEL_READY, KERNEL_S, "the notebook's kernel was not connected and idle")
-        page.get_by_role("menuitem", name="Run", exact=True).click()
-        page.get_by_role("menuitem", name="Run All Cells", exact=True).click()
+        run_all(page)
 
         panel = page.locator(".smp-panel")
         panel.wait_for(state="visible", timeout=KERNEL_S * 1000)
@@ -304,7 +187,7 @@ def test_quickstart_runs_in_jupyterlab(lab, page):
 
         _wait(
             page,
-            f"() => ({PROMPTS})().every(p => /^\\[\\d+\\]:$/.test(p))",
+            ALL_RAN,
             RUN_S,
             "not every cell ran (Run All stops at the first error)",
         )

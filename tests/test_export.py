@@ -10,7 +10,8 @@ import pytest
 
 import sagenb
 
-from .conftest import CHROMIUM_FLAGS, REGRESSION_CELL
+from .conftest import REGRESSION_CELL
+from .lab import CHROMIUM_FLAGS
 
 CHROMIUM = shutil.which("chromium")
 FLAGS = ["--headless", *CHROMIUM_FLAGS]
