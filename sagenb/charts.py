@@ -103,7 +103,7 @@ def trace_data(board: Any) -> list[dict[str, Any]]:
     data.append(_line(steps, [idle[i] for i in shown]))
     timeline = _timeline(board)
     data += [timeline["F"], timeline["B"]]
-    cost = _thin(board.cost_points)  # one point per redraw: four a second
+    cost = _thin(board.cost_points)  # one point per header redraw: two a second
     data.append(_line([t for t, _ in cost], [c for _, c in cost]))
     data.append(_line([t for t, _ in cost], [board.cost.spot(c) for _, c in cost]))
     return data

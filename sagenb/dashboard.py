@@ -2,11 +2,15 @@
 time and pipeline bubble, the pipeline schedule, and what the run costs.
 
 A metric sink. In a Jupyter kernel it shows an ipywidgets header (status, progress, layout,
-time left, cost) above a plotly FigureWidget and redraws at most every REDRAW_S seconds, so a
-fast run does not flood the browser; when the run ends, the same output also carries a static
-HTML copy, which executed notebooks show without a kernel. Anywhere else (a script, a test) it
-only records, and `save_html` writes the figure to one self-contained file. This module and
-charts.py own plotly; nothing on the engine side imports them.
+time left, cost) above a plotly FigureWidget. The header is redrawn every HEADER_S seconds; the
+figure every second at first, then less often, every FIGURE_MAX_S from half a minute on
+(`figure_period`): each redraw is a full plotly redraw of the six panels, ~185 ms of CPU in
+kernel, server and headless Chromium here, taken from the engines' cores when the browser runs
+on the training machine (benchmarks/dashboard_browser.py). When the run ends, the
+same output also carries a static HTML copy, which executed notebooks show without a kernel.
+Anywhere else (a script, a test) it only records, and `save_html` writes the figure to one
+self-contained file. This module and charts.py own plotly; nothing on the engine side imports
+them.
 """
 
 from __future__ import annotations
@@ -25,9 +29,20 @@ from sagenb.config import TrainConfig
 from sagenb.cost import CostMeter
 from sagenb.metrics import History
 
-__all__ = ["Dashboard", "layout_text"]
+__all__ = ["Dashboard", "layout_text", "figure_period"]
 
-REDRAW_S = 0.25
+HEADER_S = 0.5  # the header is a line of HTML, far cheaper to redraw than the figure
+FIGURE_MIN_S, FIGURE_MAX_S, FIGURE_SLOWDOWN = 1.0, 5.0, 6.0
+
+
+def figure_period(elapsed: float) -> float:
+    """Seconds between figure redraws `elapsed` seconds into a run: every second for the
+    first 6 s, then elapsed / 6, every 5 s from half a minute on. A redraw costs ~185 ms of CPU
+    across kernel, server and browser (benchmarks/dashboard_browser.py): every 5 s that is under
+    2% of two cores, and the header still moves twice a second."""
+    return min(FIGURE_MAX_S, max(FIGURE_MIN_S, elapsed / FIGURE_SLOWDOWN))
+
+
 LIVE_WIDTH_PX = 1000  # the live chart's width (see _show)
 
 
@@ -99,7 +114,7 @@ class Dashboard:
         self.total_steps: int | None = None
         self.rate_key = "throughput(samples/s)"
         self.status, self.elapsed = "starting", 0.0
-        self._dirty, self._last_draw = True, 0.0
+        self._dirty, self._last_draw, self._last_header = True, 0.0, 0.0
         self.redraws = 0
         self._widget = self._figure_widget = self._header = None
         self._sent: dict[int, dict[str, Any]] = {}  # trace index -> the data it was last given
@@ -121,11 +136,14 @@ class Dashboard:
         self._dirty = True
 
     def tick(self, elapsed: float) -> None:
-        """Called by the session while it waits; redraws when due."""
+        """Called by the session while it waits; redraws the header and the figure when due."""
         self.elapsed = elapsed
         now = time.monotonic()
-        if now - self._last_draw >= REDRAW_S:
+        if now - self._last_header >= HEADER_S:
             self.cost_points.append((elapsed, self.cost.cost(elapsed)))
+            self._redraw_header()
+            self._last_header = now
+        if now - self._last_draw >= figure_period(elapsed):
             self._redraw()
             self._last_draw = now
 
@@ -223,10 +241,15 @@ class Dashboard:
         self._widget.add_class("smp-dashboard")
         self._display = display(self._widget, display_id=True)
 
+    def _redraw_header(self) -> None:
+        if self._header is not None:
+            self._header.value = self._header_html()
+
     def _redraw(self) -> None:
+        """The header and, when new metrics came, the figure."""
         if self._figure_widget is None:
             return
-        self._header.value = self._header_html()
+        self._redraw_header()
         if not self._dirty:
             return
         self._dirty = False

@@ -61,7 +61,7 @@ def test_live_dashboard_redraws_are_throttled():
     from sagenb.charts import MAX_POINTS
     from sagenb.config import TrainConfig
     from sagenb.cost import CostMeter, instance_price
-    from sagenb.dashboard import REDRAW_S, Dashboard
+    from sagenb.dashboard import FIGURE_MIN_S, HEADER_S, Dashboard, figure_period
 
     config = TrainConfig(engines=2, batch_size=8)
     board = Dashboard(config, CostMeter(instance_price(config.instance), 2), live=True)
@@ -85,7 +85,10 @@ def test_live_dashboard_redraws_are_throttled():
         board.tick(time.perf_counter() - started)
     elapsed = time.perf_counter() - started
     board.finish(elapsed, status="done")
-    assert board.redraws <= elapsed / REDRAW_S + 2  # a fast run does not flood the browser
+    # a fast run does not flood the browser: the figure at most once a second here
+    assert board.redraws <= elapsed / FIGURE_MIN_S + 2
+    assert HEADER_S < FIGURE_MIN_S
+    assert [figure_period(t) for t in (0, 6, 12, 30, 3600)] == [1.0, 1.0, 2.0, 5.0, 5.0]
     widget_trace = board._figure_widget.data[2]  # the smoothed loss, as the browser has it
     # a long run is drawn every k-th step (k = 2 here), ending with the last
     assert len(widget_trace.x) == steps // 2 <= MAX_POINTS

@@ -6,9 +6,9 @@ published under its own sequence number instead; the client reads them back in o
 
 Steps are sent in batches, at most every INTERVAL_S seconds: each message crosses the
 controller to the notebook, and on a small machine one message per step per rank cost the
-engines several percent of their throughput (benchmarks/against_peers.py). The dashboard
-redraws at most every 0.25 s (dashboard.REDRAW_S), so sending more often shows nothing sooner;
-the first step is sent at once, for the time to the first step.
+engines several percent of their throughput (benchmarks/against_peers.py). The dashboard's
+header redraws every 0.5 s (dashboard.HEADER_S), its figure less often, so sending more often
+shows nothing sooner; the first step is sent at once, for the time to the first step.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 __all__ = ["Publisher", "collecting_publisher"]
 
 
-INTERVAL_S = 0.25
+INTERVAL_S = 0.5
 
 
 class Publisher:
