@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import socket
 import statistics
 import subprocess
@@ -39,14 +40,27 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
+def _cpu_s() -> float:
+    """CPU seconds this process (the notebook's side: session, dashboard) has used."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def run_sagenb(*, engines: int = 2, live_dashboard: bool = False) -> dict:
     dashboard._in_kernel = lambda: live_dashboard  # the live FigureWidget, as in a notebook
-    called = time.time()
+    called, cpu = time.time(), _cpu_s()
     result = sagenb.train(
         CELL, batch_size=BATCH, steps=STEPS, engines=engines, dashboard=live_dashboard
     )
+    cpu, wall = _cpu_s() - cpu, time.time() - called
     stamps = [r.values["time(unix s)"] for r in result.metrics if r.rank == 0]
-    return {"throughput": rate(stamps), "first_step_s": stamps[0] - called}
+    return {
+        "throughput": rate(stamps),
+        "first_step_s": stamps[0] - called,
+        # the notebook's CPU over the run, as a share of the machine's cores: what the notebook
+        # takes from the engines (which do the same work with or without a dashboard)
+        "notebook_cpu_share": cpu / wall / (os.cpu_count() or 1),
+    }
 
 
 def run_torchrun(attempts: int = 3) -> dict:
@@ -133,6 +147,8 @@ def summarise(runs: dict[str, list[dict]], cold_s: float) -> dict:
         "accelerate_first_run_first_step_s": acc[0]["first_step_s"] if acc else None,
         "ratio sagenb/torchrun": ratio("sagenb", "torchrun"),
         "ratio sagenb+dashboard/sagenb": ratio("sagenb+dashboard", "sagenb"),
+        "dashboard notebook CPU share of the machine": med("sagenb+dashboard", "notebook_cpu_share")
+        - med("sagenb", "notebook_cpu_share"),
         "ratio sagenb 2 engines/1 engine": ratio("sagenb", "sagenb 1 engine"),
         "ratio sagenb/accelerate": ratio("sagenb", "accelerate") if acc else None,
         "rounds": len(runs["sagenb"]),
