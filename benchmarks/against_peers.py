@@ -17,9 +17,7 @@ import argparse
 import json
 import os
 import resource
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -28,16 +26,11 @@ from pathlib import Path
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE / "peers"))
 
+from torchrun import free_port, torchrun  # noqa: E402
 from workload import BATCH, CELL, STEPS, rate  # noqa: E402
 
 import sagenb  # noqa: E402
 from sagenb import dashboard  # noqa: E402
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _cpu_s() -> float:
@@ -63,40 +56,9 @@ def run_sagenb(*, engines: int = 2, live_dashboard: bool = False) -> dict:
     }
 
 
-def run_torchrun(attempts: int = 3) -> dict:
-    """One torchrun run; a port taken between choosing and binding it (seen once in ~20 runs)
-    fails the launch, so a failed launch is retried on a fresh port, and its output shown."""
-    for attempt in range(1, attempts + 1):
-        try:
-            return _torchrun_once()
-        except subprocess.CalledProcessError as exc:
-            print(f"torchrun failed (attempt {attempt} of {attempts}):\n{exc.stderr[-2000:]}")
-    raise RuntimeError(f"torchrun failed {attempts} times; its output is above")
-
-
-def _torchrun_once() -> dict:
+def run_torchrun() -> dict:
     launched = time.time()
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node",
-            "2",
-            "--master-addr",
-            "127.0.0.1",
-            "--master-port",
-            str(_port()),
-            str(HERE / "peers" / "ddp_script.py"),
-            "--threads",
-            "1",
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=300,
-    )
-    stamps = json.loads(out.stdout.strip().splitlines()[-1])["stamps"]
+    stamps = torchrun(HERE / "peers" / "ddp_script.py", "--threads", "1")["stamps"]
     return {"throughput": rate(stamps), "first_step_s": stamps[0] - launched}
 
 
@@ -110,7 +72,7 @@ def run_accelerate() -> dict | None:
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "stamps.json")
         called = time.time()
-        notebook_launcher(job, args=(path,), num_processes=2, use_port=str(_port()))
+        notebook_launcher(job, args=(path,), num_processes=2, use_port=str(free_port()))
         stamps = json.loads(Path(path).read_text())["stamps"]
     return {"throughput": rate(stamps), "first_step_s": stamps[0] - called}
 

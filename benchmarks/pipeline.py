@@ -17,15 +17,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import statistics
-import subprocess
 import sys
 from pathlib import Path
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE / "peers"))
 
+from torchrun import torchrun  # noqa: E402
 from workload import PIPELINE_CELL as EVEN  # noqa: E402
 from workload import rate  # noqa: E402
 
@@ -194,12 +193,6 @@ def balance_rows(steps: int) -> list[dict]:
 PEER_MICROBATCHES = 4
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_sagenb_pipeline(schedule: str, steps: int) -> float:
     m = PEER_MICROBATCHES
     result = sagenb.train(
@@ -219,34 +212,10 @@ def run_sagenb_pipeline(schedule: str, steps: int) -> float:
 
 
 def run_torchrun_pipeline(schedule: str, steps: int) -> float:
-    out = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node",
-            "2",
-            "--master-addr",
-            "127.0.0.1",
-            "--master-port",
-            str(_port()),
-            str(HERE / "peers" / "pipeline_script.py"),
-            "--schedule",
-            schedule,
-            "--microbatches",
-            str(PEER_MICROBATCHES),
-            "--steps",
-            str(steps),
-            "--threads",
-            "1",
-        ],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=300,
-    )
-    stamps = json.loads(out.stdout.strip().splitlines()[-1])["stamps"]
-    return rate(stamps, batch=128 * PEER_MICROBATCHES)
+    m = str(PEER_MICROBATCHES)
+    script = HERE / "peers" / "pipeline_script.py"
+    args = ("--schedule", schedule, "--microbatches", m, "--steps", str(steps), "--threads", "1")
+    return rate(torchrun(script, *args)["stamps"], batch=128 * PEER_MICROBATCHES)
 
 
 def peer_rows(rounds: int, steps: int) -> list[dict]:
