@@ -4,10 +4,10 @@ time and pipeline bubble, the pipeline schedule, and what the run costs.
 A metric sink. In a Jupyter kernel it shows an ipywidgets header (status, progress, layout,
 time left, cost) above a plotly FigureWidget. The header is redrawn every HEADER_S seconds; the
 figure every second at first, then less often, every FIGURE_MAX_S from half a minute on
-(`figure_period`): each redraw is a full plotly redraw of the six panels, ~185 ms of CPU in
+(`figure_period`): each redraw is a full plotly redraw of the six panels, 200-350 ms of CPU in
 kernel, server and headless Chromium here, taken from the engines' cores when the browser runs
-on the training machine (benchmarks/dashboard_browser.py). When the run ends, the
-same output also carries a static HTML copy, which executed notebooks show without a kernel.
+on the training machine (benchmarks/dashboard_browser.py). When the run ends, the same output
+also carries a static HTML copy, which executed notebooks show without a kernel.
 Anywhere else (a script, a test) it only records, and `save_html` writes the figure to one
 self-contained file. This module and charts.py own plotly; nothing on the engine side imports
 them.
@@ -37,9 +37,10 @@ FIGURE_MIN_S, FIGURE_MAX_S, FIGURE_SLOWDOWN = 1.0, 5.0, 6.0
 
 def figure_period(elapsed: float) -> float:
     """Seconds between figure redraws `elapsed` seconds into a run: every second for the
-    first 6 s, then elapsed / 6, every 5 s from half a minute on. A redraw costs ~185 ms of CPU
-    across kernel, server and browser (benchmarks/dashboard_browser.py): every 5 s that is under
-    2% of two cores, and the header still moves twice a second."""
+    first 6 s, then elapsed / 6, every 5 s from half a minute on. A redraw costs ~200 ms of CPU
+    across kernel, server and browser with a few hundred points a line, ~350 ms with 2,000
+    (benchmarks/dashboard_browser.py): every 5 s that is 2-3.5% of two cores, and the header
+    still moves twice a second."""
     return min(FIGURE_MAX_S, max(FIGURE_MIN_S, elapsed / FIGURE_SLOWDOWN))
 
 
@@ -139,13 +140,15 @@ class Dashboard:
         """Called by the session while it waits; redraws the header and the figure when due."""
         self.elapsed = elapsed
         now = time.monotonic()
-        if now - self._last_header >= HEADER_S:
+        header_due = now - self._last_header >= HEADER_S
+        if header_due:
             self.cost_points.append((elapsed, self.cost.cost(elapsed)))
+        if now - self._last_draw >= figure_period(elapsed):
+            self._redraw()  # the header with it
+            self._last_draw = self._last_header = now
+        elif header_due:
             self._redraw_header()
             self._last_header = now
-        if now - self._last_draw >= figure_period(elapsed):
-            self._redraw()
-            self._last_draw = now
 
     def finish(self, elapsed: float, *, status: str) -> None:
         """The run ended: "done", "failed" or "interrupted" (the header says which)."""
