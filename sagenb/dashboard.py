@@ -38,9 +38,9 @@ FIGURE_MIN_S, FIGURE_MAX_S, FIGURE_SLOWDOWN = 1.0, 5.0, 6.0
 def figure_period(elapsed: float) -> float:
     """Seconds between figure redraws `elapsed` seconds into a run: every second for the
     first 6 s, then elapsed / 6, every 5 s from half a minute on. A redraw costs ~200 ms of CPU
-    across kernel, server and browser with a few hundred points a line, ~350 ms with 2,000
-    (benchmarks/dashboard_browser.py): every 5 s that is 2-3.5% of two cores, and the header
-    still moves twice a second."""
+    across kernel, server and browser early in a run, ~350-400 ms in a run of minutes
+    (benchmarks/dashboard_browser.py; halving the points a line did not change it): every 5 s
+    that is 2-4% of two cores, and the header still moves twice a second."""
     return min(FIGURE_MAX_S, max(FIGURE_MIN_S, elapsed / FIGURE_SLOWDOWN))
 
 
