@@ -102,21 +102,26 @@ def stage_busy(result) -> list[float]:
     ]
 
 
+def train_even(schedule: str, m: int, steps: int):
+    """EVEN on 2 stages cut by block count, microbatches of 128 samples, `steps` steps."""
+    return sagenb.train(
+        EVEN,
+        strategy="model",
+        partitions=2,
+        microbatches=m,
+        schedule=schedule,
+        partition_by="uniform",
+        batch_size=128 * m,
+        steps=steps,
+        epochs=steps,  # a run of `steps` steps whatever the batch
+        dashboard=False,
+    )
+
+
 def bubble_rows(steps: int) -> list[dict]:
     rows = []
     for m in (1, 2, 4, 8):
-        result = sagenb.train(
-            EVEN,
-            strategy="model",
-            partitions=2,
-            microbatches=m,
-            schedule="gpipe",
-            partition_by="uniform",
-            batch_size=128 * m,
-            steps=steps,
-            epochs=steps,  # a run of `steps` steps whatever the batch
-            dashboard=False,
-        )
+        result = train_even("gpipe", m, steps)
         formula = bubble_fraction(2, m)
         measured = measured_bubble(result)
         ideal = ideal_bubble(*stage_times(result), m)
@@ -195,18 +200,7 @@ PEER_MICROBATCHES = 4
 
 def run_sagenb_pipeline(schedule: str, steps: int) -> float:
     m = PEER_MICROBATCHES
-    result = sagenb.train(
-        EVEN,
-        strategy="model",
-        partitions=2,
-        microbatches=m,
-        schedule=schedule,
-        partition_by="uniform",
-        batch_size=128 * m,
-        steps=steps,
-        epochs=steps,
-        dashboard=False,
-    )
+    result = train_even(schedule, m, steps)
     stamps = [r.values["time(unix s)"] for r in result.metrics if r.rank == 0]
     return rate(stamps, batch=128 * m)
 
