@@ -4,7 +4,7 @@ machine that trains.
     .venv/bin/python benchmarks/dashboard_browser.py [--rounds 2] [--lengths 300,1500]
         [--out benchmarks/results]
 
-A notebook in a real JupyterLab, open in headless Chromium (../shared/BROWSER.md), trains the
+A notebook in a real JupyterLab, open in headless Chromium (tests/lab.py), trains the
 peers' job (peers/workload.py: batch 256, 2 engines) in a short and a long run, each with the
 live dashboard and without it, the dashboard in view. Per run: throughput (rank 0's step stamps,
 as in against_peers.py) and the CPU time that the kernel, the Jupyter server and the browser

@@ -1,5 +1,5 @@
 """A real JupyterLab server and a page in headless Debian Chromium, for the browser test and the
-browser benchmark (benchmarks/dashboard_browser.py). See ../shared/BROWSER.md.
+browser benchmark (benchmarks/dashboard_browser.py).
 
 Both are context managers that stop what they started, and kill what is left of its process
 tree, even when the code inside fails.
@@ -23,7 +23,7 @@ from pathlib import Path
 import psutil
 
 CHROMIUM = "/usr/bin/chromium"
-# Debian's chromium, as ../shared/BROWSER.md measured it: no sandbox as root, nothing that
+# Debian's chromium, as measured on this project's machines: no sandbox as root, nothing that
 # reaches for the network (Playwright's and Chrome's own downloads are unreachable here).
 CHROMIUM_FLAGS = [
     "--no-sandbox",

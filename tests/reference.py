@@ -1,4 +1,4 @@
-"""A single-process reference, written from the contract in ../shared/MISSION.md with plain torch.
+"""A single-process reference, written from the contract in README.md ("The contract") with plain torch.
 
 Deliberately independent of sagenb's engine code: if the engine's sample order, accumulation,
 clipping or scheduling drifted from the contract, the comparison with this would fail.

@@ -2,7 +2,7 @@
 
 torch keeps no allocator statistics on the CPU, so the bytes are counted from the tensors
 themselves; the peak of activations saved for backward is tracked with saved-tensor hooks,
-deduplicated by storage and leaving parameters out (../shared/FACTS.md, "Memory per partition").
+deduplicated by storage and leaving parameters out.
 On CUDA the allocator's own peak is reported beside it.
 
 The hooks cost about 1% of a small model's step, so activations are counted on the first three

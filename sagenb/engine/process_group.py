@@ -59,7 +59,7 @@ def shutdown() -> None:
     """Destroy the process group; peers blocked in a collective then fail within about a second.
 
     Collect garbage first: a traceback or tensor still holding the group keeps its sockets open
-    (measured in ../shared/FACTS.md, "Failures").
+    (measured on this project's 2-core machine).
     """
     global _store, _stop_watch
     watch, _store, _stop_watch = _stop_watch, None, None
