@@ -14,8 +14,9 @@ from typing import Any
 
 __all__ = ["REQUIRED_NAMES", "OPTIONAL_NAMES", "Job", "JobError", "defined_names"]
 
-REQUIRED_NAMES = ("model", "dataset", "loss_fn")
-OPTIONAL_NAMES = ("make_optimizer", "make_scheduler", "eval_dataset")
+REQUIRED_NAMES = ("model", "dataset")
+#: loss_fn may be left out when samples are dicts with labels: the model's own loss is used
+OPTIONAL_NAMES = ("loss_fn", "make_optimizer", "make_scheduler", "eval_dataset")
 
 
 class JobError(ValueError):
@@ -35,8 +36,9 @@ class Job:
         if missing and "*" not in defined_names(source):
             raise JobError(
                 f"the cell defines no {', '.join(missing)}: it must assign model (a "
-                "torch.nn.Module), dataset (a map-style Dataset of (input, target)) and loss_fn "
-                "(loss_fn(output, target) -> scalar tensor)"
+                "torch.nn.Module) and dataset (a map-style Dataset of (input, target) tuples, or "
+                "of dicts of model inputs), and loss_fn (loss_fn(output, target) -> scalar "
+                "tensor) unless the model computes its own loss from dict samples' labels"
             )
         return cls(source=source)
 

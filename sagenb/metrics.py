@@ -45,8 +45,8 @@ class RankStream:
 class History:
     """Per-step records across ranks: the `history` of a result.
 
-    The loss of a step is the mean of the ranks' losses: each rank's loss is the mean over an
-    equal share of the global batch, so this is the loss over the whole global batch.
+    The loss of a step is the mean of the ranks' losses weighted by the targets each counted
+    (engine/objective.py): the loss over the whole global batch.
     """
 
     def __init__(self, world_size: int, batch_size: int) -> None:
@@ -66,11 +66,12 @@ class History:
         first = ranks[0]
         slowest = max(m["step_time(s)"] for m in ranks.values())
         # every data-parallel rank reports a loss; in a pipeline, only each replica's last stage
-        losses = [ranks[r]["loss"] for r in sorted(ranks) if "loss" in ranks[r]]
+        reporting = [ranks[r] for r in sorted(ranks) if "loss" in ranks[r]]
+        losses = [m["loss"] for m in reporting]
         row: dict[str, Any] = {
             "step": step,
             "epoch": first["epoch"],
-            "loss": sum(losses) / len(losses),
+            "loss": _global_loss(reporting),
             "rank_losses": losses,
             "lr": first["lr"],
             "step_time(s)": slowest,
@@ -92,3 +93,13 @@ class History:
 
     def close(self) -> None:
         pass
+
+
+def _global_loss(reporting: list[Mapping[str, Any]]) -> float:
+    """The loss over the whole global batch: each reporting rank's mean weighted by the targets
+    it counted (equal shares of samples count alike unless integer targets hold -100)."""
+    counts = [m.get("counted", 1.0) for m in reporting]
+    total = sum(counts)
+    if not total:
+        return sum(m["loss"] for m in reporting) / len(reporting)
+    return sum(m["loss"] * c for m, c in zip(reporting, counts)) / total

@@ -1,4 +1,4 @@
-"""A single-process reference, written from the contract in README.md ("The contract") with plain torch.
+"""A single-process reference, written with plain torch from the contract in README.md.
 
 Deliberately independent of sagenb's engine code: if the engine's sample order, accumulation,
 clipping or scheduling drifted from the contract, the comparison with this would fail.
@@ -26,15 +26,31 @@ def namespace(cell: str, seed: int, delay_init: bool = False) -> dict:
 
 
 def batch(dataset, idx):
-    xs, ys = zip(*(dataset[i] for i in idx.tolist()))
+    samples = [dataset[i] for i in idx.tolist()]
+    if isinstance(samples[0], dict):
+        return {k: torch.stack([s[k] for s in samples]) for k in samples[0]}
+    xs, ys = zip(*samples)
     return torch.stack(xs), torch.stack(ys)
+
+
+def loss_of(model, loss_fn, data):
+    """One forward over `data`: loss_fn(model(x), y) for tuples; for dicts, model(**inputs)
+    and loss_fn(logits, labels), or the model's own loss when loss_fn is None."""
+    if not isinstance(data, dict):
+        x, y = data
+        return loss_fn(model(x), y)
+    if loss_fn is None:
+        return model(**data).loss
+    inputs = {k: v for k, v in data.items() if k != "labels"}
+    out = model(**inputs)
+    logits = out["logits"] if isinstance(out, dict) else getattr(out, "logits", out)
+    return loss_fn(logits, data["labels"])
 
 
 def eval_loss(model, dataset, loss_fn) -> float:
     model.eval()
     with torch.no_grad():
-        x, y = batch(dataset, torch.arange(len(dataset)))
-        value = float(loss_fn(model(x), y))
+        value = float(loss_of(model, loss_fn, batch(dataset, torch.arange(len(dataset)))))
     model.train()
     return value
 
@@ -53,7 +69,7 @@ def train_reference(
 ) -> tuple[torch.nn.Module, list[float], dict]:
     """Returns the trained model, the loss of every step and the cell's namespace."""
     ns = namespace(cell, seed, delay_init)
-    model, dataset, loss_fn = ns["model"], ns["dataset"], ns["loss_fn"]
+    model, dataset, loss_fn = ns["model"], ns["dataset"], ns.get("loss_fn")
     params = list(model.parameters())
     opt = (
         ns["make_optimizer"](params) if "make_optimizer" in ns else torch.optim.AdamW(params, lr=lr)
@@ -69,8 +85,7 @@ def train_reference(
             idx = order[b * batch_size : (b + 1) * batch_size]
             step_loss = 0.0
             for piece in idx.chunk(grad_accum):
-                x, y = batch(dataset, piece)
-                loss = loss_fn(model(x), y)
+                loss = loss_of(model, loss_fn, batch(dataset, piece))
                 (loss / grad_accum).backward()
                 step_loss += float(loss.detach()) / grad_accum
             if clip_grad_norm is not None:

@@ -93,12 +93,13 @@ loss_fn = nn.functional.mse_loss
 
 def test_auto_partitioning_balances_unequal_layers():
     from sagenb.engine.balance import choose_starts, profile_blocks
+    from sagenb.engine.objective import Objective
 
     ns: dict = {}
     torch.manual_seed(0)
     exec(UNEQUAL, ns)
-    x, y = ns["dataset"][:64]
-    profile = profile_blocks(ns["model"], x, y, ns["loss_fn"], repeats=9)
+    objective = Objective.build(ns["model"], ns["loss_fn"], ns["dataset"][0])
+    profile = profile_blocks(ns["model"], ns["dataset"][:64], objective, repeats=9)
     uniform = choose_starts("uniform", 2, profile, blocks=12)
     auto = choose_starts("auto", 2, profile, blocks=12)
     by_params = choose_starts("parameters", 2, profile, blocks=12)

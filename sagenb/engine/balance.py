@@ -13,10 +13,12 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 
+from sagenb.engine.objective import Objective
 from sagenb.engine.partition import split_model
 
 __all__ = ["BlockProfile", "profile_blocks", "choose_starts", "contiguous_min_max"]
@@ -40,12 +42,7 @@ class BlockProfile:
 
 
 def profile_blocks(
-    model: nn.Module,
-    inputs: torch.Tensor,
-    targets: torch.Tensor,
-    loss_fn: Callable[..., torch.Tensor],
-    *,
-    repeats: int = 5,
+    model: nn.Module, batch: Any, objective: Objective, *, repeats: int = 5
 ) -> BlockProfile:
     """Time forward and backward of every block on one microbatch: the median of `repeats`
     passes after one untimed pass (first calls pay for allocation and kernel selection)."""
@@ -55,15 +52,19 @@ def profile_blocks(
     pieces, _ = split_model(model, list(range(n)))
     times = [[0.0] * (n) for _ in range(repeats + 1)]
     saved = [0] * n
+    args, kwargs, targets = objective.split(batch, labels_in=False)
     for r in range(repeats + 1):
-        value, outs, ins = inputs, [], []
+        value, outs, ins = args, [], []
         for i, piece in enumerate(pieces):
             value = _detached(value)
             ins.append(value)
             counter = _SavedBytes()
             started = time.perf_counter()
             with torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):
-                value = piece(*value) if isinstance(value, tuple) else piece(value)
+                if i == 0:  # the model's inputs, keyword inputs included
+                    value = piece(*value, **kwargs)
+                else:
+                    value = piece(*value) if isinstance(value, tuple) else piece(value)
             times[r][i] += time.perf_counter() - started
             saved[i] = counter.total
             outs.append(value)
@@ -71,7 +72,7 @@ def profile_blocks(
         for i in reversed(range(n)):
             started = time.perf_counter()
             if i == n - 1:
-                loss_fn(outs[i], targets).backward()
+                objective.pipeline_loss(outs[i], targets).backward()
             else:
                 _backward(outs[i], grad)
             times[r][i] += time.perf_counter() - started

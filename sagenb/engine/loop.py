@@ -1,7 +1,8 @@
 """The training loop every strategy shares: the contract of README.md, step by step.
 
 An optimizer step takes one global batch of the fixed sample order, cut into `grad_accum`
-slices; each slice's loss is scaled by 1/grad_accum so the accumulated gradient is that of the
+slices; each slice's loss is weighted by its share of the targets the global batch counts
+(1/grad_accum when every slice counts as many), so the accumulated gradient is that of the
 mean over the whole global batch. Then: clip (global norm), optimizer, scheduler, metrics.
 With --precision fp16 the loss is also multiplied by the loss scaler's scale, and the
 gradients divided by it before clipping; a step whose gradients overflowed is skipped.
@@ -14,11 +15,13 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from sagenb.config import TrainConfig
 from sagenb.engine import checkpoint
 from sagenb.engine.data import fetch, plan_steps, to_device, total_steps
 from sagenb.engine.memory import MemoryMeter
+from sagenb.engine.objective import batch_size_of, model_inputs
 from sagenb.engine.precision import LossScaler, autocast
 from sagenb.engine.strategies import Strategy
 from sagenb.engine.workspace import Workspace
@@ -82,12 +85,13 @@ def _step(ws, strategy, config, step, total, optimizer, scheduler, meter, device
     meter.start_step(step.number, total)
     loss_scale = scaler.scale if scaler is not None else 1.0
     with autocast(config.precision, device):
-        loss, samples, tokens = _accumulate(
+        loss, counted, samples, tokens = _accumulate(
             ws, strategy, meter, step.indices, config.grad_accum, device, loss_scale
         )
     metrics: dict[str, Any] = {"step": step.number, "total_steps": total, "epoch": step.epoch}
     if loss is not None:
-        metrics["loss"] = loss
+        metrics["loss"] = loss  # the mean over this engine's counted targets
+        metrics["counted"] = counted
     finite = True
     if scaler is not None:
         metrics["loss_scale"] = loss_scale
@@ -103,7 +107,7 @@ def _step(ws, strategy, config, step, total, optimizer, scheduler, meter, device
     metrics.update(meter.snapshot())
     optimizer.zero_grad(set_to_none=True)
     if _eval_due(ws, config, step.number, total):
-        metrics["eval_loss"] = strategy.evaluate(ws.eval_dataset, ws.loss_fn, config.batch_size)
+        metrics["eval_loss"] = strategy.evaluate(ws.eval_dataset, ws.objective, config.batch_size)
     elapsed = time.perf_counter() - started
     metrics["step_time(s)"] = elapsed
     metrics["samples"] = samples
@@ -118,25 +122,51 @@ def _step(ws, strategy, config, step, total, optimizer, scheduler, meter, device
 def _accumulate(ws, strategy, meter, indices, grad_accum, device, loss_scale):
     """Forward and backward over the grad_accum slices of one global batch (the backward
     runs under the forward's autocast too: pipeline schedules interleave the two, and
-    autocast leaves backward's dtypes to those of the forward ops)."""
-    losses = []
+    autocast leaves backward's dtypes to those of the forward ops).
+
+    Each slice's loss enters the gradient weighted by the targets it counts over the targets
+    the whole global batch counts (engine/objective.py), times the replicas the gradients are
+    then averaged over: so the step's gradient is that of the loss one process would compute
+    over the global batch, whatever each slice holds. Returns the loss (this engine's share),
+    its counted targets, samples and tokens."""
+    objective = ws.objective
+    batches = [
+        to_device(fetch(ws.dataset, strategy.local_indices(piece)), device)
+        for piece in indices.chunk(grad_accum)
+    ]
+    counts = [objective.count(objective.target(b), b) for b in batches]
+    counted = torch.stack(counts).sum()
+    total = _global_count(objective, objective.target(batches[0]), counted, strategy)
+    scale = loss_scale * strategy.replicas / total
+    sums = []
     samples = tokens = 0
-    slices = indices.chunk(grad_accum)
-    for k, piece in enumerate(slices):
-        local = strategy.local_indices(piece)
-        batch = to_device(fetch(ws.dataset, local), device)
+    for k, batch in enumerate(batches):
         with meter.track():
-            loss = strategy.forward_backward(
-                batch, ws.loss_fn, scale=loss_scale / grad_accum, sync=k == len(slices) - 1
+            part = strategy.forward_backward(
+                batch, objective, scale=scale, sync=k == len(batches) - 1
             )
-        if loss is not None:
-            losses.append(loss)
-        samples += len(local)
-        inputs = batch[0] if isinstance(batch, (tuple, list)) else batch
+        if part is not None:
+            sums.append(part)
+        samples += batch_size_of(batch)
+        inputs = model_inputs(batch)
         if torch.is_tensor(inputs) and not inputs.is_floating_point():
             tokens += inputs.numel()  # token ids: count them for tokens/s
+    if not sums:
+        return None, None, samples, tokens
     # one host sync per step, not per slice
-    return (float(torch.stack(losses).mean()) if losses else None), samples, tokens
+    counted = float(counted)
+    return float(torch.stack(sums).sum()) / max(counted, 1.0), counted, samples, tokens
+
+
+def _global_count(objective, target, counted, strategy) -> float:
+    """The targets the whole global batch counts. Where a piece's count is its sample count,
+    every rank knows it; integer targets (which may hold -100) are summed across the ranks,
+    each replica's share counted once (every engine of a replica loads the same samples)."""
+    if not objective.counts_vary(target):
+        return float(counted) * strategy.replicas
+    everywhere = counted.to(torch.int64).clone()
+    dist.all_reduce(everywhere)
+    return float(everywhere) * strategy.replicas / dist.get_world_size()
 
 
 def _eval_due(ws: Workspace, config: TrainConfig, step: int, total: int) -> bool:

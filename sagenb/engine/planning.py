@@ -32,8 +32,8 @@ def plan_on_engine(job: Job, config: TrainConfig, replicas: int, threads: int) -
             "stages asked for: lower --partitions"
         )
     mb = config.batch_size // (replicas * config.grad_accum * config.microbatches)
-    x, y = fetch(ws.dataset, torch.arange(min(mb, len(ws.dataset))))
-    profile = profile_blocks(ws.model, x, y, ws.loss_fn)
+    batch = fetch(ws.dataset, torch.arange(min(mb, len(ws.dataset))))
+    profile = profile_blocks(ws.model, batch, ws.objective)
     budget = config.memory_budget * 2**30 if config.memory_budget else None
     methods = {}
     for method in ("auto", "parameters", "uniform", "manual"):

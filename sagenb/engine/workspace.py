@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from sagenb.engine.delayed import meta_parameters
+from sagenb.engine.objective import Objective
 from sagenb.job import Job, JobError
 
 __all__ = ["Workspace", "build_workspace", "seed_everything"]
@@ -23,11 +24,14 @@ class Workspace:
 
     model: nn.Module
     dataset: Any
-    loss_fn: Callable[[Any, Any], torch.Tensor]
+    #: the cell's loss_fn, or None: the model's own loss (dict samples with labels)
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None
     make_optimizer: Callable[..., torch.optim.Optimizer] | None = None
     make_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None
     eval_dataset: Any = None
     tp_plan: dict[str, Any] | None = None
+    #: how batches reach the model and become a loss (set by build_workspace)
+    objective: Objective | None = None
 
 
 def seed_everything(seed: int) -> None:
@@ -47,19 +51,22 @@ def build_workspace(job: Job, seed: int, *, delay_init: bool = False) -> Workspa
     seed_everything(seed)
     with meta_parameters() if delay_init else nullcontext():
         ns = job.namespace()
-    missing = [n for n in ("model", "dataset", "loss_fn") if n not in ns]
+    missing = [n for n in ("model", "dataset") if n not in ns]
     if missing:
         raise JobError(f"the job defines no {', '.join(missing)}")
     ws = Workspace(
         model=ns["model"],
         dataset=ns["dataset"],
-        loss_fn=ns["loss_fn"],
+        loss_fn=ns.get("loss_fn"),
         make_optimizer=ns.get("make_optimizer"),
         make_scheduler=ns.get("make_scheduler"),
         eval_dataset=ns.get("eval_dataset"),
         tp_plan=ns.get("tp_plan"),
     )
     _check(ws)
+    if len(ws.dataset) == 0:
+        raise JobError("dataset is empty")
+    ws.objective = Objective.build(ws.model, ws.loss_fn, ws.dataset[0])
     return ws
 
 

@@ -7,7 +7,7 @@ of equal-sized means is exactly the gradient of the mean over the whole batch.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import nullcontext
 from typing import Any
 
@@ -18,9 +18,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 from sagenb.engine.data import fetch, to_device
 from sagenb.engine.delayed import materialize
+from sagenb.engine.objective import Objective, piece_loss, weighted
 from sagenb.engine.workspace import Workspace
 
-__all__ = ["DataParallel"]
+__all__ = ["DataParallel", "eval_sums"]
 
 
 class DataParallel:
@@ -44,14 +45,15 @@ class DataParallel:
         share = len(slice_indices) // self.world_size
         return slice_indices[self.rank * share : (self.rank + 1) * share]
 
+    @property
+    def replicas(self) -> int:
+        return self.world_size
+
     def forward_backward(
-        self, batch: Any, loss_fn: Callable[..., torch.Tensor], *, scale: float, sync: bool
+        self, batch: Any, objective: Objective, *, scale: float, sync: bool
     ) -> torch.Tensor:
-        inputs, targets = batch
         with nullcontext() if sync else self._ddp.no_sync():
-            loss = loss_fn(self._ddp(inputs), targets)
-            (loss * scale).backward()
-        return loss.detach()
+            return piece_loss(objective, self._ddp, batch, scale)
 
     def clip_grad_norm(self, max_norm: float) -> float:
         # After DDP's all-reduce every engine holds the same full gradient, so the local norm
@@ -76,18 +78,31 @@ class DataParallel:
         return {k: v.detach().to("cpu", copy=True) for k, v in self.module.state_dict().items()}
 
     @torch.no_grad()
-    def evaluate(
-        self, dataset: Any, loss_fn: Callable[..., torch.Tensor], batch_size: int
-    ) -> float:
+    def evaluate(self, dataset: Any, objective: Objective, batch_size: int) -> float:
         mine = torch.tensor_split(torch.arange(len(dataset)), self.world_size)[self.rank]
-        was_training = self.module.training
-        self.module.eval()
-        total = torch.zeros(2, dtype=torch.float64, device=self.device)  # sum of losses, count
-        for start in range(0, len(mine), batch_size):
-            idx = mine[start : start + batch_size]
-            inputs, targets = to_device(fetch(dataset, idx), self.device)
-            total[0] += loss_fn(self.module(inputs), targets).double() * len(idx)
-            total[1] += len(idx)
-        self.module.train(was_training)
+        total = eval_sums(self.module, dataset, objective, mine, batch_size, self.device)
         dist.all_reduce(total)
         return float(total[0] / total[1])
+
+
+def eval_sums(
+    module: nn.Module,
+    dataset: Any,
+    objective: Objective,
+    indices: torch.Tensor,
+    batch_size: int,
+    device: torch.device,
+) -> torch.Tensor:
+    """[sum of loss x counted targets, counted targets] over dataset[indices], in batches, in
+    eval mode: the eval loss is their ratio, the mean over every counted target."""
+    was_training = module.training
+    module.eval()
+    total = torch.zeros(2, dtype=torch.float64, device=device)
+    for start in range(0, len(indices), batch_size):
+        batch = to_device(fetch(dataset, indices[start : start + batch_size]), device)
+        args, kwargs, target = objective.split(batch)
+        count = objective.count(target, batch)
+        total[0] += weighted(objective.loss(module(*args, **kwargs), target), count).double()
+        total[1] += count
+    module.train(was_training)
+    return total

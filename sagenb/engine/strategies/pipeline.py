@@ -19,7 +19,7 @@ stages are neighbours (SageMaker's "cluster" placement).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -36,6 +36,7 @@ from sagenb.config import TrainConfig
 from sagenb.engine.balance import choose_starts, profile_blocks, static_profile
 from sagenb.engine.data import fetch, to_device
 from sagenb.engine.delayed import materialize, release_others
+from sagenb.engine.objective import Objective, logits_of, weighted
 from sagenb.engine.partition import find_blocks, split_model, tied_groups
 from sagenb.engine.prefetch_schedule import PrefetchingSchedule
 from sagenb.engine.workspace import Workspace
@@ -59,6 +60,7 @@ class Pipeline:
         self.events: list[tuple[str, int, int, float, float]] = []
         self._step_started = 0.0
         self._scale = 1.0
+        self._reported: list[torch.Tensor] = []
 
     def _groups(self) -> tuple[Any, Any]:
         """Every rank creates every group, in the same order (torch.distributed requires it)."""
@@ -89,7 +91,7 @@ class Pipeline:
         self.modules = [m.to(self.device) for m in self.modules]
         self.module = nn.ModuleList(self.modules)
         self._setup_tied(model, stages)
-        self.schedule = self._schedule(ws.loss_fn)
+        self.schedule = self._schedule(ws.objective)
 
     def _choose_starts(self, ws: Workspace) -> list[int]:
         cfg = self.config
@@ -111,8 +113,8 @@ class Pipeline:
                 profile = static_profile(ws.model)
             elif method in ("auto", "parameters"):
                 mb = cfg.batch_size // (self.D * cfg.grad_accum * cfg.microbatches)
-                x, y = fetch(ws.dataset, torch.arange(min(mb, len(ws.dataset))))
-                profile = profile_blocks(ws.model, x, y, ws.loss_fn)
+                batch = fetch(ws.dataset, torch.arange(min(mb, len(ws.dataset))))
+                profile = profile_blocks(ws.model, batch, ws.objective)
             budget = cfg.memory_budget * 2**30 if cfg.memory_budget else None
             try:
                 box[0] = choose_starts(
@@ -151,16 +153,22 @@ class Pipeline:
                 if d == self.replica and mine and group is not None:
                     self.tied.append((mine[0], group, self.rank == ranks[0]))
 
-    def _schedule(self, loss_fn: Callable[..., torch.Tensor]):
+    def _schedule(self, objective: Objective):
         stages = [
-            PipelineStage(m, i, self.S, self.device, group=self.pp_group)
+            PipelineStage(
+                _LogitsOut(m) if i == self.S - 1 else m, i, self.S, self.device, group=self.pp_group
+            )
             for i, m in zip(self.stage_ids, self.modules)
         ]
         for st in stages:
             self._time(st)
 
         def scaled(output, target):
-            return loss_fn(output, target) * self._scale
+            # each microbatch's mean loss weighted by the targets it counts (engine/objective.py)
+            loss = objective.pipeline_loss(output, target)
+            count = objective.count(target)
+            self._reported.append(weighted(loss, count))
+            return loss * (count * self._scale)
 
         kind, M = self.config.schedule, self.config.microbatches
         if kind == "interleaved":
@@ -216,22 +224,29 @@ class Pipeline:
     def has_last(self) -> bool:
         return self.S - 1 in self.stage_ids
 
+    @property
+    def replicas(self) -> int:
+        return self.D
+
     def forward_backward(
-        self, batch: Any, loss_fn: Callable[..., torch.Tensor], *, scale: float, sync: bool
+        self, batch: Any, objective: Objective, *, scale: float, sync: bool
     ) -> torch.Tensor | None:
-        inputs, targets = batch
+        args, kwargs, target = objective.split(batch, labels_in=False)
         if not self.events:
             self._step_started = time.time()
-        self._scale = scale / self.config.microbatches
-        losses: list[torch.Tensor] = []
-        args = (inputs,) if self.has_first else ()
-        kwargs = {"target": targets, "losses": losses} if self.has_last else {}
+        self._scale, self._reported = scale, []
+        if not self.has_first:
+            args, kwargs = (), {}
+        if self.has_last:
+            kwargs.update(target=target, losses=[])
         self.schedule.step(*args, return_outputs=False, **kwargs)
         if sync:
             self._sync_grads()
         if not self.has_last:
             return None
-        return torch.stack(losses).sum().detach() / scale  # the slice's mean loss, unscaled
+        # loss x counted targets, microbatches summed; the schedule's first step also runs the
+        # loss once on placeholder tensors to infer shapes: only the last M are the microbatches'
+        return torch.stack(self._reported[-self.config.microbatches :]).sum()
 
     def _sync_grads(self) -> None:
         for p, group, _ in self.tied:
@@ -290,28 +305,27 @@ class Pipeline:
         return out
 
     @torch.no_grad()
-    def evaluate(
-        self, dataset: Any, loss_fn: Callable[..., torch.Tensor], batch_size: int
-    ) -> float:
+    def evaluate(self, dataset: Any, objective: Objective, batch_size: int) -> float:
         """Forward only, stage by stage with point-to-point sends (any batch shape)."""
         mine = torch.tensor_split(torch.arange(len(dataset)), self.D)[self.replica]
         total = torch.zeros(2, dtype=torch.float64)
         for m in self.modules:
             m.eval()
         for start in range(0, len(mine), batch_size):
-            idx = mine[start : start + batch_size]
-            inputs, targets = to_device(fetch(dataset, idx), self.device)
-            value: Any = inputs
+            batch = to_device(fetch(dataset, mine[start : start + batch_size]), self.device)
+            args, kwargs, target = objective.split(batch, labels_in=False)
+            value: Any = args
             for i in self.stage_ids:
                 if i > 0:
                     box = [None]
                     dist.recv_object_list(box, src=self._global(i - 1))
-                    value = to_device(box[0], self.device)
+                    value, kwargs = to_device(box[0], self.device), {}
                 module = self.modules[self.stage_ids.index(i)]
-                value = module(*value) if isinstance(value, tuple) else module(value)
+                value = module(*value, **kwargs) if isinstance(value, tuple) else module(value)
                 if i == self.S - 1:
-                    total[0] += float(loss_fn(value, targets)) * len(idx)
-                    total[1] += len(idx)
+                    count = objective.count(target)
+                    total[0] += float(weighted(objective.pipeline_loss(value, target), count))
+                    total[1] += float(count)
                 else:
                     dist.send_object_list([_to_cpu(value)], dst=self._global(i + 1))
         for m in self.modules:
@@ -324,3 +338,16 @@ def _to_cpu(value: Any) -> Any:
     if isinstance(value, tuple):
         return tuple(_to_cpu(v) for v in value)
     return value.cpu() if torch.is_tensor(value) else value
+
+
+class _LogitsOut(nn.Module):
+    """The last stage as the schedule runs it: a stage's output must be tensors, so a
+    ModelOutput or dict (a transformers model given as it is) is reduced to its logits, from
+    which the loss is computed (engine/objective.py)."""
+
+    def __init__(self, stage: nn.Module) -> None:
+        super().__init__()
+        self.stage = stage
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return logits_of(self.stage(*args, **kwargs))

@@ -11,7 +11,6 @@ one all-gather fewer per block). torch's FSDP2 tutorial and torchtitan apply it 
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -19,6 +18,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from sagenb.engine.delayed import materialize
+from sagenb.engine.objective import Objective, piece_loss
 from sagenb.engine.partition import find_blocks
 from sagenb.engine.strategies.split_params import SplitParameters
 from sagenb.engine.workspace import Workspace
@@ -59,14 +59,11 @@ class Sharded(SplitParameters):
         return {"reshard_after_forward": self.reshard_after_forward}
 
     def forward_backward(
-        self, batch: Any, loss_fn: Callable[..., torch.Tensor], *, scale: float, sync: bool
+        self, batch: Any, objective: Objective, *, scale: float, sync: bool
     ) -> torch.Tensor:
-        inputs, targets = batch
         root: FSDPModule = self.module  # type: ignore[assignment]
         root.set_requires_gradient_sync(sync)  # accumulate locally until the last slice
-        loss = loss_fn(self.module(inputs), targets)
-        (loss * scale).backward()
-        return loss.detach()
+        return piece_loss(objective, self.module, batch, scale)
 
 
 def _blocks(model: torch.nn.Module) -> list[torch.nn.Module]:

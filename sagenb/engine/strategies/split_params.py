@@ -8,16 +8,15 @@ gathers them. Both also need every rank to run the same forwards, which shapes e
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from sagenb.engine import dtensors
-from sagenb.engine.data import fetch, to_device
-from sagenb.engine.strategies.data_parallel import DataParallel
+from sagenb.engine.objective import Objective
+from sagenb.engine.strategies.data_parallel import DataParallel, eval_sums
 
-__all__ = ["SplitParameters", "evaluate_everywhere"]
+__all__ = ["SplitParameters"]
 
 
 class SplitParameters(DataParallel):
@@ -31,30 +30,12 @@ class SplitParameters(DataParallel):
         return dtensors.full_state_dict(self.module, keep=self.rank == 0)
 
     @torch.no_grad()
-    def evaluate(
-        self, dataset: Any, loss_fn: Callable[..., torch.Tensor], batch_size: int
-    ) -> float:
-        return evaluate_everywhere(self.module, dataset, loss_fn, batch_size, self.device)
+    def evaluate(self, dataset: Any, objective: Objective, batch_size: int) -> float:
+        """Mean loss over the whole dataset, in order, computed by every rank on every batch.
 
-
-def evaluate_everywhere(
-    module: torch.nn.Module,
-    dataset: Any,
-    loss_fn: Callable[..., torch.Tensor],
-    batch_size: int,
-    device: torch.device,
-) -> float:
-    """Mean loss over the whole dataset, in order, computed by every rank on every batch.
-
-    Sharded and tensor-parallel forwards are collectives, so every rank must run the same
-    batches; splitting the eval set would leave a rank with one batch fewer waiting forever."""
-    was_training = module.training
-    module.eval()
-    total, count = torch.zeros((), dtype=torch.float64), 0
-    for start in range(0, len(dataset), batch_size):
-        idx = torch.arange(start, min(start + batch_size, len(dataset)))
-        inputs, targets = to_device(fetch(dataset, idx), device)
-        total += loss_fn(module(inputs), targets).double().cpu() * len(idx)
-        count += len(idx)
-    module.train(was_training)
-    return float(total / count)
+        Sharded and tensor-parallel forwards are collectives, so every rank must run the same
+        batches; splitting the eval set would leave a rank with one batch fewer waiting
+        forever."""
+        everything = torch.arange(len(dataset))
+        total = eval_sums(self.module, dataset, objective, everything, batch_size, self.device)
+        return float(total[0] / total[1])

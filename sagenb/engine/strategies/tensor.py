@@ -11,7 +11,6 @@ neighbours: on a GPU machine the chatty tensor-parallel all-reduces stay within 
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -22,6 +21,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 from sagenb.config import TrainConfig
 from sagenb.engine import dtensors
 from sagenb.engine.delayed import materialize
+from sagenb.engine.objective import Objective, piece_loss
 from sagenb.engine.strategies.split_params import SplitParameters
 from sagenb.engine.tp_plan import check_plan, derive_plan, split_heads, to_styles
 from sagenb.engine.workspace import Workspace
@@ -55,16 +55,18 @@ class TensorParallel(SplitParameters):
         share = len(slice_indices) // self.D
         return slice_indices[self.replica * share : (self.replica + 1) * share]
 
+    @property
+    def replicas(self) -> int:
+        return self.D
+
     def forward_backward(
-        self, batch: Any, loss_fn: Callable[..., torch.Tensor], *, scale: float, sync: bool
+        self, batch: Any, objective: Objective, *, scale: float, sync: bool
     ) -> torch.Tensor | None:
-        inputs, targets = batch
-        loss = loss_fn(self.module(inputs), targets)
-        (loss * scale).backward()
+        loss = piece_loss(objective, self.module, batch, scale)
         if sync and self._dp_group is not None:
             self._average_across_replicas()
         # a group's engines all compute the same loss: one of them reports it for the replica
-        return loss.detach() if self.rank % self.T == 0 else None
+        return loss if self.rank % self.T == 0 else None
 
     def _average_across_replicas(self) -> None:
         grads = [dtensors.local(p.grad) for p in self.module.parameters() if p.grad is not None]

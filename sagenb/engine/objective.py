@@ -1,0 +1,204 @@
+"""How a batch reaches the model and becomes a loss: the contract for tuples and dicts.
+
+- Samples that are `(input, target)` tuples: `output = model(input)`,
+  `loss = loss_fn(output, target)`.
+- Samples that are dicts (transformers style: `input_ids`, `attention_mask`, `labels`, ...) go
+  in as keyword arguments, `model(**batch)`. With a `loss_fn` in the cell, `labels` stays out of
+  the call and `loss = loss_fn(logits, labels)`, where `logits` is the output's `logits` (a
+  `ModelOutput` or dict) or the output itself. Without one, the model's own loss is used:
+  `labels` goes in and the output's `loss` is read (a pipeline, whose last stage never sees the
+  labels, computes the same loss with the model's `loss_function`, as transformers does inside).
+
+A step's loss is the mean over every counted target of the global batch, as one process would
+compute it, however the batch is cut into engines' shares, grad-accum slices and microbatches.
+A mean-reduced loss over a piece is weighted by the targets it counted: integer targets count
+their entries other than -100 (cross_entropy's `ignore_index`: padding, prompts), after the
+first position of each sequence when the loss is a transformers causal LM's own (it predicts
+token t + 1 from token t); other targets count samples. Weighting each piece by its own count
+over the global count is what Hugging Face's Trainer got wrong for gradient accumulation until
+late 2024 (transformers issue #34242): averaging per-slice means over-weights short slices.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from sagenb.job import JobError
+
+__all__ = [
+    "Objective",
+    "IGNORE_INDEX",
+    "logits_of",
+    "batch_size_of",
+    "model_inputs",
+    "weighted",
+    "piece_loss",
+]
+
+#: the target value a mean-reduced loss leaves out (torch.nn.functional.cross_entropy's default)
+IGNORE_INDEX = -100
+
+
+@dataclass(frozen=True)
+class Objective:
+    """The cell's loss, and how batches are fed to the model to compute it."""
+
+    #: the cell's loss_fn, or None for the model's own loss (dict samples only)
+    loss_fn: Callable[..., torch.Tensor] | None
+    #: whether samples are dicts (keyword arguments) rather than (input, target) tuples
+    dict_samples: bool
+    #: whether the model's own loss drops each sequence's first label (a causal LM's shift)
+    shifted: bool = False
+    #: the model's own loss from (logits, labels), for pipelines (transformers' loss_function)
+    own_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+
+    @classmethod
+    def build(cls, model: nn.Module, loss_fn: Any, sample: Any) -> Objective:
+        dict_samples = isinstance(sample, Mapping)
+        if loss_fn is not None:
+            return cls(loss_fn=loss_fn, dict_samples=dict_samples)
+        if not dict_samples:
+            raise JobError(
+                f"the cell defines no loss_fn, and its samples are {type(sample).__name__}s: "
+                "define loss_fn(output, target), or give dict samples with 'labels' to use the "
+                "model's own loss"
+            )
+        if "labels" not in sample:
+            raise JobError(
+                f"the cell defines no loss_fn, and its dict samples have no 'labels' (keys: "
+                f"{', '.join(map(str, sample))}): add labels, or define loss_fn(logits, labels)"
+            )
+        hf = _transformers_model(model)
+        loss_type = getattr(hf, "loss_type", None) if hf is not None else None
+        return cls(
+            loss_fn=None,
+            dict_samples=True,
+            shifted=loss_type == "ForCausalLM",
+            own_loss=_hf_loss(hf) if hf is not None else None,
+        )
+
+    # -- feeding the model -----------------------------------------------------------------
+    def split(self, batch: Any, *, labels_in: bool | None = None) -> tuple[tuple, dict, Any]:
+        """(positional args, keyword args, target) of a collated batch. `labels_in`: pass the
+        labels to the model (default: when the model's own output loss is read)."""
+        if not self.dict_samples:
+            inputs, target = batch
+            return (inputs,), {}, target
+        if labels_in is None:
+            labels_in = self.loss_fn is None
+        kwargs = dict(batch) if labels_in else {k: v for k, v in batch.items() if k != "labels"}
+        return (), kwargs, batch.get("labels")
+
+    def target(self, batch: Any) -> Any:
+        return batch.get("labels") if self.dict_samples else batch[1]
+
+    def loss(self, output: Any, target: Any) -> torch.Tensor:
+        """The mean-reduced loss of one piece, from the model's output on it."""
+        if self.loss_fn is not None:
+            return self.loss_fn(logits_of(output) if self.dict_samples else output, target)
+        own = _field(output, "loss")
+        if own is not None:
+            return own
+        if self.own_loss is None:
+            raise JobError(
+                "the model's output has no 'loss' and the cell defines no loss_fn: define "
+                "loss_fn(logits, labels)"
+            )
+        return self.own_loss(logits_of(output), target)
+
+    def pipeline_loss(self, output: Any, target: Any) -> torch.Tensor:
+        """The loss on a pipeline's last stage, whose input never included the labels."""
+        if self.loss_fn is None and self.own_loss is None:
+            raise JobError(
+                "a pipeline computes the loss from the last stage's output, and this model "
+                "has no transformers loss_function: define loss_fn(logits, labels) in the cell"
+            )
+        return self.loss(output, target)
+
+    # -- weighting ---------------------------------------------------------------------------
+    def count(self, target: Any, batch: Any = None) -> torch.Tensor:
+        """How many targets a mean-reduced loss over this piece averages (see the module)."""
+        if torch.is_tensor(target) and not (target.is_floating_point() or target.is_complex()):
+            kept = target[..., 1:] if self.shifted else target
+            return (kept != IGNORE_INDEX).sum()
+        n = batch_size_of(target if target is not None else batch)
+        device = target.device if torch.is_tensor(target) else None
+        return torch.tensor(n, device=device)
+
+    def counts_vary(self, target: Any) -> bool:
+        """Whether pieces of equal size can count different numbers of targets (integer
+        targets may hold -100); otherwise the count is the sample count, known to every rank."""
+        return torch.is_tensor(target) and not (target.is_floating_point() or target.is_complex())
+
+
+def weighted(loss: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """loss x count, detached, for reporting: 0 for a piece that counts no target (its mean
+    is 0/0 = nan; the backward of loss x 0 is a zero gradient all the same)."""
+    loss = loss.detach()
+    return torch.where(count > 0, loss, torch.zeros_like(loss)) * count
+
+
+def piece_loss(
+    objective: Objective, module: Any, batch: Any, scale: float
+) -> torch.Tensor:
+    """Forward and backward of one piece on a module that takes whole batches (data, sharded,
+    tensor parallel): its loss enters the gradient as loss x counted targets x `scale`;
+    returns loss x count, detached."""
+    args, kwargs, target = objective.split(batch)
+    loss = objective.loss(module(*args, **kwargs), target)
+    count = objective.count(target, batch)
+    (loss * (count * scale)).backward()
+    return weighted(loss, count)
+
+
+def logits_of(output: Any) -> Any:
+    """The logits of a model's output: its `logits` field, or the output itself."""
+    found = _field(output, "logits")
+    return output if found is None else found
+
+
+def _field(output: Any, name: str) -> Any:
+    if isinstance(output, Mapping):  # transformers' ModelOutput is an OrderedDict too
+        return output.get(name)
+    return getattr(output, name, None) if not torch.is_tensor(output) else None
+
+
+def model_inputs(batch: Any) -> Any:
+    """The token-id tensor of a batch, if it has one (for tokens/s): a tuple's input, or a
+    dict's `input_ids`."""
+    if isinstance(batch, Mapping):
+        return batch.get("input_ids")
+    return batch[0] if isinstance(batch, (tuple, list)) else batch
+
+
+def batch_size_of(batch: Any) -> int:
+    """Samples in a collated batch: the leading size of its first tensor."""
+    if torch.is_tensor(batch):
+        return int(batch.shape[0]) if batch.dim() else 1
+    if isinstance(batch, Mapping):
+        return batch_size_of(next(iter(batch.values())))
+    if isinstance(batch, (tuple, list)):
+        return batch_size_of(batch[0])
+    raise JobError(f"cannot tell the batch size of a {type(batch).__name__}")
+
+
+def _transformers_model(model: nn.Module) -> nn.Module | None:
+    """The model, or its first submodule, that carries transformers' loss_function."""
+    for module in model.modules():
+        if hasattr(type(module), "loss_function") and hasattr(module, "config"):
+            return module
+    return None
+
+
+def _hf_loss(hf: nn.Module) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    vocab = getattr(hf.config, "vocab_size", None)
+
+    def own_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return hf.loss_function(logits=logits, labels=labels, vocab_size=vocab)
+
+    return own_loss

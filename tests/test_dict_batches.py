@@ -1,0 +1,168 @@
+"""transformers-style data: dict samples, ModelOutput outputs, the model's own loss, and labels of
+-100 that leave pieces of the global batch with different numbers of counted tokens.
+
+The reference is one process over the whole global batch in one forward (no accumulation), so
+these tests fail if any strategy averages per-slice means (the gradient-accumulation bug of
+transformers issue #34242)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import sagenb
+
+from .conftest import max_param_diff
+from .reference import train_reference
+
+TOL = 1e-5
+
+# A tiny Llama built from a config (random initialisation, nothing downloaded), given as it is:
+# model(**batch) returns a CausalLMOutputWithPast whose loss shifts labels by one. Samples are
+# dicts whose prompts (a random length) and right padding are labelled -100: every piece of a
+# global batch counts a different number of tokens.
+LLAMA_DICT_CELL = """
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                     use_cache=False, tie_word_embeddings={tied})
+model = LlamaForCausalLM(config)
+
+class Prompts(torch.utils.data.Dataset):
+    def __init__(self, n, length=12):
+        g = torch.Generator().manual_seed(3)
+        self.ids = torch.randint(1, 64, (n, length), generator=g)
+        self.prompt = torch.randint(0, 8, (n,), generator=g)
+        self.used = torch.randint(6, length + 1, (n,), generator=g)
+    def __len__(self):
+        return len(self.ids)
+    def __getitem__(self, i):
+        pos = torch.arange(self.ids.shape[1])
+        mask = (pos < self.used[i]).long()
+        labels = self.ids[i].clone()
+        labels[(pos < self.prompt[i]) | (mask == 0)] = -100
+        return {{"input_ids": self.ids[i], "attention_mask": mask, "labels": labels}}
+
+dataset = Prompts(96)
+eval_dataset = Prompts(20)
+{loss}
+def make_optimizer(params):
+    return torch.optim.SGD(params, lr=0.5)
+"""
+
+# The same with a loss_fn of the cell: it receives the output's logits and the labels, and a
+# piece's weight is the count of those labels other than -100 (so a loss_fn must not drop
+# labels itself: the labels the loss uses are the dataset's, aligned with the logits)
+CELL_LOSS = """
+import torch.nn.functional as F
+def loss_fn(logits, labels):
+    return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+"""
+
+
+def llama_cell(*, tied: bool = False, own_loss: bool = True) -> str:
+    return LLAMA_DICT_CELL.format(tied=tied, loss="" if own_loss else CELL_LOSS)
+
+
+def check_one_process(result, cell, *, steps: int, batch_size: int):
+    """Equal to one process over each whole global batch (grad_accum 1 in the reference)."""
+    model, losses, _ = train_reference(cell, batch_size=batch_size, steps=steps)
+    torch.testing.assert_close(result.losses, losses, rtol=0, atol=TOL)
+    assert max_param_diff(result.state_dict(), model) <= TOL
+    assert list(result.state_dict()) == list(model.state_dict())
+    return model
+
+
+@pytest.mark.parametrize("own_loss", [True, False], ids=["own-loss", "loss_fn"])
+def test_data_parallel_dicts_and_padding_equal_one_process(pool, own_loss):
+    cell = llama_cell(own_loss=own_loss)
+    result = sagenb.train(cell, batch_size=16, grad_accum=2, steps=6, dashboard=False)
+    check_one_process(result, cell, steps=6, batch_size=16)
+    # the pieces really counted different numbers of tokens
+    counts = {m.values["counted"] for m in result.metrics if "counted" in m.values}
+    assert len(counts) > 1
+
+
+def test_sharded_dicts_equal_one_process(pool):
+    cell = llama_cell(tied=True)
+    result = sagenb.train(
+        cell, strategy="sharded", batch_size=16, grad_accum=2, steps=5, dashboard=False
+    )
+    check_one_process(result, cell, steps=5, batch_size=16)
+
+
+def test_eval_loss_is_the_mean_over_counted_tokens(pool):
+    cell = llama_cell()
+    result = sagenb.train(cell, batch_size=16, steps=3, eval_every=0, dashboard=False)
+    model = check_one_process(result, cell, steps=3, batch_size=16)
+    from .reference import batch, namespace
+
+    ns = namespace(cell, 0)
+    data = batch(ns["eval_dataset"], torch.arange(len(ns["eval_dataset"])))
+    model.eval()
+    with torch.no_grad():
+        expected = float(model(**data).loss)
+    assert result.history[-1]["eval_loss"] == pytest.approx(expected, abs=TOL)
+
+
+# A model of the cell's own that takes keyword inputs and returns a dict with logits (fx can
+# trace it, so a pipeline splits it): dict samples through every stage of a pipeline
+KWARGS_GPT = """
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.wte = nn.Embedding(64, 32)
+        self.blocks = nn.ModuleList(
+            nn.Sequential(nn.LayerNorm(32), nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+            for _ in range(4)
+        )
+        self.head = nn.Linear(32, 64)
+    def forward(self, input_ids, weights):
+        x = self.wte(input_ids) * weights.unsqueeze(-1)
+        for block in self.blocks:
+            x = x + block(x)
+        return {"logits": self.head(x)}
+
+model = Net()
+g = torch.Generator().manual_seed(5)
+ids = torch.randint(0, 64, (64, 8), generator=g)
+labels = torch.where(torch.rand(64, 8, generator=g) < 0.4, -100, ids.roll(-1, 1))
+data = [{"input_ids": ids[i], "weights": torch.rand(8, generator=g), "labels": labels[i]}
+        for i in range(64)]
+dataset = data
+def loss_fn(logits, labels):
+    return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+def make_optimizer(params):
+    return torch.optim.SGD(params, lr=0.5)
+"""
+
+
+@pytest.mark.parametrize("strategy", ["model", "tensor"])
+def test_keyword_inputs_and_dict_outputs(pool, strategy):
+    options = {"partitions": 2, "microbatches": 2} if strategy == "model" else {}
+    result = sagenb.train(
+        KWARGS_GPT,
+        strategy=strategy,
+        batch_size=16,
+        grad_accum=2,
+        steps=6,
+        dashboard=False,
+        **options,
+    )
+    check_one_process(result, KWARGS_GPT, steps=6, batch_size=16)
+
+
+def test_tuple_samples_without_loss_fn_are_refused(pool):
+    cell = """
+import torch
+model = torch.nn.Linear(4, 1)
+dataset = torch.utils.data.TensorDataset(torch.randn(32, 4), torch.randn(32, 1))
+"""
+    with pytest.raises(sagenb.JobError, match="defines no loss_fn, and its samples are tuples"):
+        sagenb.train(cell, batch_size=8, steps=1, dashboard=False)
