@@ -37,6 +37,9 @@ class TrainResult:
     status: str
     _state_dict: dict[str, torch.Tensor] = field(repr=False)
     dashboard: Any = field(default=None, repr=False)
+    #: why this run cannot equal one process's training (BatchNorm per microbatch or slice,
+    #: dropout drawn per engine), one sentence each with what to do; [] when it can
+    warnings: list[str] = field(default_factory=list)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The full trained model's state_dict, with the keys of `model.state_dict()`."""
