@@ -19,7 +19,8 @@ class TrainResult:
 
     config: TrainConfig
     #: one row per optimizer step: step, epoch, loss (whole global batch), rank_losses, lr,
-    #: step_time(s), throughput(samples/s), and grad_norm / eval_loss when measured
+    #: step_time(s), throughput(samples/s), and grad_norm / eval_loss when measured (the first
+    #: row also has rank 0's "warnings", when any)
     history: list[dict[str, Any]]
     #: every rank's raw metrics, (step, rank, values), in arrival order
     metrics: list[StepMetrics]
