@@ -205,3 +205,26 @@ def test_transformers_config_dropout_warns():
     (text,) = equivalence_warnings(model, TrainConfig(engines=2))
     assert text.startswith("dropout (the model (config.attention_dropout=0.1)) draws")
     assert equivalence_warnings(model, TrainConfig(engines=1)) == []
+
+
+def test_a_checkpointed_batchnorm_recomputes_the_global_forward():
+    from sagenb.engine.recompute import checkpoint_blocks
+    from sagenb.engine.sync_batchnorm import GlobalBatchNorm, sync_batchnorm
+
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 1))
+    checkpoint_blocks(model)  # wraps each block's forward on the instance, before strategies
+    sync_batchnorm(model, device=torch.device("cpu"))
+    bn = model[1]
+    assert isinstance(bn, GlobalBatchNorm) and isinstance(bn, nn.BatchNorm1d)
+    assert bn.forward.args[0].__func__ is GlobalBatchNorm.forward  # rewrapped, not the old one
+    assert list(model.state_dict()) == [
+        "0.weight",
+        "0.bias",
+        "1.weight",
+        "1.bias",
+        "1.running_mean",
+        "1.running_var",
+        "1.num_batches_tracked",
+        "3.weight",
+        "3.bias",
+    ]
