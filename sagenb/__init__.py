@@ -30,6 +30,7 @@ _PUBLIC = {
     "ConfigError": "sagenb.config",
     "JobError": "sagenb.job",
     "TrainResult": "sagenb.result",
+    "EquivalenceWarning": "sagenb.engine.equivalence",
     "start_pool": "sagenb.cluster",
     "stop_pool": "sagenb.cluster",
     "restart_pool": "sagenb.cluster",

@@ -115,6 +115,7 @@ class Dashboard:
         self.total_steps: int | None = None
         self.rate_key = "throughput(samples/s)"
         self.status, self.elapsed = "starting", 0.0
+        self.warnings: list[str] = []  # why the run cannot equal one process's (equivalence.py)
         self._dirty, self._last_draw, self._last_header = True, 0.0, 0.0
         self.redraws = 0
         self._widget = self._figure_widget = self._header = None
@@ -130,6 +131,7 @@ class Dashboard:
         if self._owns_history:
             self.history.log(metrics, step, rank)
         self.memory[rank] = metrics
+        self.warnings += [w for w in metrics.get("warnings", ()) if w not in self.warnings]
         if "timeline" in metrics:
             self.timelines[rank] = (metrics["timeline_t0(unix s)"], metrics["timeline"])
         if "tokens" in metrics:  # token-id inputs: the history has tokens/s
@@ -228,7 +230,12 @@ class Dashboard:
         return (
             f"<div class='smp-header'><b>sagenb</b> &middot; "
             f"{html.escape(self.header_text())}<br><progress value='{done}' max='{total}' "
-            f"style='width: 100%'></progress></div>"
+            f"style='width: 100%'></progress>{self._warnings_html()}</div>"
+        )
+
+    def _warnings_html(self) -> str:
+        return "".join(
+            f"<div style='color: #9a5b00'>&#9888; {html.escape(w)}</div>" for w in self.warnings
         )
 
     def _show(self) -> None:

@@ -77,7 +77,7 @@ class History:
             "step_time(s)": slowest,
             "throughput(samples/s)": self.batch_size / slowest,
         }
-        for key in ("grad_norm", "eval_loss", "loss_scale", "skipped_step"):
+        for key in ("grad_norm", "eval_loss", "loss_scale", "skipped_step", "warnings"):
             if key in first:
                 row[key] = first[key]
         if "tokens" in first:  # token-id inputs: tokens per sample x global samples per second

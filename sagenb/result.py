@@ -19,7 +19,8 @@ class TrainResult:
 
     config: TrainConfig
     #: one row per optimizer step: step, epoch, loss (whole global batch), rank_losses, lr,
-    #: step_time(s), throughput(samples/s), and grad_norm / eval_loss when measured
+    #: step_time(s), throughput(samples/s), and grad_norm / eval_loss when measured (the first
+    #: row also has rank 0's "warnings", when any)
     history: list[dict[str, Any]]
     #: every rank's raw metrics, (step, rank, values), in arrival order
     metrics: list[StepMetrics]
@@ -37,6 +38,9 @@ class TrainResult:
     status: str
     _state_dict: dict[str, torch.Tensor] = field(repr=False)
     dashboard: Any = field(default=None, repr=False)
+    #: why this run cannot equal one process's training (BatchNorm per microbatch or slice,
+    #: dropout drawn per engine), one sentence each with what to do; [] when it can
+    warnings: list[str] = field(default_factory=list)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The full trained model's state_dict, with the keys of `model.state_dict()`."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from datetime import datetime, timedelta
 from typing import Any
@@ -19,6 +20,7 @@ from sagenb import cluster
 from sagenb.config import ConfigError, TrainConfig
 from sagenb.cost import CostMeter, meter_for
 from sagenb.engine.entry import RankResult, RankSpec, merge_states, run_rank
+from sagenb.engine.equivalence import EquivalenceWarning
 from sagenb.engine.rendezvous import bound_store, host_for_run
 from sagenb.engine.stopping import REQUEST_KEY
 from sagenb.failures import DEAD_ENGINE, StalledError, TrainingError, TrainingInterrupted, classify
@@ -109,6 +111,8 @@ class _Run:
         self.first_step_s: float | None = None
         self.ended: float | None = None  # when the run ended (before any repair of the pool)
         self.last_progress = time.monotonic()
+        #: why this run cannot train as one process would (engine/equivalence.py), as warned
+        self.warnings: list[str] = []
 
     def execute(self) -> TrainResult:
         self.store = _rendezvous(self.pool, self.engines, self.config.collective_timeout)
@@ -164,6 +168,7 @@ class _Run:
                 else {}
             ),
             dashboard=self.dashboard,
+            warnings=list(self.warnings),
         )
 
     # -- following the run -----------------------------------------------------------------
@@ -189,8 +194,18 @@ class _Run:
                 self.last_progress = time.monotonic()
                 if self.first_step_s is None:
                     self.first_step_s = time.perf_counter() - self.started
+                self._warn(rec.values.get("warnings", ()))
                 for sink in self.sinks:
                     sink.log(rec.values, rec.step, rec.rank)
+
+    def _warn(self, notes: Sequence[str]) -> None:
+        """Each equivalence warning once per run: under the cell in a notebook (stderr), and
+        through `warnings` for scripts (sagenb registers its category "always", so a second
+        run in the same kernel warns again)."""
+        for note in notes:
+            if note not in self.warnings:
+                self.warnings.append(note)
+                warnings.warn(note, EquivalenceWarning, stacklevel=2)
 
     def _collect(self) -> list[RankResult]:
         results: list[RankResult] = [ar.get() for ar in self.ars]

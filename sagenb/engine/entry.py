@@ -10,12 +10,15 @@ from __future__ import annotations
 import os
 import socket
 import traceback
+import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from sagenb.config import ConfigError, TrainConfig
 from sagenb.engine import process_group
+from sagenb.engine.equivalence import EquivalenceWarning, equivalence_warnings
 from sagenb.engine.loop import train_loop
 from sagenb.engine.precision import check_supported
 from sagenb.engine.publish import Publisher
@@ -102,6 +105,8 @@ def train_rank(spec: RankSpec, publish: Publisher) -> RankResult:
     )
     check_supported(spec.config.precision, device)
     ws = build_workspace(spec.job, spec.config.seed, delay_init=spec.config.delay_init)
+    # what keeps this run from training as one process would, from the model as the cell built it
+    notes = equivalence_warnings(ws.model, spec.config) if spec.rank == 0 else []
     if spec.config.activation_checkpointing:
         checkpoint_blocks(ws.model)  # before any strategy wraps or splits the model
     strategy = make_strategy(spec.config, rank=spec.rank, world_size=spec.world_size, device=device)
@@ -111,7 +116,7 @@ def train_rank(spec: RankSpec, publish: Publisher) -> RankResult:
         strategy,
         spec.config,
         device=device,
-        publish=publish,
+        publish=_first_step_with(notes, publish),
         rank=spec.rank,
         should_stop=process_group.stop_requested,
     )
@@ -123,6 +128,22 @@ def train_rank(spec: RankSpec, publish: Publisher) -> RankResult:
         key_order=strategy.key_order,
         device=str(device),
     )
+
+
+def _first_step_with(notes: list[str], publish: Publisher) -> Callable[[dict], None]:
+    """`publish`, adding `notes` to the first step's metrics as "warnings" (the notebook shows
+    them, session.py); also warned here, for a script under torchrun (launch.py)."""
+    for note in notes:
+        warnings.warn(note, EquivalenceWarning, stacklevel=2)
+    pending = list(notes)
+
+    def send(metrics: dict) -> None:
+        nonlocal pending
+        if pending:
+            metrics, pending = {**metrics, "warnings": pending}, []
+        publish(metrics)
+
+    return send
 
 
 def merge_states(

@@ -19,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 from sagenb.engine.data import fetch, to_device
 from sagenb.engine.delayed import materialize
 from sagenb.engine.objective import Objective, piece_loss, weighted
+from sagenb.engine.sync_batchnorm import sync_batchnorm
 from sagenb.engine.workspace import Workspace
 
 __all__ = ["DataParallel", "eval_sums"]
@@ -34,7 +35,9 @@ class DataParallel:
         self.key_order = list(ws.model.state_dict().keys())
         if any(p.is_meta for p in ws.model.parameters()):  # --delay-init: every engine needs all
             materialize(ws.model, [ws.model], seed=self.seed, device=self.device)
-        self.module = ws.model.to(self.device)
+        # More than one replica: BatchNorm over the global batch, as one process would see it
+        model = sync_batchnorm(ws.model, device=self.device) if self.world_size > 1 else ws.model
+        self.module = model.to(self.device)
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         self._ddp = DistributedDataParallel(self.module, device_ids=device_ids)
 

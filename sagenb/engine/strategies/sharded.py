@@ -21,6 +21,7 @@ from sagenb.engine.delayed import materialize
 from sagenb.engine.objective import Objective, piece_loss
 from sagenb.engine.partition import find_blocks
 from sagenb.engine.strategies.split_params import SplitParameters
+from sagenb.engine.sync_batchnorm import sync_batchnorm
 from sagenb.engine.workspace import Workspace
 from sagenb.job import JobError
 
@@ -43,8 +44,9 @@ class Sharded(SplitParameters):
         self.reshard_after_forward = reshard_after_forward
 
     def setup(self, ws: Workspace) -> None:
-        model = ws.model
-        self.key_order = list(model.state_dict().keys())
+        self.key_order = list(ws.model.state_dict().keys())
+        # every engine takes its own samples: BatchNorm over all of them, before FSDP wraps it
+        model = sync_batchnorm(ws.model, device=self.device) if self.world_size > 1 else ws.model
         mesh = init_device_mesh(self.device.type, (self.world_size,))
         delayed = any(p.is_meta for p in model.parameters())
         for block in _blocks(model):

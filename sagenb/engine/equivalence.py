@@ -1,0 +1,145 @@
+"""What keeps a run from training the model one process would, said out loud (issue 15).
+
+Every strategy trains as one process would (README, "The contract"), with exceptions that come
+from the model itself: BatchNorm normalises whatever batch reaches it, and dropout draws its
+masks from each engine's own generator. `equivalence_warnings` names each exception a run will
+hit, from the built model and the config, with what to do about it; rank 0 sends them to the
+notebook with the first step's metrics (entry.py), which shows each once (session.py).
+
+data and sharded synchronise BatchNorm across engines (sync_batchnorm.py), so BatchNorm warns
+only where the batch reaching it is still a part of the global batch: pipeline microbatches (as
+GPipe has it, Huang et al. 2019, section 2.2), gradient-accumulation slices, and replicas of
+strategies that do not synchronise it.
+"""
+
+from __future__ import annotations
+
+import numbers
+import warnings
+from typing import Any
+
+from torch import nn
+from torch.nn.modules.dropout import _DropoutNd
+
+from sagenb.config import PIPELINED, TrainConfig
+from sagenb.engine.partition import find_blocks
+from sagenb.job import JobError
+
+__all__ = ["EquivalenceWarning", "equivalence_warnings"]
+
+NORM_FIX = "or use GroupNorm/LayerNorm, which normalise each sample on its own"
+
+
+class EquivalenceWarning(UserWarning):
+    """A run that cannot train exactly the model one process would, and why."""
+
+
+# Each run warns its own causes (the session dedupes within a run): without this, Python's
+# "default" action would show a sentence once per kernel, and a second run would stay silent.
+# Appended, so that a user's own filter for the category (e.g. "ignore") still wins.
+warnings.filterwarnings("always", category=EquivalenceWarning, append=True)
+
+
+def equivalence_warnings(model: nn.Module, config: TrainConfig) -> list[str]:
+    """One sentence per cause that makes this run differ from one process's, each naming
+    the construct, the option and what to do; [] when it trains as one process would."""
+    out = []
+    batchnorm = [n or "the model" for n, m in model.named_modules() if _is_batchnorm(m)]
+    if batchnorm:
+        out += _batchnorm_warnings(_names(batchnorm, "BatchNorm"), config)
+    recomputed = _in_blocks(model, batchnorm) if config.activation_checkpointing else []
+    if recomputed:
+        out.append(
+            f"{_names(recomputed, 'BatchNorm')} inside a block that --activation-checkpointing "
+            "recomputes in backward updates its running stats (and num_batches_tracked) twice "
+            "per step, in the forward and again in the recompute: drop "
+            f"--activation-checkpointing, {NORM_FIX}"
+        )
+    dropout = _dropout(model)
+    engines = config.engines if config.engines is not None else 2  # unknown: assume several
+    if dropout and engines > 1:
+        out.append(
+            f"{_names(dropout, 'dropout')} draws its masks on each engine from that engine's "
+            "own random generator, so this run trains correctly but not bit-for-bit like one "
+            "process: set the dropout probabilities to 0 (or model.eval() the dropout layers) "
+            "for an exact comparison"
+        )
+    return out
+
+
+def _batchnorm_warnings(what: str, config: TrainConfig) -> list[str]:
+    out = []
+    if config.strategy in PIPELINED and config.microbatches > 1:
+        out.append(
+            f"{what} normalises each pipeline microbatch on its own (--microbatches "
+            f"{config.microbatches}), as in GPipe, so its batch statistics and running stats "
+            "differ from one process's over the whole batch: use --microbatches 1, "
+            f"{NORM_FIX}"
+        )
+    if config.grad_accum > 1:
+        out.append(
+            f"{what} normalises each of the --grad-accum {config.grad_accum} slices of a "
+            f"global batch on its own, so its statistics are those of "
+            f"{config.batch_size // config.grad_accum} samples, not of the --batch-size "
+            f"{config.batch_size} one process would see: use --grad-accum 1, {NORM_FIX}"
+        )
+    replicas = config.replicas(config.engines) if config.engines is not None else 1
+    if config.strategy in (*PIPELINED, "tensor") and replicas > 1:
+        out.append(
+            f"{what} is not synchronised across the {replicas} replicas of --strategy "
+            f"{config.strategy}: each normalises its own share of the batch: use --strategy "
+            f"data or sharded (which synchronise BatchNorm across engines), {NORM_FIX}"
+        )
+    return out
+
+
+def _is_batchnorm(module: nn.Module) -> bool:
+    from torch.nn.modules.batchnorm import _BatchNorm  # BatchNorm1d/2d/3d, lazy and sync
+
+    return isinstance(module, _BatchNorm)
+
+
+def _in_blocks(model: nn.Module, names: list[str]) -> list[str]:
+    """Those of `names` inside the blocks recompute.checkpoint_blocks wraps."""
+    try:
+        blocks = find_blocks(model)
+    except JobError:  # no blocks: --activation-checkpointing fails on its own
+        return []
+    prefixes = [blocks.qualified(i) for i in range(len(blocks))]
+    return [n for n in names if any(n == p or n.startswith(p + ".") for p in prefixes)]
+
+
+def _dropout(model: nn.Module) -> list[str]:
+    """Modules that drop at random in training: nn.Dropout* (and MultiheadAttention) with
+    p > 0, and transformers models whose config sets a *dropout* / *pdrop* probability > 0
+    (Llama's attention_dropout is a float handed to F.dropout, not a module)."""
+    found, configs = [], set()
+    for name, m in model.named_modules():
+        label = name or "the model"
+        if isinstance(m, _DropoutNd) and m.p > 0 and m.training:
+            found.append(label)
+        elif isinstance(m, nn.MultiheadAttention) and m.dropout > 0 and m.training:
+            found.append(label)
+        elif (cfg := getattr(m, "config", None)) is not None and id(cfg) not in configs:
+            configs.add(id(cfg))  # submodules share their model's config: name it once
+            if drops := _config_dropout(cfg):
+                found.append(f"{label} ({', '.join(drops)})")
+    return found
+
+
+def _config_dropout(config: Any) -> list[str]:
+    if not hasattr(config, "to_dict"):  # a transformers PretrainedConfig
+        return []
+    return [
+        f"config.{k}={v}"
+        for k, v in config.to_dict().items()
+        if ("dropout" in k or k.endswith("pdrop"))
+        and isinstance(v, numbers.Real)
+        and not isinstance(v, bool)
+        and v > 0
+    ]
+
+
+def _names(names: list[str], kind: str) -> str:
+    shown = ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+    return f"{kind} ({shown})"
