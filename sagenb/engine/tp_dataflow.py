@@ -17,13 +17,15 @@ row-wise layer completes the sum. So a pair is not "two Linear layers in a row" 
 Each module is traced with torch.fx's symbolic tracer, Linear and Conv1D as leaves
 (https://pytorch.org/docs/stable/fx.html#torch.fx.Tracer.is_leaf_module); a module whose
 forward cannot be traced (data-dependent control flow, unpacking shapes) is replaced by its
-children, recursively, so blocks with attention still yield their MLPs. Layers in modules no
+children, recursively, so blocks with attention still yield their MLPs; a transformers model
+(or a module holding one) is never traced whole, only its blocks. Layers in modules no
 trace reaches stay whole: a guess from names alone could put a LayerNorm between a pair.
 """
 
 from __future__ import annotations
 
 import operator
+import sys
 import warnings
 
 import torch
@@ -75,7 +77,7 @@ def dataflow_pairs(model: nn.Module, tp: int, *, skip: set[str], tied: set[int])
     def visit(path: str, module: nn.Module) -> None:
         if path in skip or sum(map(is_splittable, module.modules())) < 2:
             return
-        graph = _trace(module)
+        graph = None if _holds_pretrained(module) else _trace(module)
         if graph is None:
             for name, child in module.named_children():
                 visit(f"{path}.{name}" if path else name, child)
@@ -86,6 +88,16 @@ def dataflow_pairs(model: nn.Module, tp: int, *, skip: set[str], tied: set[int])
 
     visit("", model)
     return plan
+
+
+def _holds_pretrained(module: nn.Module) -> bool:
+    """Whether `module` is or holds a transformers model: its forward (caches, masks, rope
+    updates) is not traced with proxies, its blocks are."""
+    if "transformers" not in sys.modules:
+        return False
+    from transformers import PreTrainedModel
+
+    return any(isinstance(m, PreTrainedModel) for m in module.modules())
 
 
 def _trace(module: nn.Module) -> fx.Graph | None:
