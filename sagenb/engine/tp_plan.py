@@ -1,48 +1,90 @@
-"""Which Linear layers tensor parallel splits, and how (Megatron-LM's recipe).
+"""Which layers tensor parallel splits, and how (Megatron-LM's recipe), from three sources.
 
-A pair of Linear layers with an elementwise function between them (an MLP's up and down
-projections) is split column-wise then row-wise: the first layer's output features are divided
-among the T engines, each engine applies the function to its own columns, and the second
-layer's input features are divided the same way, so one all-reduce of the second layer's
-output completes the pair. Attention is split by heads: query, key and value projections
-column-wise, the output projection row-wise, and the module's head count divided by T on each
-engine (its forward must size its views from that count and its tensors, e.g.
-`q.view(B, L, self.n_head, -1)` and `y.view(B, L, -1)`, as torchtitan's models do).
+A group of layers with only elementwise functions between them (an MLP's up and down
+projections; a gated MLP's gate and up, then down) is split column-wise then row-wise: the
+first layers' output features are divided among the T engines, each engine applies the
+functions to its own columns, and the last layer's input features are divided the same way,
+so one all-reduce of its output completes the group. Attention is split by heads: query, key
+and value projections column-wise, the output projection row-wise.
 
-Found automatically: in every module, Linear children named like q/k/v projections (q, k, v,
-query, key, value, wq, wk, wv, q_proj, k_proj, v_proj) beside an output projection (o, out,
-wo, proj, out_proj, o_proj, c_proj, dense) and a head count (n_head, n_heads, num_heads,
-nhead); otherwise consecutive Linear children where the first's outputs feed the second's
-inputs. Layers whose weight is tied to another parameter are left whole.
+Where the plan comes from (`plan_for`), in order:
 
-By hand: define `tp_plan` in the cell, a dict from module path (fnmatch `*` allowed, as
-parallelize_module takes it) to "colwise", "rowwise" or a torch ParallelStyle, e.g.
-`tp_plan = {"blocks.*.mlp.0": "colwise", "blocks.*.mlp.2": "rowwise"}`.
+1. By hand: `tp_plan` in the cell, a dict from module path (fnmatch `*` for one name, as
+   parallelize_module takes it) to a style name or a torch ParallelStyle, e.g.
+   `tp_plan = {"blocks.*.mlp.0": "colwise", "blocks.*.mlp.2": "rowwise"}`. Used as given.
+2. Shipped: a transformers model, or one held by the cell's model as a submodule, brings its
+   own `_tp_plan` (sagenb/engine/tp_hf.py); its style names are translated to torch styles
+   (sagenb/engine/tp_styles.py). Tied embedding/head entries are dropped (left whole).
+3. Derived, for the rest of the model (`derive_plan`): attention from names (below), then
+   column/row groups from the dataflow of each traced module (sagenb/engine/tp_dataflow.py).
+
+Attention from names: in every module, Linear children named like q/k/v projections (q, k,
+v, query, key, value, wq, wk, wv, q_proj, k_proj, v_proj) beside one output projection (o,
+out, wo, proj, out_proj, o_proj, c_proj, dense) and a head count (n_head, n_heads, num_heads,
+nhead), which `split_heads` divides by T on each engine (its forward must size its views from
+that count and its tensors, e.g. `q.view(B, L, self.n_head, -1)`, as torchtitan's models do).
+The dataflow cannot see heads (the views between q and the output projection are no
+elementwise ops), hence names here. Fused projections (GPT-2's Conv1D `c_attn`, torch's
+nn.MultiheadAttention) stay whole: a column split would give each engine a slice of q, k, v
+side by side, not its own heads; GPT-2's MLP (Conv1D c_fc, c_proj) is split. Layers whose
+weight is tied to another parameter stay whole.
+
+Every plan is checked before the first step (sagenb/engine/tp_check.py).
 """
 
 from __future__ import annotations
 
-import fnmatch
 import re
 from typing import Any
 
 from torch import nn
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
+from sagenb.engine.tp_check import check_shapes, matches, path_matches
+from sagenb.engine.tp_dataflow import dataflow_pairs, features, is_splittable
+from sagenb.engine.tp_hf import shipped_plans
+from sagenb.engine.tp_styles import splits, to_styles
 from sagenb.job import JobError
 
-__all__ = ["derive_plan", "check_plan", "to_styles", "split_heads", "HEAD_ATTRS"]
+__all__ = ["Plan", "plan_for", "derive_plan", "check_plan", "to_styles", "split_heads"]
+__all__ += ["HEAD_ATTRS"]
 
 QKV = re.compile(r"^(q|k|v|query|key|value|wq|wk|wv|[qkv]_proj)$")
 OUT = re.compile(r"^(o|out|wo|proj|out_proj|o_proj|c_proj|dense)$")
 HEAD_ATTRS = ("n_head", "n_heads", "num_heads", "nhead")
-STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
 
 
-def derive_plan(model: nn.Module, tp: int) -> dict[str, str]:
-    """{module path: "colwise" | "rowwise"} for `model` split `tp` ways."""
-    linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
-    if not linears:
+class Plan:
+    """The torch styles to apply, and what `split_heads` must leave alone (transformers
+    subtrees, whose attention needs no head count changed)."""
+
+    def __init__(self, styles: dict[str, Any], source: str, shipped_roots: set[str]):
+        self.styles, self.source, self.shipped_roots = styles, source, shipped_roots
+
+
+def plan_for(model: nn.Module, tp: int, hand: dict[str, Any] | None) -> Plan:
+    """The plan for `model` split `tp` ways: by hand, else shipped plus derived; checked
+    against the model's shapes (a JobError naming the layer)."""
+    tied = _tied_ids(model)
+    if hand is not None:
+        check_plan(model, hand)
+        plan = Plan(to_styles(hand, "tp_plan"), "tp_plan", set())
+    else:
+        shipped, roots = shipped_plans(model, tp)
+        shipped = {k: v for k, v in shipped.items() if not _holds_tied(model, k, tied)}
+        derived = derive_plan(model, tp, skip=roots, required=not shipped)
+        styles = {**to_styles(shipped, "the model's own _tp_plan"), **to_styles(derived)}
+        plan = Plan(styles, "derived", roots)
+    check_shapes(model, plan.styles, tp, tied)
+    return plan
+
+
+def derive_plan(
+    model: nn.Module, tp: int, *, skip: set[str] = frozenset(), required: bool = True
+) -> dict[str, str]:
+    """{module path: "colwise" | "rowwise"} for `model` split `tp` ways, leaving out the
+    modules under the paths in `skip`; with `required`, finding nothing is a JobError."""
+    layers = [m for m in model.modules() if is_splittable(m)]
+    if not layers and required:
         raise JobError(
             f"--strategy tensor splits nn.Linear layers, and model ({type(model).__name__}) has "
             "none; use --strategy data or sharded"
@@ -50,20 +92,25 @@ def derive_plan(model: nn.Module, tp: int) -> dict[str, str]:
     tied = _tied_ids(model)
     plan: dict[str, str] = {}
     for path, module in model.named_modules():
+        if _under(path, skip):
+            continue
         children = [
             (name, child)
             for name, child in module.named_children()
             if isinstance(child, nn.Linear) and id(child.weight) not in tied
         ]
         prefix = f"{path}." if path else ""
-        found = _attention(module, children, tp) or _pairs(children, tp)
+        found = _attention(module, children, tp)
         plan.update({prefix + name: style for name, style in found.items()})
-    if not plan:
-        shapes = ", ".join(f"{m.in_features}->{m.out_features}" for m in linears[:6])
+    pairs = dataflow_pairs(model, tp, skip=set(skip), tied=tied)
+    plan.update({k: v for k, v in pairs.items() if k not in plan})
+    if not plan and required:
+        shapes = ", ".join("{}->{}".format(*features(m)) for m in layers[:6])
         raise JobError(
             f"--tensor-parallel {tp}: found no Linear layers to split (no attention projections, "
-            f"no Linear pair whose hidden width divides by {tp}; Linear shapes: {shapes}); "
-            "give the plan by hand with tp_plan = {'path.to.linear': 'colwise', ...} in the cell"
+            f"no Linear pair whose hidden width divides by {tp} with only elementwise ops "
+            f"between them; Linear shapes: {shapes}); give the plan by hand with "
+            "tp_plan = {'path.to.linear': 'colwise', ...} in the cell"
         )
     return plan
 
@@ -78,21 +125,6 @@ def _attention(module: nn.Module, children: list, tp: int) -> dict[str, str]:
     return {**dict.fromkeys(qkv, "colwise"), out[0]: "rowwise"}
 
 
-def _pairs(children: list, tp: int) -> dict[str, str]:
-    if any(QKV.match(name) for name, _ in children):
-        return {}  # attention whose heads we cannot find: q -> k is no MLP pair
-    found: dict[str, str] = {}
-    i = 0
-    while i + 1 < len(children):
-        (a_name, a), (b_name, b) = children[i], children[i + 1]
-        if a.out_features == b.in_features and a.out_features % tp == 0:
-            found[a_name], found[b_name] = "colwise", "rowwise"
-            i += 2
-        else:
-            i += 1
-    return found
-
-
 def _tied_ids(model: nn.Module) -> set[int]:
     """Parameters held by more than one module (an embedding tied to the output head)."""
     seen: dict[int, int] = {}
@@ -103,16 +135,22 @@ def _tied_ids(model: nn.Module) -> set[int]:
     return {pid for pid, count in seen.items() if count > 1}
 
 
+def _holds_tied(model: nn.Module, key: str, tied: set[int]) -> bool:
+    return any(id(p) in tied for _, m in matches(model, key) for p in m.parameters(recurse=False))
+
+
+def _under(path: str, roots: set[str]) -> bool:
+    return any(r == "" or path == r or path.startswith(r + ".") for r in roots)
+
+
 def check_plan(model: nn.Module, plan: dict[str, Any]) -> None:
     """Raise a JobError for a key of a hand-written plan that names no module of `model`.
 
     parallelize_module only warns about such a key, on the engine where nobody sees it, and
     splits nothing for it: a typo would train every layer whole without a word."""
-    paths = [name.split(".") for name, _ in model.named_modules() if name]
     for key in plan:
-        pattern = key.split(".")
-        if key and not any(_path_matches(path, pattern) for path in paths):
-            linears = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+        if key and not matches(model, key):
+            linears = [name for name, m in model.named_modules() if is_splittable(m)]
             more = ", ..." if len(linears) > 6 else ""
             raise JobError(
                 f"tp_plan[{key!r}] matches no module of the model, so nothing would be split "
@@ -121,35 +159,20 @@ def check_plan(model: nn.Module, plan: dict[str, Any]) -> None:
             )
 
 
-def _path_matches(path: list[str], pattern: list[str]) -> bool:
-    """parallelize_module's matching: name by name, fnmatch within each."""
-    return len(path) == len(pattern) and all(map(fnmatch.fnmatchcase, path, pattern))
-
-
-def to_styles(plan: dict[str, Any]) -> dict[str, Any]:
-    """The plan with "colwise"/"rowwise" replaced by torch's ParallelStyle objects."""
-    out = {}
-    for path, style in plan.items():
-        if isinstance(style, str):
-            if style not in STYLES:
-                raise JobError(
-                    f"tp_plan[{path!r}] = {style!r}: must be 'colwise', 'rowwise' or a "
-                    "torch.distributed.tensor.parallel ParallelStyle"
-                )
-            style = STYLES[style]()
-        out[path] = style
-    return out
-
-
-def split_heads(model: nn.Module, plan: dict[str, Any], tp: int) -> None:
+def split_heads(
+    model: nn.Module, plan: dict[str, Any], tp: int, skip: set[str] = frozenset()
+) -> None:
     """Divide by `tp` the head count of every module whose q/k/v projections are split
-    column-wise: each engine then computes its own heads."""
+    column-wise: each engine then computes its own heads. Modules under `skip` (transformers
+    models with their own plan: views sized with -1 heads) are left alone."""
     for path, module in model.named_modules():
+        if _under(path, skip):
+            continue
         prefix = f"{path}." if path else ""
         split = [
             name
             for name, _ in module.named_children()
-            if QKV.match(name) and _is_colwise(_style_at(plan, prefix + name))
+            if QKV.match(name) and splits(_style_at(plan, prefix + name)) == "colwise"
         ]
         if not split:
             continue
@@ -164,9 +187,4 @@ def split_heads(model: nn.Module, plan: dict[str, Any], tp: int) -> None:
 def _style_at(plan: dict[str, Any], path: str) -> Any:
     """The style the plan gives the module at `path`, matched as parallelize_module matches
     (name by name), so heads are divided exactly where torch splits the projections."""
-    names = path.split(".")
-    return next((s for key, s in plan.items() if _path_matches(names, key.split("."))), None)
-
-
-def _is_colwise(style: Any) -> bool:
-    return style == "colwise" or isinstance(style, ColwiseParallel)
+    return next((s for key, s in plan.items() if path_matches(path, key)), None)

@@ -1,10 +1,13 @@
 """Tensor parallel: single Linear layers split across T engines, data parallel across the rest.
 
 The engines form groups of T (--tensor-parallel): within a group every engine sees the same
-samples and holds 1/T of each split layer (sagenb/engine/tp_plan.py says which and how);
-`parallelize_module` turns those weights into DTensors and inserts the all-reduces Megatron-LM
-needs. With more engines than T, the groups are data-parallel replicas: each takes its share
-of the global batch and their gradients are averaged, as DDP would, after the last slice.
+samples and holds 1/T of each split layer. The plan (sagenb/engine/tp_plan.py) is the cell's
+`tp_plan`, else the plan a transformers model ships plus one derived from the dataflow of the
+rest; it is checked against the layers' shapes, and after `parallelize_module` has turned those
+weights into DTensors and inserted the all-reduces Megatron-LM needs, by a trial forward on one
+sample, so a plan that cannot work stops the job naming the layer before the first step.
+With more engines than T, the groups are data-parallel replicas: each takes its share of the
+global batch and their gradients are averaged, as DDP would, after the last slice.
 Ranks are laid out group-major (rank = replica * T + position), so a group's engines are
 neighbours: on a GPU machine the chatty tensor-parallel all-reduces stay within a node.
 """
@@ -23,8 +26,10 @@ from sagenb.engine import dtensors
 from sagenb.engine.delayed import materialize
 from sagenb.engine.objective import Objective, piece_loss
 from sagenb.engine.strategies.split_params import SplitParameters
-from sagenb.engine.tp_plan import check_plan, derive_plan, split_heads, to_styles
+from sagenb.engine.tp_check import trial_forward
+from sagenb.engine.tp_plan import plan_for, split_heads
 from sagenb.engine.workspace import Workspace
+from sagenb.job import JobError
 
 __all__ = ["TensorParallel"]
 
@@ -42,13 +47,13 @@ class TensorParallel(SplitParameters):
         if any(p.is_meta for p in model.parameters()):
             materialize(model, [model], seed=self.seed, device=self.device)
         mesh = init_device_mesh(self.device.type, (self.D, self.T), mesh_dim_names=("dp", "tp"))
-        if ws.tp_plan is not None:
-            check_plan(model, ws.tp_plan)
-            plan = dict(ws.tp_plan)
-        else:
-            plan = derive_plan(model, self.T)
-        split_heads(model, plan, self.T)
-        self.module = parallelize_module(model.to(self.device), mesh["tp"], to_styles(plan))
+        plan = plan_for(model, self.T, ws.tp_plan)
+        split_heads(model, plan.styles, self.T, skip=plan.shipped_roots)
+        try:
+            self.module = parallelize_module(model.to(self.device), mesh["tp"], plan.styles)
+        except NotImplementedError as exc:  # a torch style on a layer kind it cannot split
+            raise JobError(f"--strategy tensor: {plan.source} cannot be applied: {exc}") from exc
+        trial_forward(self.module, ws.dataset, self.device)
         self._dp_group = mesh["dp"].get_group() if self.D > 1 else None
 
     def local_indices(self, slice_indices: torch.Tensor) -> torch.Tensor:

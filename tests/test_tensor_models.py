@@ -1,0 +1,175 @@
+"""Tensor parallel on the models people bring: transformers' Llama (its own plan, tied and
+untied embeddings) and GPT-2 (Conv1D layers, no shipped plan), a gated MLP with meaningless
+names (the dataflow-derived plan), each on 2 real engines against the single-process
+reference; and the plans that cannot work, refused by name before the first step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import sagenb
+from sagenb.engine.tp_plan import derive_plan, plan_for
+from sagenb.failures import TrainingError
+from sagenb.job import JobError
+
+from .test_memory_savers import check_equal
+
+OPTIONS = dict(batch_size=16, steps=8, epochs=2)
+# a transformers model wrapped so that forward(ids) -> logits, as a cell would hold one
+WRAPPED = """
+import torch
+import torch.nn.functional as F
+from torch import nn
+import transformers
+
+class Wrapped(nn.Module):
+    def __init__(self, llm):
+        super().__init__()
+        self.llm = llm
+    def forward(self, ids):
+        return self.llm(input_ids=ids, use_cache=False).logits
+
+tokens = torch.randint(0, 64, (64, 17))
+dataset = torch.utils.data.TensorDataset(tokens[:, :-1], tokens[:, 1:])
+loss_fn = lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten())
+def make_optimizer(params):
+    return torch.optim.SGD(params, lr=0.2)
+"""
+LLAMA = """
+config = transformers.LlamaConfig(
+    vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    num_attention_heads=4, num_key_value_heads={kv}, max_position_embeddings=16,
+    tie_word_embeddings={tie}, bos_token_id=0, eos_token_id=0,
+)
+model = Wrapped(transformers.LlamaForCausalLM(config))
+"""
+GPT2 = """
+config = transformers.GPT2Config(
+    vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=16, bos_token_id=0,
+    eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+)
+model = Wrapped(transformers.GPT2LMHeadModel(config))
+"""
+# a gated MLP (SwiGLU) whose layer names say nothing: the plan must come from the dataflow
+GATED = """
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 32)
+        self.blocks = nn.ModuleList(
+            nn.ModuleDict(dict(n=nn.LayerNorm(32), x=nn.Linear(32, 64), y=nn.Linear(32, 64),
+                               z=nn.Linear(64, 32)))
+            for _ in range(2)
+        )
+        self.b = nn.Linear(32, 1)
+    def forward(self, inp):
+        h = self.a(inp)
+        for blk in self.blocks:
+            u = blk["n"](h)
+            h = h + blk["z"](F.silu(blk["x"](u)) * blk["y"](u))
+        return self.b(h)
+
+model = Net()
+X = torch.randn(128, 8)
+dataset = torch.utils.data.TensorDataset(X, X @ torch.randn(8, 1))
+loss_fn = F.mse_loss
+def make_optimizer(params):
+    return torch.optim.SGD(params, lr=0.05)
+"""
+
+
+def llama(kv: int = 2, tie: bool = False) -> str:
+    return WRAPPED + LLAMA.format(kv=kv, tie=tie)
+
+
+def _namespace(cell: str) -> dict:
+    torch.manual_seed(0)
+    ns: dict = {}
+    exec(cell, ns)
+    return ns
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_llama_trains_as_one_process_with_its_own_plan(pool, tie):
+    cell = llama(tie=tie)
+    result = sagenb.train(cell, strategy="tensor", dashboard=False, **OPTIONS)
+    check_equal(result, cell, **OPTIONS)
+    state = result.state_dict()
+    head, embed = state["llm.lm_head.weight"], state["llm.model.embed_tokens.weight"]
+    assert torch.equal(head, embed) == tie  # the tie survives the split (and nothing ties)
+
+
+def test_gpt2_trains_as_one_process(pool):
+    cell = WRAPPED + GPT2
+    result = sagenb.train(cell, strategy="tensor", dashboard=False, **OPTIONS)
+    check_equal(result, cell, **OPTIONS)
+
+
+def test_gated_mlp_without_names_gets_the_dataflow_plan(pool):
+    plan = derive_plan(_namespace(GATED)["model"], 2)
+    assert plan == {
+        **{f"blocks.{i}.{n}": "colwise" for i in (0, 1) for n in "xy"},
+        **{f"blocks.{i}.z": "rowwise" for i in (0, 1)},
+    }  # a and b have a residual / no partner: whole; the LayerNorm stays outside the pairs
+    options = dict(batch_size=32, steps=8, epochs=2)
+    result = sagenb.train(GATED, strategy="tensor", dashboard=False, **options)
+    check_equal(result, GATED, **options)
+
+
+def test_plans_of_transformers_models():
+    styles = plan_for(_namespace(llama(tie=True))["model"], 2, None).styles
+    assert "llm.model.layers.*.mlp.gate_proj" in styles  # the gated MLP, whole
+    assert not {"llm.lm_head", "llm.model.embed_tokens"} & set(styles)  # tied: left whole
+    untied = plan_for(_namespace(llama())["model"], 2, None).styles
+    assert {"llm.lm_head", "llm.model.embed_tokens"} <= set(untied)
+    gpt2 = derive_plan(_namespace(WRAPPED + GPT2)["model"], 2)
+    assert gpt2 == {  # Conv1D MLPs; fused c_attn (q|k|v side by side) and attention whole
+        **{f"llm.transformer.h.{i}.mlp.c_fc": "colwise" for i in (0, 1)},
+        **{f"llm.transformer.h.{i}.mlp.c_proj": "rowwise" for i in (0, 1)},
+    }
+
+
+def test_plans_that_cannot_work_are_refused_by_name():
+    with pytest.raises(JobError, match=r"num_key_value_heads = 1 heads cannot be split 2 ways"):
+        plan_for(_namespace(llama(kv=1))["model"], 2, None)
+    model = _namespace(llama())["model"]
+    with pytest.raises(
+        JobError,
+        match=r"tp_plan\['llm.model.layers.\*.mlp.up_proj'\] = "
+        r"'packed_colwise': sagenb's tensor parallel knows the styles colwise",
+    ):
+        plan_for(model, 2, {"llm.model.layers.*.mlp.up_proj": "packed_colwise"})
+    model.llm._tp_plan["model.layers.*.mlp.up_proj"] = "moe_tp_experts"
+    with pytest.raises(JobError, match=r"the model's own _tp_plan\[.*'moe_tp_experts'"):
+        plan_for(model, 2, None)
+    with pytest.raises(
+        JobError,
+        match=r"'llm.model.layers.0.mlp.up_proj' \(Linear\) split "
+        r"colwise 3 ways, but its out_features = 64 does not divide by 3",
+    ):
+        plan_for(model, 3, {"llm.model.layers.0.mlp.up_proj": "colwise"})
+    with pytest.raises(JobError, match=r"'llm.model.norm' is a LlamaRMSNorm; colwise splits"):
+        plan_for(model, 2, {"llm.model.norm": "colwise"})
+    tied = _namespace(llama(tie=True))["model"]
+    with pytest.raises(JobError, match=r"'llm.lm_head' shares its weight .* untie"):
+        plan_for(tied, 2, {"llm.lm_head": "colwise_gather_output"})
+
+
+def test_a_plan_that_breaks_the_forward_stops_before_the_first_step(pool):
+    # the old name-based plan of issue 15: up and down split, the gate whole
+    hand = {
+        "llm.model.layers.*.mlp.up_proj": "colwise",
+        "llm.model.layers.*.mlp.down_proj": "rowwise",
+    }
+    cell = llama() + f"\ntp_plan = {hand!r}\n"
+    with pytest.raises(
+        (JobError, TrainingError),
+        match=r"trial forward .* failed in "
+        r"'llm.model.layers.0.mlp'",
+    ):
+        sagenb.train(cell, strategy="tensor", dashboard=False, **OPTIONS)
