@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from sagenb.engine.data import fetch, to_device
+from sagenb.engine.objective import Objective
 from sagenb.engine.tp_dataflow import features, is_splittable
 from sagenb.engine.tp_styles import splits
 from sagenb.job import JobError
@@ -73,7 +74,9 @@ def _check_layer(path: str, module: nn.Module, kind: str, tp: int, tied: set[int
 
 
 @torch.no_grad()
-def trial_forward(module: nn.Module, dataset: Any, device: torch.device) -> None:
+def trial_forward(
+    module: nn.Module, dataset: Any, objective: Objective, device: torch.device
+) -> None:
     """Run the split model on the dataset's first sample; a failure names the innermost
     module that was running."""
     running: list[str] = []
@@ -93,11 +96,8 @@ def trial_forward(module: nn.Module, dataset: Any, device: torch.device) -> None
     try:
         with torch.random.fork_rng(devices=devices, device_type=device.type):
             module.eval()
-            batch = to_device(fetch(dataset, torch.arange(1)), device)
-            if isinstance(batch, dict):
-                module(**batch)
-            else:
-                module(batch[0] if isinstance(batch, (tuple, list)) else batch)
+            args, kwargs, _ = objective.split(to_device(fetch(dataset, torch.arange(1)), device))
+            module(*args, **kwargs)
     except Exception as exc:
         where = running[-1] if running else "<model>"
         raise JobError(

@@ -53,7 +53,7 @@ class TensorParallel(SplitParameters):
             self.module = parallelize_module(model.to(self.device), mesh["tp"], plan.styles)
         except NotImplementedError as exc:  # a torch style on a layer kind it cannot split
             raise JobError(f"--strategy tensor: {plan.source} cannot be applied: {exc}") from exc
-        trial_forward(self.module, ws.dataset, self.device)
+        trial_forward(self.module, ws.dataset, ws.objective, self.device)
         self._dp_group = mesh["dp"].get_group() if self.D > 1 else None
 
     def local_indices(self, slice_indices: torch.Tensor) -> torch.Tensor:
