@@ -18,6 +18,7 @@ stages are neighbours (SageMaker's "cluster" placement).
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -88,6 +89,8 @@ class Pipeline:
         else:  # free the other stages' parameters, which the cell's namespace still holds
             release_others(model, self.modules)
         self.modules = [m.to(self.device) for m in self.modules]
+        for m in self.modules:
+            _keep_buffers_through_inference(m)
         self.module = nn.ModuleList(self.modules)
         self._setup_tied(model, stages)
         self.schedule = self._schedule(ws.loss_fn)
@@ -333,6 +336,41 @@ class Pipeline:
             m.train()
         dist.all_reduce(total)
         return float(total[0] / total[1])
+
+
+def _keep_buffers_through_inference(module: nn.Module) -> None:
+    """Undo what PipelineStage's metadata inference does to buffers.
+
+    At its first step PipelineStage runs each stage once more to learn the shapes it sends
+    (torch/distributed/pipelining/stage.py, _forward_metadata_inference), later stages on
+    torch.empty inputs: a BatchNorm's running statistics would count that pass, filled with
+    garbage (inf after one step, measured on a ResNet). Buffers are saved before a forward
+    made inside that inference and put back after it; other forwards are left alone."""
+    if not any(True for _ in module.buffers()):
+        return
+    saved: list[dict[str, torch.Tensor]] = []
+
+    def inferring() -> bool:
+        frame = sys._getframe(2)
+        while frame is not None:
+            if frame.f_code.co_name == "_forward_metadata_inference":
+                return True
+            frame = frame.f_back
+        return False
+
+    def before(mod: nn.Module, args: Any) -> None:
+        if inferring():
+            saved.append({k: b.clone() for k, b in mod.named_buffers()})
+
+    @torch.no_grad()
+    def after(mod: nn.Module, args: Any, output: Any) -> None:
+        if saved:
+            state = saved.pop()
+            for k, b in mod.named_buffers():
+                b.copy_(state[k])
+
+    module.register_forward_pre_hook(before)
+    module.register_forward_hook(after)
 
 
 def _to_cpu(value: Any) -> Any:
