@@ -148,3 +148,11 @@ def test_unsplittable_model_names_the_construct(pool):
     assert "torch.fx stopped at <smp_train cell>, line 11, in forward" in text, text
     assert "torch.export stopped at <smp_train cell>, line 11, in forward" in text, text
     assert "Remove that construct" in text, text
+
+
+def test_planner_profiles_an_exported_model(pool):
+    """--partition-by auto's profile runs the export front end's one-piece-per-block split."""
+    plan = sagenb.plan(CELLS["llama"], strategy="model", partitions=2, microbatches=2, batch_size=8)
+    assert [s.blocks[0] for s in plan.stages][0] == "llm.model.layers.0"
+    assert sum(len(s.blocks) for s in plan.stages) == 4
+    assert all(s.seconds_per_microbatch > 0 for s in plan.stages)
