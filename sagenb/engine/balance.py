@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from sagenb.engine.blocks import find_blocks
 from sagenb.engine.objective import Objective
 from sagenb.engine.partition import split_model
 
@@ -45,14 +46,27 @@ def profile_blocks(
     model: nn.Module, batch: Any, objective: Objective, *, repeats: int = 5
 ) -> BlockProfile:
     """Time forward and backward of every block on one microbatch: the median of `repeats`
-    passes after one untimed pass (first calls pay for allocation and kernel selection)."""
-    from sagenb.engine.partition import find_blocks
+    passes after one untimed pass (first calls pay for allocation and kernel selection).
 
+    The microbatch's inputs are also the example torch.export traces on when torch.fx cannot
+    trace the model (engine/export_split.py): one piece per block either way."""
     n = len(find_blocks(model))
-    pieces, _ = split_model(model, list(range(n)))
+    args, kwargs, targets = objective.split(batch, labels_in=False)
+    pieces, _ = split_model(model, list(range(n)), (args, kwargs))
+    buffers = {name: b.clone() for name, b in model.named_buffers()}
+    with torch.random.fork_rng(devices=[]):  # dropout's draws are the training's, not ours
+        profile = _measure(model, pieces, (args, kwargs), targets, objective, repeats)
+    with torch.no_grad():  # BatchNorm's running statistics as the cell left them
+        for name, b in model.named_buffers():
+            b.copy_(buffers[name])
+    return profile
+
+
+def _measure(model, pieces, inputs, targets, objective, repeats: int) -> BlockProfile:
+    n = len(pieces)
+    args, kwargs = inputs
     times = [[0.0] * (n) for _ in range(repeats + 1)]
     saved = [0] * n
-    args, kwargs, targets = objective.split(batch, labels_in=False)
     for r in range(repeats + 1):
         value, outs, ins = args, [], []
         for i, piece in enumerate(pieces):
@@ -85,8 +99,6 @@ def profile_blocks(
 
 def static_profile(model: nn.Module) -> BlockProfile:
     """Parameter bytes per block without running anything (meta parameters allowed)."""
-    from sagenb.engine.partition import find_blocks
-
     n = len(find_blocks(model))
     pieces, _ = split_model(model, list(range(n)))
     params = tuple(sum(p.numel() * p.element_size() for p in pc.parameters()) for pc in pieces)
@@ -118,8 +130,14 @@ def _as_tuple(value) -> tuple:
 
 
 def _backward(out, grad) -> None:
-    pairs = [(o, g) for o, g in zip(_as_tuple(out), _as_tuple(grad)) if g is not None]
-    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+    # an exported stage passes on tensors outside autograd too (rotary cos/sin, masks)
+    pairs = [
+        (o, g)
+        for o, g in zip(_as_tuple(out), _as_tuple(grad))
+        if g is not None and torch.is_tensor(o) and o.requires_grad
+    ]
+    if pairs:
+        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
 
 
 def _input_grads(value):

@@ -1,11 +1,16 @@
 """Splitting a model into pipeline stages at block boundaries.
 
-A model is split where its repeated blocks are: the children of an `nn.Sequential`, or the
-items of the model's largest `nn.ModuleList` (a GPT's transformer blocks, however deeply the
-list sits). The top-level forward is traced with torch.fx, every module that is not on the path
-to the block list kept whole, so the graph reads embeddings, block 0, block 1, ..., norm, head.
-Stage s gets the graph nodes from its first block's call up to the next stage's, and passes on
-to the next stage every value that a later stage still needs.
+A model is split where its repeated blocks are (engine/blocks.py: the children of an
+`nn.Sequential`, the items of the largest `nn.ModuleList`, or the children of the top-most
+Sequentials, as a ResNet's layer1..layer4). Two front ends cut it:
+
+* torch.fx (first): the forward is traced symbolically, stepping only into the modules on the
+  path to the blocks and keeping every other module whole, so the graph reads embeddings,
+  block 0, block 1, ..., norm, head. Stage s gets the graph nodes from its first block's call
+  up to the next stage's, and passes on every value that a later stage still needs.
+* torch.export (engine/export_split.py), when fx cannot trace the forward (library models
+  such as transformers'), given an example microbatch.
+Where neither can, the error names where each stopped.
 
 Parameters used by more than one stage (an embedding tied to the output head) are found by
 identity in the unsplit model, so their gradients can be summed across the stages that hold
@@ -14,42 +19,17 @@ them, as Megatron does.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+import traceback
 from functools import partial
 
 import torch
 from torch import fx, nn
 
+from sagenb.engine.blocks import Blocks, find_blocks
 from sagenb.job import JobError
 
 __all__ = ["Blocks", "find_blocks", "split_model", "tied_groups", "stage_of_pieces"]
-
-
-@dataclass(frozen=True)
-class Blocks:
-    """Where the repeated blocks are: `path` of the container, and their names in order."""
-
-    path: str
-    names: tuple[str, ...]
-
-    def qualified(self, i: int) -> str:
-        return f"{self.path}.{self.names[i]}" if self.path else self.names[i]
-
-    def __len__(self) -> int:
-        return len(self.names)
-
-
-def find_blocks(model: nn.Module) -> Blocks:
-    if isinstance(model, nn.Sequential):
-        return Blocks("", tuple(name for name, _ in model.named_children()))
-    lists = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.ModuleList)]
-    if not lists:
-        raise JobError(
-            f"model ({type(model).__name__}) cannot be split into pipeline stages: it is neither "
-            "an nn.Sequential nor built around an nn.ModuleList of blocks"
-        )
-    path, blocks = max(lists, key=lambda item: len(item[1]))
-    return Blocks(path, tuple(name for name, _ in blocks.named_children()))
 
 
 class _BlockTracer(fx.Tracer):
@@ -64,17 +44,16 @@ class _BlockTracer(fx.Tracer):
 
 
 def _trace(model: nn.Module, blocks: Blocks) -> fx.GraphModule:
-    parts = blocks.path.split(".") if blocks.path else []
-    through = {".".join(parts[:i]) for i in range(len(parts) + 1)}  # "" is the root
-    try:
-        graph = _BlockTracer(through).trace(model)
-    except Exception as exc:  # noqa: BLE001 - fx raises many kinds; all mean "not traceable"
+    graph = _BlockTracer(blocks.through()).trace(model)
+    gm = fx.GraphModule(model, graph)
+    order = [i for n in gm.graph.nodes if (i := _block_index(n, blocks)) is not None]
+    if order != sorted(order):
         raise JobError(
-            f"model.forward could not be traced to split it into stages ({type(exc).__name__}: "
-            f"{exc}); write the top-level forward without Python branches on tensor values "
-            "(e.g. asserts on shapes), or use an nn.Sequential"
-        ) from None
-    return fx.GraphModule(model, graph)
+            f"model.forward calls its blocks out of order ({[blocks.qualified(i) for i in order]})"
+            ": a pipeline runs them in the order the model registers them; register them in "
+            "the order forward calls them"
+        )
+    return gm
 
 
 def _block_index(node: fx.Node, blocks: Blocks) -> int | None:
@@ -97,10 +76,77 @@ def stage_of_pieces(gm: fx.GraphModule, blocks: Blocks, starts: list[int]) -> di
     return assignment
 
 
-def split_model(model: nn.Module, starts: list[int]) -> tuple[list[fx.GraphModule], Blocks]:
-    """One module per stage; stage s begins at block starts[s] (starts[0] == 0)."""
+def split_model(
+    model: nn.Module, starts: list[int], example: tuple[tuple, dict] | None = None
+) -> tuple[list[nn.Module], Blocks]:
+    """One module per stage; stage s begins at block starts[s] (starts[0] == 0).
+
+    torch.fx first; where it cannot trace the forward, torch.export on `example` (one
+    microbatch's positional and keyword inputs, of the size the schedule runs: its shapes may
+    be specialised)."""
     blocks = find_blocks(model)
-    gm = _trace(model, blocks)
+    try:
+        gm = _trace(model, blocks)
+    except JobError:
+        raise
+    except Exception as fx_exc:  # noqa: BLE001 - fx raises many kinds; all mean "not traceable"
+        if any(p.is_meta for p in model.parameters()):
+            raise JobError(
+                f"--delay-init: torch.fx cannot trace model.forward ({_where(fx_exc)}), and the "
+                "torch.export front end needs real parameters; leave --delay-init off for this "
+                "model, or make its forward traceable by torch.fx"
+            ) from None
+        if example is None:
+            raise JobError(
+                f"model.forward could not be traced by torch.fx to split it into stages: "
+                f"{_where(fx_exc)}; write the forward without Python branches on tensor values, "
+                "or use an nn.Sequential"
+            ) from None
+        return _export_or_explain(model, blocks, starts, example, fx_exc), blocks
+    return _fx_stages(gm, blocks, starts), blocks
+
+
+def _export_or_explain(
+    model: nn.Module, blocks: Blocks, starts: list[int], example: tuple, fx_exc: Exception
+) -> list[nn.Module]:
+    from sagenb.engine.export_split import export_stages
+
+    try:
+        return export_stages(model, blocks, starts, example)
+    except JobError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - export raises many kinds
+        raise JobError(
+            f"model ({type(model).__name__}) could not be split into pipeline stages: torch.fx "
+            f"stopped at {_where(fx_exc)}; torch.export stopped at {_where(exc)}. Remove that "
+            "construct from forward (a Python branch on a tensor's value, a data-dependent "
+            "shape), move it into one block, or train with --strategy data or sharded"
+        ) from None
+
+
+def _where(exc: BaseException, limit: int = 240) -> str:
+    """'file, line N, in fn (source): Error: message' for the innermost frame outside torch
+    and sagenb (the code the tracer was running when it gave up), the message cut to its
+    first line."""
+    skip = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)))
+    frames, cause = [], exc
+    while not frames and cause is not None:
+        tb = traceback.extract_tb(cause.__traceback__)
+        frames = [f for f in tb if not f.filename.startswith(skip)]
+        cause = cause.__cause__
+    lines = str(exc).strip().splitlines()
+    message = lines[0] if lines else ""
+    if len(message) > limit:
+        message = message[: limit - 3] + "..."
+    text = f"{type(exc).__name__}: {message}"
+    if frames:
+        f = frames[-1]
+        source = f" ({f.line.strip()})" if f.line else ""
+        text = f"{os.path.basename(f.filename)}, line {f.lineno}, in {f.name}{source}: {text}"
+    return text
+
+
+def _fx_stages(gm: fx.GraphModule, blocks: Blocks, starts: list[int]) -> list[fx.GraphModule]:
     where = stage_of_pieces(gm, blocks, starts)
     nodes = list(gm.graph.nodes)
     last_use = {n: max((where[u] for u in n.users), default=where[n]) for n in nodes}
@@ -126,7 +172,7 @@ def split_model(model: nn.Module, starts: list[int]) -> tuple[list[fx.GraphModul
             graph.output(outputs[0] if len(outputs) == 1 else outputs)
         graph.lint()
         stages.append(fx.GraphModule(gm, graph, class_name=f"Stage{s}"))
-    return stages, blocks
+    return stages
 
 
 def _lookup(env: dict, node: fx.Node, graph: fx.Graph) -> fx.Node:

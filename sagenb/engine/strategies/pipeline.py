@@ -18,6 +18,7 @@ stages are neighbours (SageMaker's "cluster" placement).
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -80,8 +81,10 @@ class Pipeline:
     def setup(self, ws: Workspace) -> None:
         model = ws.model
         self.key_order = list(model.state_dict().keys())
-        starts = self._choose_starts(ws)
-        stages, self.blocks = split_model(model, starts)
+        example = self._example(ws)
+        starts = self._choose_starts(ws, example)
+        inputs = ws.objective.split(example, labels_in=False)[:2]
+        stages, self.blocks = split_model(model, starts, inputs)
         self.starts = starts
         self.modules = [stages[i] for i in self.stage_ids]
         if self.config.delay_init:  # only this engine's stages get real parameters
@@ -89,11 +92,21 @@ class Pipeline:
         else:  # free the other stages' parameters, which the cell's namespace still holds
             release_others(model, self.modules)
         self.modules = [m.to(self.device) for m in self.modules]
+        for m in self.modules:
+            _keep_buffers_through_inference(m)
         self.module = nn.ModuleList(self.modules)
         self._setup_tied(model, stages)
         self.schedule = self._schedule(ws.objective)
 
-    def _choose_starts(self, ws: Workspace) -> list[int]:
+    def _example(self, ws: Workspace) -> Any:
+        """The dataset's first samples, one microbatch of the size the schedule runs: what
+        profiling times, and what torch.export traces on when torch.fx cannot trace the model
+        (its shapes may be specialised to this size; engine/export_split.py)."""
+        cfg = self.config
+        mb = cfg.batch_size // (self.D * cfg.grad_accum * cfg.microbatches)
+        return fetch(ws.dataset, torch.arange(min(mb, len(ws.dataset))))
+
+    def _choose_starts(self, ws: Workspace, example: Any) -> list[int]:
         cfg = self.config
         n = len(find_blocks(ws.model))
         if n < self.S:
@@ -108,44 +121,50 @@ class Pipeline:
             method = "parameters"
         box: list[Any] = [None]
         if self.rank == 0:  # one rank measures; all use its cut points
-            profile = None
-            if method == "parameters" and cfg.delay_init:
-                profile = static_profile(ws.model)
-            elif method in ("auto", "parameters"):
-                mb = cfg.batch_size // (self.D * cfg.grad_accum * cfg.microbatches)
-                batch = fetch(ws.dataset, torch.arange(min(mb, len(ws.dataset))))
-                profile = profile_blocks(ws.model, batch, ws.objective)
-            budget = cfg.memory_budget * 2**30 if cfg.memory_budget else None
             try:
-                box[0] = choose_starts(
-                    method,
-                    self.S,
-                    profile,
-                    blocks=n,
-                    cuts=cfg.cuts,
-                    memory_budget_bytes=budget,
-                    memory_factor=MEMORY_FACTOR,
-                )
-            except ValueError as exc:
+                box[0] = self._measure_starts(ws, example, method, n)
+            except JobError as exc:  # e.g. the model cannot be split: every rank raises it
                 box[0] = exc
         dist.broadcast_object_list(box, src=0)
         if isinstance(box[0], Exception):
-            raise JobError(f"--memory-budget {cfg.memory_budget}: {box[0]}")
+            raise box[0]
         return box[0]
 
+    def _measure_starts(self, ws: Workspace, example: Any, method: str, n: int):
+        cfg = self.config
+        profile = None
+        if method == "parameters" and cfg.delay_init:
+            profile = static_profile(ws.model)
+        elif method in ("auto", "parameters"):
+            profile = profile_blocks(ws.model, example, ws.objective)
+        budget = cfg.memory_budget * 2**30 if cfg.memory_budget else None
+        try:
+            return choose_starts(
+                method,
+                self.S,
+                profile,
+                blocks=n,
+                cuts=cfg.cuts,
+                memory_budget_bytes=budget,
+                memory_factor=MEMORY_FACTOR,
+            )
+        except ValueError as exc:
+            raise JobError(f"--memory-budget {cfg.memory_budget}: {exc}") from None
+
     def _setup_tied(self, model: nn.Module, stages: list[nn.Module]) -> None:
-        """Process groups over the ranks that hold each weight tied across stages."""
+        """Process groups over the ranks that hold each weight tied across stages.
+
+        A stage holds a tied weight when it names it under any of its tied names (the fx
+        front end keeps the model's Parameter; the export one gives each stage its own copy,
+        under the name or names that stage uses)."""
         self.tied: list[tuple[nn.Parameter, Any, bool]] = []  # (param, group, owner)
-        stage_of: dict[str, int] = {}
-        for s, st in enumerate(stages):
-            for name, _ in st.named_parameters(remove_duplicate=False):
-                stage_of.setdefault(name, s)
+        held = [{n for n, _ in st.named_parameters(remove_duplicate=False)} for st in stages]
         local = {}
         for st in self.modules:
             for name, p in st.named_parameters(remove_duplicate=False):
                 local[name] = p
         for names in tied_groups(model):
-            holders = sorted({stage_of[name] for name in names if name in stage_of})
+            holders = [s for s, have in enumerate(held) if have.intersection(names)]
             for d in range(self.D):
                 ranks = sorted({d * self.P + s % self.P for s in holders})
                 group = dist.new_group(ranks) if len(ranks) > 1 else None
@@ -332,6 +351,41 @@ class Pipeline:
             m.train()
         dist.all_reduce(total)
         return float(total[0] / total[1])
+
+
+def _keep_buffers_through_inference(module: nn.Module) -> None:
+    """Undo what PipelineStage's metadata inference does to buffers.
+
+    At its first step PipelineStage runs each stage once more to learn the shapes it sends
+    (torch/distributed/pipelining/stage.py, _forward_metadata_inference), later stages on
+    torch.empty inputs: a BatchNorm's running statistics would count that pass, filled with
+    garbage (inf after one step, measured on a ResNet). Buffers are saved before a forward
+    made inside that inference and put back after it; other forwards are left alone."""
+    if not any(True for _ in module.buffers()):
+        return
+    saved: list[dict[str, torch.Tensor]] = []
+
+    def inferring() -> bool:
+        frame = sys._getframe(2)
+        while frame is not None:
+            if frame.f_code.co_name == "_forward_metadata_inference":
+                return True
+            frame = frame.f_back
+        return False
+
+    def before(mod: nn.Module, args: Any) -> None:
+        if inferring():
+            saved.append({k: b.clone() for k, b in mod.named_buffers()})
+
+    @torch.no_grad()
+    def after(mod: nn.Module, args: Any, output: Any) -> None:
+        if saved:
+            state = saved.pop()
+            for k, b in mod.named_buffers():
+                b.copy_(state[k])
+
+    module.register_forward_pre_hook(before)
+    module.register_forward_hook(after)
 
 
 def _to_cpu(value: Any) -> Any:

@@ -1,0 +1,193 @@
+"""The torch.export front end for pipeline splitting, for models torch.fx cannot trace.
+
+torch.fx traces symbolically and stops at Python that inspects tensor values or dtypes, which
+library models do throughout (transformers builds its attention masks with torch.finfo of the
+input's dtype, and branches on cache objects). torch.export traces with fake tensors of an
+example input and gets through them; torch.distributed.pipelining builds its `pipeline()` front
+end on it: the blocks where stages begin are marked (SplitPoint.BEGINNING), the exported graph
+is cut there and `Pipe.get_stage_module(i)` returns stage i, whose parameters keep the unsplit
+model's qualified names (https://pytorch.org/docs/stable/distributed.pipelining.html).
+
+The stages are specialised to the example's shapes: a batch of another size (an evaluation
+batch) does not run through them. What is then tidied, so that the stages behave as fx's do:
+
+* Pipe lets stage k read values made by any earlier stage (a Llama's rotary cos/sin and its
+  mask, made before block 0, reach every stage); PipelineStage receives from the previous stage
+  only, so each stage is rewrapped to pass on what later stages still need (_relay);
+
+* a weight tied across stages (an embedding and its output head) is deep-copied into every
+  stage that uses it (Pipe.__init__, "replicated params"): each copy starts equal and
+  Pipeline._setup_tied sums their gradients. A tied name that no stage holds after the tidy
+  below is added to a stage holding the weight, so the stages' state_dicts name every key;
+* other unused parameters and buffers are dropped, and buffers the model keeps out of its
+  state_dict (persistent=False, e.g. rotary inv_freq) are made non-persistent again, so the
+  stages' state_dict keys are the model's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import fx, nn
+from torch.distributed.pipelining import SplitPoint
+from torch.distributed.pipelining._IR import MultiUseParameterConfig, Pipe, annotate_split_points
+
+from sagenb.engine.blocks import Blocks
+from sagenb.job import JobError
+
+__all__ = ["export_stages"]
+
+
+def export_stages(
+    model: nn.Module, blocks: Blocks, starts: list[int], example: tuple[tuple, dict]
+) -> list[nn.Module]:
+    """One module per stage; stage s begins at block starts[s] (starts[0] == 0)."""
+    spec = {blocks.qualified(i): SplitPoint.BEGINNING for i in starts[1:]}
+    with _annotated(model, spec):
+        program = _export(model, example)
+        pipe = Pipe._from_traced(model, program, MultiUseParameterConfig.REPLICATE)
+    if pipe.num_stages != len(starts):
+        raise JobError(
+            f"torch.export cut the model into {pipe.num_stages} stages, not {len(starts)}: a "
+            "block where a stage should begin is not called by model.forward in order"
+        )
+    stages = _relay(pipe)
+    keys = set(model.state_dict().keys())
+    for stage in stages:
+        _tidy(stage, keys)
+    _name_tied(model, stages)
+    return stages
+
+
+def _relay(pipe: Pipe) -> list[fx.GraphModule]:
+    """Stage modules that take only the previous stage's outputs and pass on, after their own
+    outputs, every earlier value a later stage reads."""
+    top = list(pipe.split_gm.graph.nodes)
+    calls = [n for n in top if n.op == "call_module"]
+    stage_of = {n: k for k, n in enumerate(calls)}
+
+    def source(node: fx.Node) -> tuple:  # a value: a model input, or (stage, output index)
+        if node.op == "call_function":  # getitem on a stage's tuple of outputs
+            return (stage_of[node.args[0]], node.args[1])
+        return (stage_of[node], None) if node in stage_of else ("input", node.name)
+
+    needs = [[source(a) for a in call.args] for call in calls]
+    last_use = {v: k for k, vs in enumerate(needs) for v in vs}
+    carried = [("input", n.name) for n in top if n.op == "placeholder"]
+    stages = []
+    for k in range(len(calls)):
+        module = pipe.get_stage_module(k)
+        graph = fx.Graph()
+        env = {v: graph.placeholder(f"in_{i}") for i, v in enumerate(carried)}
+        inner = {p: env[v] for p, v in zip(_placeholders(module), needs[k])}
+        result = graph.graph_copy(module.graph, inner)
+        if k == len(calls) - 1:
+            graph.output(result)
+        else:
+            made = (
+                [(k, None)]
+                if not isinstance(result, (tuple, list))
+                else [(k, j) for j in range(len(result))]
+            )
+            for v in made:
+                env[v] = result if v[1] is None else result[v[1]]
+            carried = [v for v in env if last_use.get(v, -1) > k]
+            outs = tuple(env[v] for v in carried)
+            graph.output(outs[0] if len(outs) == 1 else outs)
+        graph.lint()
+        stages.append(fx.GraphModule(module, graph, class_name=f"ExportStage{k}"))
+    return stages
+
+
+def _placeholders(module: fx.GraphModule) -> list[fx.Node]:
+    return [n for n in module.graph.nodes if n.op == "placeholder"]
+
+
+def _export(model: nn.Module, example: tuple[tuple, dict]) -> torch.export.ExportedProgram:
+    """Static shapes: with a dynamic batch dimension export passes symbolic sizes between
+    stages as ints, which PipelineStage cannot send (tried on torch 2.13)."""
+    args, kwargs = example
+    return torch.export.export(model, tuple(args), dict(kwargs))
+
+
+@contextmanager
+def _annotated(model: nn.Module, spec: dict[str, SplitPoint]) -> Iterator[None]:
+    """annotate_split_points wraps each block's forward in place: undone afterwards, so the
+    cell's model (and a later export of it, e.g. after profiling) is left as it was."""
+    saved = {}
+    for name in spec:
+        module = model.get_submodule(name)
+        saved[name] = (module, module.__dict__.get("forward"))
+    annotate_split_points(model, spec)
+    try:
+        yield
+    finally:
+        for module, forward in saved.values():
+            del module.forward
+            module.__dict__.pop("_orig_forward", None)
+            if forward is not None:
+                module.forward = forward
+
+
+def _name_tied(model: nn.Module, stages: list[nn.Module]) -> None:
+    """Every name of a tied weight held by some stage: the missing ones alias a holder's."""
+    from sagenb.engine.partition import tied_groups
+
+    held = [dict(st.named_parameters(remove_duplicate=False)) for st in stages]
+    for names in tied_groups(model):
+        missing = [n for n in names if not any(n in h for h in held)]
+        holder = next(((s, h[n]) for s, h in enumerate(held) for n in names if n in h), None)
+        if holder is None:
+            continue
+        for name in missing:
+            owner, _, attr = name.rpartition(".")
+            module = stages[holder[0]]
+            for atom in owner.split(".") if owner else []:
+                if not hasattr(module, atom):
+                    module.add_module(atom, nn.Module())
+                module = getattr(module, atom)
+            module.register_parameter(attr, holder[1])
+
+
+def _used(stage: nn.Module) -> set[str]:
+    """Qualified names of the tensors that the stage's graphs read (get_attr), and of the
+    modules they call whole (whose tensors count as read)."""
+    used: set[str] = set()
+    for scope, module in stage.named_modules(remove_duplicate=False):
+        graph = getattr(module, "graph", None)
+        if not isinstance(graph, fx.Graph):
+            continue
+        for node in graph.nodes:
+            if node.op in ("get_attr", "call_module"):
+                used.add(f"{scope}.{node.target}" if scope else node.target)
+    return used
+
+
+def _tidy(stage: nn.Module, keys: set[str]) -> None:
+    """Drop what the stage's graphs do not read; buffers the model keeps out of its state_dict
+    stay out of the stage's."""
+    used = _used(stage)
+
+    def is_used(name: str) -> bool:
+        return name in used or any(name.startswith(f"{u}.") for u in used)
+
+    for name, _ in list(stage.named_parameters(remove_duplicate=False)):
+        if not is_used(name):
+            owner, _, attr = name.rpartition(".")
+            stage.get_submodule(owner)._parameters.pop(attr, None)
+    for name, _ in list(stage.named_buffers(remove_duplicate=False)):
+        owner, _, attr = name.rpartition(".")
+        module = stage.get_submodule(owner)
+        if not is_used(name):
+            module._buffers.pop(attr, None)
+        elif name not in keys:
+            module._non_persistent_buffers_set.add(attr)
+    extra = set(stage.state_dict().keys()) - keys
+    if extra:
+        raise JobError(
+            f"the stages torch.export cut hold tensors the model's state_dict does not name "
+            f"({sorted(extra)[:3]}); split this model with an nn.Sequential or nn.ModuleList "
+            "of blocks that torch.fx can trace"
+        )
