@@ -111,7 +111,7 @@ def _in_blocks(model: nn.Module, names: list[str]) -> list[str]:
 
 def _dropout(model: nn.Module) -> list[str]:
     """Modules that drop at random in training: nn.Dropout* (and MultiheadAttention) with
-    p > 0, and transformers models whose config sets a *dropout* / *pdrop* probability > 0
+    p > 0, and transformers models whose config sets an attention dropout probability > 0
     (Llama's attention_dropout is a float handed to F.dropout, not a module)."""
     found, configs = [], set()
     for name, m in model.named_modules():
@@ -127,13 +127,21 @@ def _dropout(model: nn.Module) -> list[str]:
     return found
 
 
+#: transformers config keys of dropout applied with F.dropout inside attention (no module to
+#: find); the other dropouts (hidden, residual, embedding) are nn.Dropout modules, found as such,
+#: and keys such as GPT-2's summary_first_dropout belong to heads the model may not have
+FUNCTIONAL_DROPOUT = frozenset(
+    {"attention_dropout", "attn_pdrop", "attention_probs_dropout_prob", "attn_dropout"}
+)
+
+
 def _config_dropout(config: Any) -> list[str]:
     if not hasattr(config, "to_dict"):  # a transformers PretrainedConfig
         return []
     return [
         f"config.{k}={v}"
         for k, v in config.to_dict().items()
-        if ("dropout" in k or k.endswith("pdrop"))
+        if k in FUNCTIONAL_DROPOUT
         and isinstance(v, numbers.Real)
         and not isinstance(v, bool)
         and v > 0
