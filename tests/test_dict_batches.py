@@ -13,7 +13,7 @@ import torch
 import sagenb
 
 from .conftest import max_param_diff
-from .reference import train_reference
+from .reference import batch, namespace, train_reference
 
 TOL = 1e-5
 
@@ -93,18 +93,36 @@ def test_sharded_dicts_equal_one_process(pool):
     check_one_process(result, cell, steps=5, batch_size=16)
 
 
-def test_eval_loss_is_the_mean_over_counted_tokens(pool):
-    cell = llama_cell()
-    result = sagenb.train(cell, batch_size=16, steps=3, eval_every=0, dashboard=False)
-    model = check_one_process(result, cell, steps=3, batch_size=16)
-    from .reference import batch, namespace
+@pytest.mark.parametrize("strategy", ["tensor", "model"])
+def test_transformers_model_as_it_is_in_tensor_and_pipeline(pool, strategy):
+    """No wrapper: the tensor plan is the model's own, and the pipeline, split through
+    torch.export, computes the model's own loss (transformers' loss_function) on its last
+    stage from the logits and the labels."""
+    cell = llama_cell(tied=strategy == "model")
+    options = {"partitions": 2, "microbatches": 2} if strategy == "model" else {}
+    result = sagenb.train(
+        cell, strategy=strategy, batch_size=16, grad_accum=2, steps=4, dashboard=False, **options
+    )
+    model = check_one_process(result, cell, steps=4, batch_size=16)
+    # evaluated in microbatch-sized chunks on the pipeline (export fixes the shapes; the last
+    # chunk of 20 samples is filled up), as one forward over the whole eval set in one process
+    assert result.history[-1]["eval_loss"] == pytest.approx(one_process_eval(cell, model), abs=TOL)
 
+
+def one_process_eval(cell: str, model) -> float:
+    """The model's own loss over the whole eval set in one forward: the mean over its tokens."""
     ns = namespace(cell, 0)
     data = batch(ns["eval_dataset"], torch.arange(len(ns["eval_dataset"])))
     model.eval()
     with torch.no_grad():
-        expected = float(model(**data).loss)
-    assert result.history[-1]["eval_loss"] == pytest.approx(expected, abs=TOL)
+        return float(model(**data).loss)
+
+
+def test_eval_loss_is_the_mean_over_counted_tokens(pool):
+    cell = llama_cell()
+    result = sagenb.train(cell, batch_size=16, steps=3, eval_every=0, dashboard=False)
+    model = check_one_process(result, cell, steps=3, batch_size=16)
+    assert result.history[-1]["eval_loss"] == pytest.approx(one_process_eval(cell, model), abs=TOL)
 
 
 # A model of the cell's own that takes keyword inputs and returns a dict with logits (fx can

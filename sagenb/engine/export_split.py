@@ -80,7 +80,11 @@ def _relay(pipe: Pipe) -> list[fx.GraphModule]:
     for k in range(len(calls)):
         module = pipe.get_stage_module(k)
         graph = fx.Graph()
-        env = {v: graph.placeholder(f"in_{i}") for i, v in enumerate(carried)}
+        # the first stage takes the model's inputs under their own names (keyword inputs:
+        # model(**batch)); later ones take what the stage before them sends, in order
+        env = {
+            v: graph.placeholder(v[1] if k == 0 else f"in_{i}") for i, v in enumerate(carried)
+        }
         inner = {p: env[v] for p, v in zip(_placeholders(module), needs[k])}
         result = graph.graph_copy(module.graph, inner)
         if k == len(calls) - 1:

@@ -325,13 +325,22 @@ class Pipeline:
 
     @torch.no_grad()
     def evaluate(self, dataset: Any, objective: Objective, batch_size: int) -> float:
-        """Forward only, stage by stage with point-to-point sends (any batch shape)."""
+        """Forward only, stage by stage with point-to-point sends, in chunks of the training
+        microbatch's size: stages split through torch.export are specialised to it, so the
+        last chunk is filled up with repeats of its last sample, left out of the loss."""
         mine = torch.tensor_split(torch.arange(len(dataset)), self.D)[self.replica]
+        size = max(
+            1,
+            self.config.batch_size // (self.D * self.config.grad_accum * self.config.microbatches),
+        )
         total = torch.zeros(2, dtype=torch.float64)
         for m in self.modules:
             m.eval()
-        for start in range(0, len(mine), batch_size):
-            batch = to_device(fetch(dataset, mine[start : start + batch_size]), self.device)
+        for start in range(0, len(mine), size):
+            idx = mine[start : start + size]
+            real = len(idx)
+            idx = torch.cat([idx, idx[-1:].expand(size - real)])
+            batch = to_device(fetch(dataset, idx), self.device)
             args, kwargs, target = objective.split(batch, labels_in=False)
             value: Any = args
             for i in self.stage_ids:
@@ -342,6 +351,7 @@ class Pipeline:
                 module = self.modules[self.stage_ids.index(i)]
                 value = module(*value, **kwargs) if isinstance(value, tuple) else module(value)
                 if i == self.S - 1:
+                    value, target = logits_of(value)[:real], _rows(target, real)
                     count = objective.count(target)
                     total[0] += float(weighted(objective.pipeline_loss(value, target), count))
                     total[1] += float(count)
@@ -351,6 +361,17 @@ class Pipeline:
             m.train()
         dist.all_reduce(total)
         return float(total[0] / total[1])
+
+
+def _rows(value: Any, n: int) -> Any:
+    """The first n samples of a batch's targets (a tensor, or a tuple/dict of them)."""
+    if torch.is_tensor(value):
+        return value[:n]
+    if isinstance(value, dict):
+        return {k: _rows(v, n) for k, v in value.items()}
+    if isinstance(value, (tuple, list)):
+        return type(value)(_rows(v, n) for v in value)
+    return value
 
 
 def _keep_buffers_through_inference(module: nn.Module) -> None:
