@@ -6,6 +6,7 @@ import pytest
 from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell
 
+import sagenb
 from sagenb import cluster
 from sagenb.config import TrainConfig, flag_name
 from sagenb.magics import parse_train_line, train_parser
@@ -75,7 +76,7 @@ def test_bad_flags_fail_before_any_engine_runs(shell, pool, tmp_path, line, mess
     assert not marker.exists()
 
 
-@pytest.mark.parametrize("name", ["model", "dataset", "loss_fn"])
+@pytest.mark.parametrize("name", ["model", "dataset"])
 def test_cell_without_a_required_name(shell, pool, tmp_path, name):
     body = REGRESSION_CELL.replace(f"\n{name} =", "\nsomething_else =")
     marker, cell = cell_with_marker(tmp_path, body)
@@ -84,10 +85,19 @@ def test_cell_without_a_required_name(shell, pool, tmp_path, name):
     assert not marker.exists()
 
 
+def test_cell_without_loss_fn_needs_dict_samples(shell, pool):
+    """loss_fn may be left out only where the model computes its own loss from dict samples'
+    labels; what the samples are is known once the cell has run, so the engines refuse it
+    before the first step."""
+    cell = REGRESSION_CELL.replace("\nloss_fn =", "\nsomething_else =")
+    with pytest.raises((UsageError, sagenb.JobError), match="defines no loss_fn, and its sam"):
+        shell.run_cell_magic("smp_train", "--batch-size 32", cell)
+
+
 def test_bad_input_starts_no_pool(shell, tmp_path):
     cluster.stop_pool()
     marker, cell = cell_with_marker(tmp_path, "x = 1\n")
-    with pytest.raises(UsageError, match="defines no model, dataset, loss_fn"):
+    with pytest.raises(UsageError, match="defines no model, dataset"):
         shell.run_cell_magic("smp_train", "--batch-size 32", cell)
     with pytest.raises(UsageError, match="--batch-size 33"):
         shell.run_cell_magic("smp_train", "--batch-size 33 --engines 2", REGRESSION_CELL)
