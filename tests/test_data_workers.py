@@ -53,15 +53,17 @@ def cell_in(directory) -> str:
     return f"LOADERS = {str(directory)!r}\n" + CELL
 
 
-def engine_children(pool: cluster.EnginePool) -> list[list[int]]:
-    """The pids of each engine's child processes (DataLoader workers left behind would be)."""
+def engine_children(pool: cluster.EnginePool) -> list[list[str]]:
+    """Each engine's child processes but ipyparallel's own nanny (DataLoader workers left
+    behind would be there)."""
     return [pool.client[e].apply_sync(_children) for e in pool.engine_ids]
 
 
-def _children() -> list[int]:
+def _children() -> list[str]:
     import psutil
 
-    return [p.pid for p in psutil.Process().children(recursive=True)]
+    found = [" ".join(p.cmdline()) for p in psutil.Process().children(recursive=True)]
+    return [c for c in found if "ipyparallel.engine.nanny" not in c]
 
 
 def engine_pids(pool: cluster.EnginePool) -> set[int]:
@@ -108,13 +110,13 @@ def test_dict_samples_with_workers(pool):
 def test_resume_with_workers_starts_after_the_checkpoint(pool, tmp_path):
     cell = cell_in(tmp_path / "loaders")
     (tmp_path / "loaders").mkdir()
-    options = dict(batch_size=32, grad_accum=2, data_workers=1, dashboard=False)
+    options = dict(batch_size=32, grad_accum=2, epochs=2, data_workers=1, dashboard=False)
     sagenb.train(cell, steps=3, checkpoint_dir=str(tmp_path / "ckpt"), **options)
     resumed = sagenb.train(
         cell, steps=7, checkpoint_dir=str(tmp_path / "ckpt"), resume=True, **options
     )
     assert [row["step"] for row in resumed.history] == [4, 5, 6, 7]
-    model, losses, _ = train_reference(cell, batch_size=32, grad_accum=2, steps=7)
+    model, losses, _ = train_reference(cell, batch_size=32, grad_accum=2, epochs=2, steps=7)
     torch.testing.assert_close(resumed.losses, losses[3:], rtol=0, atol=TOL)
     assert max_param_diff(resumed.state_dict(), model) <= TOL
 
