@@ -99,6 +99,9 @@ class TrainConfig:
     threads: int | None = _opt(
         None, "torch threads per engine (default: the machine's cores / engines, at least 1)"
     )
+    data_workers: int = _opt(
+        0, "processes per engine that load the next batches while a step trains (0: none)"
+    )
     timeout: float = _opt(
         300.0,
         "seconds without progress (no rank finishing a step) before the run is stopped as "
@@ -173,6 +176,7 @@ class TrainConfig:
                 _check_int(self, name, minimum=1)
         _check_int(self, "seed", minimum=0)
         _check_int(self, "eval_every", minimum=0)
+        _check_int(self, "data_workers", minimum=0)
         _check_positive(self, "lr", allow_zero=True)
         _check_positive(self, "timeout")
         if self.clip_grad_norm is not None:

@@ -60,7 +60,8 @@ def plan_steps(
 
 
 def fetch(dataset: Any, indices: torch.Tensor) -> Any:
-    """Load and collate the samples at `indices` (TensorDataset is indexed in one go)."""
+    """Load and collate the samples at `indices` (TensorDataset is indexed in one go): in the
+    training thread, or in a --data-workers process (engine/loader.py)."""
     if isinstance(dataset, TensorDataset):
         return tuple(t[indices] for t in dataset.tensors)
     return default_collate([dataset[i] for i in indices.tolist()])

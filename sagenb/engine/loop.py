@@ -19,7 +19,8 @@ import torch.distributed as dist
 
 from sagenb.config import TrainConfig
 from sagenb.engine import checkpoint
-from sagenb.engine.data import fetch, plan_steps, to_device, total_steps
+from sagenb.engine.data import plan_steps, total_steps
+from sagenb.engine.loader import batches_of
 from sagenb.engine.memory import MemoryMeter
 from sagenb.engine.objective import batch_size_of, model_inputs
 from sagenb.engine.precision import LossScaler, autocast
@@ -65,29 +66,42 @@ def train_loop(
         start_after=start,
     )
     last = start
-    for step in plan:
-        publish(
-            _step(ws, strategy, config, step, total, optimizer, scheduler, meter, device, scaler)
-        )
-        last = step.number
-        stop = last < total and should_stop(last)  # after the last step, there is none to skip
-        every = config.checkpoint_every
-        if config.checkpoint_dir and (stop or last == total or (every and last % every == 0)):
-            checkpoint.save(config.checkpoint_dir, last, **objects)
-        if stop:
-            break
+    loading = batches_of(
+        ws.dataset,
+        strategy,
+        plan,
+        grad_accum=config.grad_accum,
+        workers=config.data_workers,
+        device=device,
+        seed=config.seed,
+        rank=rank,
+    )
+    with loading as steps:  # --data-workers: worker processes end with the block
+        for data in steps:
+            publish(
+                _step(
+                    ws, strategy, config, data, total, optimizer, scheduler, meter, device, scaler
+                )
+            )
+            last = data.step.number
+            stop = last < total and should_stop(last)  # after the last step, none to skip
+            every = config.checkpoint_every
+            if config.checkpoint_dir and (stop or last == total or (every and last % every == 0)):
+                checkpoint.save(config.checkpoint_dir, last, **objects)
+            if stop:
+                break
     return last
 
 
-def _step(ws, strategy, config, step, total, optimizer, scheduler, meter, device, scaler) -> dict:
-    """One optimizer step; returns its metrics."""
-    started = time.perf_counter()
+def _step(ws, strategy, config, data, total, optimizer, scheduler, meter, device, scaler) -> dict:
+    """One optimizer step; returns its metrics. Its time counts the wait for its batches
+    (their loading, without --data-workers), as when the loop loaded them itself."""
+    started = time.perf_counter() - data.wait_s
+    step = data.step
     meter.start_step(step.number, total)
     loss_scale = scaler.scale if scaler is not None else 1.0
     with autocast(config.precision, device):
-        loss, counted, samples, tokens = _accumulate(
-            ws, strategy, meter, step.indices, config.grad_accum, device, loss_scale
-        )
+        loss, counted, samples, tokens = _accumulate(ws, strategy, meter, data.batches, loss_scale)
     metrics: dict[str, Any] = {"step": step.number, "total_steps": total, "epoch": step.epoch}
     if loss is not None:
         metrics["loss"] = loss  # the mean over this engine's counted targets
@@ -110,6 +124,7 @@ def _step(ws, strategy, config, step, total, optimizer, scheduler, meter, device
         metrics["eval_loss"] = strategy.evaluate(ws.eval_dataset, ws.objective, config.batch_size)
     elapsed = time.perf_counter() - started
     metrics["step_time(s)"] = elapsed
+    metrics["data_wait(s)"] = data.wait_s
     metrics["samples"] = samples
     if tokens:
         metrics["tokens"] = tokens
@@ -119,7 +134,7 @@ def _step(ws, strategy, config, step, total, optimizer, scheduler, meter, device
     return metrics
 
 
-def _accumulate(ws, strategy, meter, indices, grad_accum, device, loss_scale):
+def _accumulate(ws, strategy, meter, batches, loss_scale):
     """Forward and backward over the grad_accum slices of one global batch (the backward
     runs under the forward's autocast too: pipeline schedules interleave the two, and
     autocast leaves backward's dtypes to those of the forward ops).
@@ -130,10 +145,6 @@ def _accumulate(ws, strategy, meter, indices, grad_accum, device, loss_scale):
     over the global batch, whatever each slice holds. Returns the loss (this engine's share),
     its counted targets, samples and tokens."""
     objective = ws.objective
-    batches = [
-        to_device(fetch(ws.dataset, strategy.local_indices(piece)), device)
-        for piece in indices.chunk(grad_accum)
-    ]
     counts = [objective.count(objective.target(b), b) for b in batches]
     counted = torch.stack(counts).sum()
     total = _global_count(objective, objective.target(batches[0]), counted, strategy)

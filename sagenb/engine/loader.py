@@ -1,0 +1,157 @@
+"""The batches of each step, in the contract's order: loaded in the training thread, or by
+worker processes that prepare the next steps' batches while this one trains (--data-workers).
+
+Either way the loop reads one iterator of `StepData`: for each step of the plan, its grad-accum
+slices, each this engine's share (`strategy.local_indices`), collated by `fetch` and moved to
+the device. With --data-workers 0 (the default) nothing changes from loading in the loop: each
+step's samples are fetched when the loop asks for them. With N > 0, a
+`torch.utils.data.DataLoader` (https://pytorch.org/docs/stable/data.html) whose batch sampler
+is exactly that list of index lists loads them in N processes, `prefetch_factor` batches ahead
+per worker, pinned on CUDA, in order (`in_order=True`, the default), so the batches and hence
+the training are the same as without workers.
+
+Worker processes are forked on Linux, on purpose. An engine is a long-lived ipyparallel process
+and the cell's Dataset class lives in the cell's namespace (`__smp_cell__`, sagenb/job.py), a
+module no fresh interpreter can import: a spawned or forkserver worker could not unpickle the
+dataset by reference (see "Platform-specific behaviors" in the torch.utils.data docs). A fork
+inherits it (copy-on-write, nothing pickled, no per-run interpreter start); the worker runs
+nothing but `__getitem__` and collation on the CPU, with one torch thread (torch's worker loop
+sets it: torch/utils/data/_utils/worker.py), and never touches the parent's CUDA context,
+process group or sockets. Where fork is not safe or absent (macOS, Windows), workers are
+spawned and the dataset travels by value with cloudpickle (which pickles classes of modules
+that cannot be imported by value), the cost being a copy of the dataset per worker.
+
+The DataLoader draws its workers' base seed from `generator`; left None it would draw from
+torch's global RNG and shift the training's random stream (dropout), so it gets its own. A
+`__getitem__` that draws random numbers (random augmentation) draws from the worker's RNG, not
+the engine's: its samples differ from --data-workers 0 unless it seeds itself per index.
+
+One iterator spans the whole run, every epoch included, so the workers start once per run and
+live until its end (what `persistent_workers` gives a loader iterated once per epoch); they are
+shut down when the run ends, stops early or fails (`batches_of` is a context manager), so an
+engine keeps no child processes between runs.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from sagenb.engine.data import Step, fetch, to_device
+
+__all__ = ["StepData", "batches_of", "START_METHOD"]
+
+#: how worker processes start (see the module's docstring)
+START_METHOD = "fork" if sys.platform.startswith("linux") else "spawn"
+
+
+@dataclass(frozen=True)
+class StepData:
+    """One step of the plan and its grad-accum slices' batches (this engine's share)."""
+
+    step: Step
+    batches: list[Any]
+    #: seconds the loop waited for these batches (loading them, without workers)
+    wait_s: float
+
+
+@contextmanager
+def batches_of(
+    dataset: Any,
+    strategy: Any,
+    plan: Iterable[Step],
+    *,
+    grad_accum: int,
+    workers: int,
+    device: torch.device,
+    seed: int = 0,
+    rank: int = 0,
+) -> Iterator[Iterator[StepData]]:
+    """The steps of `plan` with their batches; with `workers` > 0, loaded by that many worker
+    processes, which are shut down when the block exits, however it exits. The workers' seeds
+    follow `seed` and differ across ranks (augmentations differ, as each rank's samples do)."""
+    if workers == 0:
+        yield _in_thread(dataset, strategy, plan, grad_accum, device)
+        return
+    steps = list(plan)  # the sampler and the loop both walk it
+    pieces = [_pieces(strategy, step, grad_accum) for step in steps]
+    loader = DataLoader(
+        _Samples(dataset),
+        batch_sampler=[piece for step_pieces in pieces for piece in step_pieces],
+        collate_fn=_as_is,
+        num_workers=workers,
+        # about two steps' slices in flight across the workers
+        prefetch_factor=max(2, math.ceil(2 * grad_accum / workers)),
+        pin_memory=device.type == "cuda",
+        multiprocessing_context=START_METHOD,
+        generator=torch.Generator().manual_seed(seed * 65536 + rank),
+    )
+    loaded = iter(loader)
+    try:
+        yield _from_workers(steps, pieces, loaded, device)
+    finally:
+        loaded._shutdown_workers()  # now, not when a traceback frees the iterator
+
+
+def _pieces(strategy: Any, step: Step, grad_accum: int) -> list[list[int]]:
+    return [strategy.local_indices(piece).tolist() for piece in step.indices.chunk(grad_accum)]
+
+
+def _in_thread(dataset, strategy, plan, grad_accum, device) -> Iterator[StepData]:
+    for step in plan:
+        started = time.perf_counter()
+        batches = [
+            to_device(fetch(dataset, strategy.local_indices(piece)), device)
+            for piece in step.indices.chunk(grad_accum)
+        ]
+        yield StepData(step, batches, time.perf_counter() - started)
+
+
+def _from_workers(steps, pieces, loaded, device) -> Iterator[StepData]:
+    for step, step_pieces in zip(steps, pieces):
+        started = time.perf_counter()
+        batches = [to_device(next(loaded), device) for _ in step_pieces]
+        yield StepData(step, batches, time.perf_counter() - started)
+
+
+class _Samples(Dataset):
+    """The cell's dataset, loaded a slice at a time by `fetch`: DataLoader's map-style fetcher
+    hands a dataset with `__getitems__` the whole index list (torch/utils/data/_utils/fetch.py),
+    so a worker's batch is exactly what `fetch` returns in the training thread (a
+    TensorDataset indexed in one go, other datasets sample by sample and default_collate)."""
+
+    def __init__(self, dataset: Any) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> Any:
+        return self.dataset[index]
+
+    def __getitems__(self, indices: list[int]) -> Any:
+        return fetch(self.dataset, torch.tensor(indices, dtype=torch.int64))
+
+    def __reduce__(self):  # spawned workers only: the cell's classes go by value
+        import cloudpickle
+
+        return _unpickle, (cloudpickle.dumps(self.dataset),)
+
+
+def _unpickle(payload: bytes) -> _Samples:
+    import cloudpickle
+
+    return _Samples(cloudpickle.loads(payload))
+
+
+def _as_is(batch: Any) -> Any:
+    """The collate function: `__getitems__` has collated already."""
+    return batch
