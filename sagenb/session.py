@@ -205,7 +205,8 @@ class _Run:
         for note in notes:
             if note not in self.warnings:
                 self.warnings.append(note)
-                warnings.warn(note, EquivalenceWarning, stacklevel=2)
+                # no source line of sagenb's under the cell: the warning is about the cell
+                warnings.warn_explicit(note, EquivalenceWarning, "sagenb", 0, module="sagenb")
 
     def _collect(self) -> list[RankResult]:
         results: list[RankResult] = [ar.get() for ar in self.ars]
