@@ -8,6 +8,8 @@ Engines are started by ipyparallel's own launchers: `local` (the default; everyt
 127.0.0.1), or `mpi`, `slurm`, `ssh` for engines on other hosts, in which case (and only then)
 the controller listens beyond loopback. A pool someone started with `ipcluster start` is
 attached to by profile and cluster id, and left running when the notebook lets go of it.
+A pool started here ends with the process that started it, even one killed by a signal
+(sagenb/reaper.py).
 
 Placement: ranks are numbered host by host (engines on one host get consecutive ranks), so a
 pipeline replica's stages and a tensor-parallel group, which take consecutive ranks, share a
@@ -29,6 +31,7 @@ import ipyparallel as ipp
 import psutil
 from traitlets.config import Config
 
+from sagenb import reaper
 from sagenb.config import DEFAULT_ENGINES
 
 __all__ = [
@@ -108,6 +111,7 @@ class EnginePool:
             client = cluster.connect_client_sync()
             client.wait_for_engines(n, timeout=timeout, interactive=False)
             pool = cls(cluster, client, n, launcher=launcher, options=options)
+            reaper.watch(_pool_processes())  # ended with this process, however it ends
             pool.warm()
         except BaseException:
             cluster.stop_cluster_sync()
@@ -253,6 +257,7 @@ class EnginePool:
             self.target_size = min(self.target_size, self.size)
             return
         self.cluster.start_engines_sync(n=missing)
+        reaper.watch(_pool_processes())
         self.client.wait_for_engines(self.target_size, timeout=timeout, interactive=False)
         self.warm()
 
@@ -271,6 +276,7 @@ class EnginePool:
             for proc in alive:  # an engine stuck in C++ ignores SIGTERM
                 proc.kill()
             psutil.wait_procs(alive, timeout=timeout)
+            reaper.forget(procs)
 
 
 def _launcher_config(options: dict[str, Any]) -> Config:

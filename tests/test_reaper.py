@@ -1,0 +1,118 @@
+"""Nothing outlives its kernel: a pool whose starting process dies by SIGTERM or SIGKILL (no
+atexit runs) is ended by the watcher (sagenb/reaper.py) within seconds: no controller, engine
+or nanny process, and no port they listened on, left. Real processes, real signals."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+#: a plain Python process that starts a pool, says what it started, then trains for minutes
+SCRIPT = """
+import json, sys
+import psutil
+import sagenb
+from sagenb import cluster
+
+pool = cluster.start_pool(2)
+procs = [psutil.Process(p.pid) for p in cluster._pool_processes()]
+ports = sorted({c.laddr.port for p in procs for c in p.net_connections("tcp")
+                if c.status == psutil.CONN_LISTEN})
+print(json.dumps({"pids": [p.pid for p in procs], "ports": ports}), flush=True)
+cell = '''
+import time, torch
+from pathlib import Path
+Path(%r).touch()
+model = torch.nn.Linear(4, 1)
+dataset = torch.utils.data.TensorDataset(torch.randn(64, 4), torch.randn(64, 1))
+def loss_fn(out, y):
+    time.sleep(0.05)
+    return torch.nn.functional.mse_loss(out, y)
+'''
+sagenb.train(cell % sys.argv[1], batch_size=8, epochs=1000, dashboard=False)
+"""
+
+
+def leftovers(pids: list[int], ports: list[int]) -> tuple[list[int], list[int]]:
+    alive = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                alive.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    listening = {
+        c.laddr.port for c in psutil.net_connections("tcp") if c.status == psutil.CONN_LISTEN
+    }
+    return alive, sorted(set(ports) & listening)
+
+
+def wait_clean(pids: list[int], ports: list[int], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while (found := leftovers(pids, ports)) != ([], []) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert found == ([], []), f"left after {timeout} s: pids {found[0]}, ports {found[1]}"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])
+def test_a_killed_process_leaves_no_pool_behind(tmp_path, sig):
+    marker = tmp_path / "training"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SCRIPT, str(marker)],
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # our signal is for it alone
+    )
+    try:
+        started = json.loads(proc.stdout.readline())
+        assert len(started["pids"]) >= 3 and started["ports"]  # controller and engines
+        deadline = time.monotonic() + 120
+        while not marker.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert marker.exists(), "the run never started on the engines"
+        time.sleep(1.0)  # mid-run
+        os.kill(proc.pid, sig)
+        proc.wait(timeout=10)
+        wait_clean(started["pids"], started["ports"])
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_a_kernel_killed_by_sigkill_leaves_no_pool_behind():
+    """What Jupyter does to a busy kernel that will not shut down."""
+    from jupyter_client.manager import start_new_kernel
+
+    km, kc = start_new_kernel(kernel_name="python3")
+    try:
+        code = (
+            "%load_ext sagenb\n%smp_cluster start -n 2\n"
+            "import json, psutil\nfrom sagenb import cluster\n"
+            "procs = cluster._pool_processes()\n"
+            "ports = sorted({c.laddr.port for p in procs for c in p.net_connections('tcp')"
+            " if c.status == psutil.CONN_LISTEN})\n"
+            "print('POOL', json.dumps({'pids': [p.pid for p in procs], 'ports': ports}))\n"
+        )
+        lines: list[str] = []
+        reply = kc.execute_interactive(
+            code,
+            timeout=180,
+            output_hook=lambda msg: lines.append(msg["content"].get("text", "")),
+        )
+        assert reply["content"]["status"] == "ok"
+        text = "".join(lines)
+        started = json.loads(text.split("POOL ", 1)[1].splitlines()[0])
+        kernel_pid = km.provisioner.pid if km.provisioner else km.kernel.pid
+        os.kill(kernel_pid, signal.SIGKILL)
+        wait_clean(started["pids"], started["ports"])
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+
