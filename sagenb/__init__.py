@@ -26,6 +26,7 @@ _PUBLIC = {
     "OutOfMemoryError": "sagenb.failures",
     "EngineDiedError": "sagenb.failures",
     "StalledError": "sagenb.failures",
+    "PoolDiedError": "sagenb.failures",
     "TrainConfig": "sagenb.config",
     "ConfigError": "sagenb.config",
     "JobError": "sagenb.job",

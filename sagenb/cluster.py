@@ -22,6 +22,8 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -79,6 +81,9 @@ class EnginePool:
         self.cluster, self.client, self.target_size = cluster, client, size
         self.launcher, self.options, self.owned = launcher, dict(options or {}), owned
         self.places: dict[int, tuple[str, str]] = {}  # engine id -> (host name, address)
+        self.pids: dict[int, int] = {}  # engine id -> its process id (on its host)
+        #: every local process the pool started: {pid: (start time, process group)}
+        self.known: dict[int, tuple[float, int]] = {}
 
     @classmethod
     def start(
@@ -111,7 +116,7 @@ class EnginePool:
             client = cluster.connect_client_sync()
             client.wait_for_engines(n, timeout=timeout, interactive=False)
             pool = cls(cluster, client, n, launcher=launcher, options=options)
-            reaper.watch(_pool_processes())  # ended with this process, however it ends
+            pool._remember()
             pool.warm()
         except BaseException:
             cluster.stop_cluster_sync()
@@ -200,7 +205,9 @@ class EnginePool:
         for ar in [self.client[e].apply_async(warm) for e in ids]:
             ar.get(timeout=120)
         where = {e: self.client[e].apply_async(locate, self.controller_host) for e in ids}
+        pids = {e: self.client[e].apply_async(os.getpid) for e in ids}
         self.places.update({e: tuple(ar.get(timeout=60)) for e, ar in where.items()})
+        self.pids.update({e: ar.get(timeout=60) for e, ar in pids.items()})
 
     def status(self) -> list[EngineStatus]:
         from sagenb.engine.entry import probe
@@ -225,12 +232,42 @@ class EnginePool:
         return rows
 
     def interrupt(self, engine_ids: Sequence[int]) -> None:
-        """SIGINT to engines (through their nannies): their Python code raises KeyboardInterrupt."""
+        """SIGINT to engines: their Python code raises KeyboardInterrupt."""
         for eid in engine_ids:
+            self._signal(eid, signal.SIGINT)
+
+    def _signal(self, engine_id: int, sig: int) -> None:
+        """Send `sig` to an engine: by pid when it runs on this host (no round trip through a
+        controller that may be dead), else through its nanny, without waiting for a reply."""
+        pid = self.pids.get(engine_id)
+        if pid is not None and self.places.get(engine_id, ("",))[0] == socket.gethostname():
             try:
-                self.client.send_signal(signal.SIGINT, targets=[eid], block=True)
-            except Exception:  # noqa: BLE001 - an engine that is already gone needs no signal
+                os.kill(pid, sig)
+            except ProcessLookupError:  # already gone
                 pass
+            return
+        try:
+            self.client.send_signal(sig, targets=[engine_id], block=False)
+        except Exception:  # noqa: BLE001 - an engine that is already gone needs no signal
+            pass
+
+    def _remember(self) -> None:
+        """Note the pool's processes (groups included: a killed controller's children leave
+        this process's tree) and have the watcher end them if this process dies."""
+        procs = _pool_processes()
+        reaper.watch(procs)  # ended with this process, however it ends
+        self.known.update(reaper.identities(procs))
+
+    def controller_alive(self) -> bool:
+        """Whether the controller process of a pool started here still runs (an attached
+        pool's controller is someone else's: assumed alive)."""
+        proc = getattr(getattr(self.cluster, "controller", None), "process", None)
+        if not self.owned or proc is None:
+            return True
+        try:
+            return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
 
     def kill(self, engine_ids: Sequence[int], *, timeout: float = 10.0) -> None:
         """SIGKILL engines and wait until the controller has dropped them.
@@ -241,10 +278,9 @@ class EnginePool:
         left its gloo connections open and its peer blocked until the process-group timeout.)
         """
         for eid in engine_ids:
-            try:
-                self.client.send_signal(signal.SIGKILL, targets=[eid], block=True)
-            except Exception:  # noqa: BLE001 - already gone
-                pass
+            self._signal(eid, signal.SIGKILL)
+        if not self.controller_alive():
+            return  # nobody will drop them from client.ids
         deadline = time.monotonic() + timeout
         while set(engine_ids) & set(self.client.ids) and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -257,7 +293,7 @@ class EnginePool:
             self.target_size = min(self.target_size, self.size)
             return
         self.cluster.start_engines_sync(n=missing)
-        reaper.watch(_pool_processes())
+        self._remember()
         self.client.wait_for_engines(self.target_size, timeout=timeout, interactive=False)
         self.warm()
 
@@ -268,15 +304,24 @@ class EnginePool:
             self.client.close()
             return
         procs = _pool_processes()
+        known = {**self.known, **reaper.identities(procs)}
         try:
             self.client.close()
+            if self.controller_alive():  # ipyparallel's stop waits on its controller
+                _bounded(self.cluster.stop_cluster_sync, timeout)
         finally:
-            self.cluster.stop_cluster_sync()
-            _, alive = psutil.wait_procs(procs, timeout=timeout)
-            for proc in alive:  # an engine stuck in C++ ignores SIGTERM
-                proc.kill()
-            psutil.wait_procs(alive, timeout=timeout)
+            # whatever is left (an engine stuck in C++ ignores SIGTERM; a killed controller's
+            # children), by pid and process group, bounded
+            reaper.end(known)
             reaper.forget(procs)
+
+
+def _bounded(fn: Callable[[], Any], timeout: float) -> None:
+    """Call fn in a daemon thread and wait at most `timeout` s for it (a call that hangs on a
+    dead peer is left behind, not waited for)."""
+    worker = threading.Thread(target=fn, daemon=True, name="sagenb-bounded")
+    worker.start()
+    worker.join(timeout)
 
 
 def _launcher_config(options: dict[str, Any]) -> Config:

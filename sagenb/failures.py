@@ -17,6 +17,7 @@ __all__ = [
     "EngineDiedError",
     "StalledError",
     "TrainingInterrupted",
+    "PoolDiedError",
     "classify",
 ]
 
@@ -53,6 +54,11 @@ class EngineDiedError(TrainingError):
 
 class StalledError(TrainingError):
     """No rank reported progress for --timeout seconds; the stuck ranks were stopped."""
+
+
+class PoolDiedError(RuntimeError):
+    """The pool's controller died: no rank can report or be told anything any more. The
+    run's engines were stopped and the pool closed; the next run starts a new pool."""
 
 
 class TrainingInterrupted(KeyboardInterrupt):

@@ -24,12 +24,13 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterable
 from typing import IO, Any
 
 import psutil
 
-__all__ = ["watch", "forget", "main"]
+__all__ = ["watch", "forget", "identities", "end", "main"]
 
 #: seconds between SIGTERM and SIGKILL for whatever is still alive
 GRACE_S = 2.0
@@ -48,6 +49,18 @@ def forget(processes: Iterable[psutil.Process]) -> None:
     """The pool was stopped normally: nothing of it to end any more."""
     entries = [_identity(p) for p in processes]
     _send({"forget": [e for e in entries if e is not None]})
+
+
+def identities(processes: Iterable[psutil.Process]) -> dict[int, tuple[float, int]]:
+    """{pid: (start time, process group)} of the processes still running."""
+    entries = (_identity(p) for p in processes)
+    return {e[0]: (e[1], e[2]) for e in entries if e is not None}
+
+
+def end(watched: dict[int, tuple[float, int]], *, grace: float = GRACE_S) -> None:
+    """End the `identities` here and now, as the watcher would: their groups and descendants
+    too, SIGTERM then SIGKILL after `grace` seconds; bounded whatever state they are in."""
+    reap(watched, spare_pgids={os.getpgrp()}, grace=grace)
 
 
 def _identity(proc: psutil.Process) -> list[Any] | None:
@@ -90,20 +103,42 @@ def main(argv: list[str]) -> None:
         reap(watched, spare_pgids={parent_pgid, os.getpgrp()})
 
 
-def reap(watched: dict[int, tuple[float, int]], *, spare_pgids: set[int]) -> None:
+def reap(
+    watched: dict[int, tuple[float, int]], *, spare_pgids: set[int], grace: float = GRACE_S
+) -> None:
     """SIGTERM every watched process still alive, its group and descendants; SIGKILL what is
-    left after GRACE_S."""
+    left after `grace` seconds, and wait (bounded) until they are gone."""
     groups = {pgid for _, pgid in watched.values()} - spare_pgids
     for sig in (signal.SIGTERM, signal.SIGKILL):
         procs = _alive(watched) + _members(groups)
         procs += [c for p in list(procs) for c in _children(p)]
-        for proc in {p.pid: p for p in procs}.values():
+        procs = list({p.pid: p for p in procs}.values())
+        for proc in procs:
             try:
                 proc.send_signal(sig)
             except psutil.Error:
                 pass
-        if sig == signal.SIGTERM:
-            psutil.wait_procs(procs, timeout=GRACE_S)
+        _wait_gone(procs, grace)
+
+
+def _wait_gone(procs: list[psutil.Process], timeout: float) -> None:
+    """Poll until every process has exited (a zombie child of ours is reaped), or timeout:
+    psutil.wait_procs was seen blocking past its timeout on a killed controller's children."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        running = []
+        for proc in procs:
+            try:
+                if proc.status() == psutil.STATUS_ZOMBIE:
+                    os.waitpid(proc.pid, os.WNOHANG)  # ours: reap it; not ours: raises
+                else:
+                    running.append(proc)
+            except (psutil.Error, ChildProcessError, OSError):
+                pass
+        if not running:
+            return
+        procs = running
+        time.sleep(0.05)
 
 
 def _alive(watched: dict[int, tuple[float, int]]) -> list[psutil.Process]:

@@ -23,7 +23,14 @@ from sagenb.engine.entry import RankResult, RankSpec, merge_states, run_rank
 from sagenb.engine.equivalence import EquivalenceWarning
 from sagenb.engine.rendezvous import bound_store, host_for_run
 from sagenb.engine.stopping import REQUEST_KEY
-from sagenb.failures import DEAD_ENGINE, StalledError, TrainingError, TrainingInterrupted, classify
+from sagenb.failures import (
+    DEAD_ENGINE,
+    PoolDiedError,
+    StalledError,
+    TrainingError,
+    TrainingInterrupted,
+    classify,
+)
 from sagenb.job import Job, JobError
 from sagenb.metrics import History, MetricSink, RankStream
 from sagenb.result import TrainResult
@@ -33,6 +40,7 @@ __all__ = ["train", "prepare", "TrainingError", "TrainingInterrupted"]
 POLL_S = 0.05  # metric polling period; the dashboard throttles its own redraws
 SETTLE_S = 1.0  # after a failure, how long the other ranks get to end on their own
 RELEASE_S = 5.0  # how long ranks get to end after the engines blocking them are killed
+CONTROLLER_CHECK_S = 1.0  # how often a run checks that the pool's controller still runs
 OUTPUT_S = 10.0  # how long to wait for the last published metrics after a rank returns
 STOP_S = 4.0  # after an interrupt, how long ranks get to stop at a step boundary
 
@@ -175,9 +183,14 @@ class _Run:
     def _follow(self) -> None:
         """Stream metrics to the sinks until every rank is done; stop all on the first
         failure, or when no rank has made progress for --timeout seconds."""
+        checked = time.monotonic()
         while True:
             done = [ar.ready() for ar in self.ars]
             self._drain()
+            if time.monotonic() - checked > CONTROLLER_CHECK_S:
+                checked = time.monotonic()
+                if not self.pool.controller_alive():
+                    self._pool_died()
             if any(d and not ar.successful() for d, ar in zip(done, self.ars)):
                 self._fail()
             if all(done):
@@ -225,6 +238,8 @@ class _Run:
     def _contain(self) -> None:
         """Every rank ends within seconds and the pool heals (dead engines replaced)."""
         self._mark_end()  # repairing the pool is not part of the run's time or cost
+        if not self.pool.controller_alive():
+            self._pool_died()
         ars, ids = self.ars, self.ids
         if not self._wait_all(SETTLE_S):
             # Some rank is still running: blocked in a collective with a failed rank whose
@@ -237,6 +252,22 @@ class _Run:
         dead = [ids[r] for r, ar in enumerate(ars) if _died(ar)]
         self.pool.kill(dead)  # waits until the controller has dropped them
         self.pool.heal()
+
+    def _pool_died(self) -> None:
+        """The controller is gone, so no rank can report or be told anything: stop the run's
+        engines by pid, close the pool (the next run starts a new one) and say so."""
+        self._mark_end()
+        self.pool.kill(self.ids)
+        pid = getattr(getattr(self.pool.cluster, "controller", None), "process", None)
+        if cluster.current_pool() is self.pool:
+            cluster.stop_pool()
+        else:
+            self.pool.stop()
+        raise PoolDiedError(
+            f"the engine pool's controller (pid {getattr(pid, 'pid', '?')}) has died, so the "
+            f"run cannot go on: its engines were stopped and the pool closed. Run the cell "
+            f"again: the next run starts a new pool (or %smp_cluster start -n {self.engines})."
+        )
 
     def _wait_all(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout

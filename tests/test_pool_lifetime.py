@@ -116,3 +116,42 @@ def test_a_kernel_killed_by_sigkill_leaves_no_pool_behind():
         kc.stop_channels()
         km.shutdown_kernel(now=True)
 
+
+
+def test_a_dead_controller_ends_the_run_with_a_clear_error(pool, tmp_path):
+    """No rank can report once the controller is gone: the run says so within seconds (not
+    after --timeout, and never hangs in a signal sent through the dead controller), nothing
+    of the old pool is left, and the next run starts on a new pool."""
+    import threading
+
+    import sagenb
+    from sagenb import cluster
+
+    from .conftest import REGRESSION_CELL
+
+    marker = tmp_path / "training"
+    cell = (
+        f"from pathlib import Path\nPath({str(marker)!r}).touch()\nimport time\n"
+        + REGRESSION_CELL
+        + "\n_mse = loss_fn\ndef loss_fn(out, y):\n    time.sleep(0.05)\n    return _mse(out, y)\n"
+    )
+    procs = cluster._pool_processes()
+    pids = [p.pid for p in procs]
+    controller = pool.cluster.controller.process
+
+    def kill_controller():
+        deadline = time.monotonic() + 60
+        while not marker.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)
+        controller.kill()
+
+    threading.Thread(target=kill_controller, daemon=True).start()
+    started = time.monotonic()
+    with pytest.raises(sagenb.PoolDiedError, match="controller .* has died"):
+        sagenb.train(cell, batch_size=8, epochs=100, timeout=60, dashboard=False)
+    assert time.monotonic() - started < 30  # the run started, then ended within seconds
+    assert cluster.current_pool() is None
+    wait_clean(pids, [])
+    result = sagenb.train(REGRESSION_CELL, batch_size=32, steps=2, dashboard=False)
+    assert len(result.history) == 2
