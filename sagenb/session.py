@@ -151,6 +151,9 @@ class _Run:
         except KeyboardInterrupt:
             raise TrainingInterrupted(self._interrupted()) from None
         except BaseException:
+            # one place ends a run: whatever failed here (a sink, the dashboard, the cost
+            # meter), no rank trains on into the next run's time
+            self._stop_ranks()
             self._close_sinks(status="failed")
             raise
         self._close_sinks(status="done")
@@ -252,6 +255,19 @@ class _Run:
         dead = [ids[r] for r, ar in enumerate(ars) if _died(ar)]
         self.pool.kill(dead)  # waits until the controller has dropped them
         self.pool.heal()
+
+    def _stop_ranks(self) -> None:
+        """Stop every rank still running: at a step boundary if they stop within STOP_S,
+        else interrupted and contained (engines replaced where they had to be killed)."""
+        if all(ar.ready() for ar in self.ars):
+            return
+        try:
+            self.store.set(REQUEST_KEY, "1")
+        except Exception:  # noqa: BLE001 - the store may be what failed; contain regardless
+            pass
+        if not self._wait_all(STOP_S):
+            self.pool.interrupt([self.ids[r] for r, ar in enumerate(self.ars) if not ar.ready()])
+            self._contain()
 
     def _pool_died(self) -> None:
         """The controller is gone, so no rank can report or be told anything: stop the run's

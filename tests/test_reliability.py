@@ -235,3 +235,35 @@ def test_kernel_exit_leaves_no_engine():
     while any(psutil.pid_exists(p) for p in engine_pids) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not any(psutil.pid_exists(p) for p in engine_pids)
+
+
+class _BrokenSink:
+    """A metric sink that fails at its third record: an error on the notebook's side."""
+
+    def __init__(self) -> None:
+        self.seen = 0
+
+    def log(self, metrics, step, rank) -> None:
+        self.seen += 1
+        if self.seen == 3:
+            raise RuntimeError("the sink broke on purpose")
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_notebook_side_error_stops_every_rank(pool):
+    """One place ends a run: the sink's error propagates only after every rank has stopped,
+    so no engine trains on into the next run."""
+    with pytest.raises(RuntimeError, match="the sink broke on purpose"):
+        sagenb.train(
+            REGRESSION_CELL, batch_size=8, epochs=200, dashboard=False, sinks=[_BrokenSink()]
+        )
+    busy = {
+        eid: q["tasks"] + q["queue"]
+        for eid, q in pool.client.queue_status().items()
+        if isinstance(q, dict)
+    }
+    assert set(busy.values()) == {0}, f"engines still busy after the error: {busy}"
+    result = sagenb.train(REGRESSION_CELL, batch_size=16, steps=3, dashboard=False)
+    assert len(result.history) == 3
