@@ -8,7 +8,9 @@ passes them as keyword arguments. Validation that needs nothing but the values h
 
 from __future__ import annotations
 
+import builtins
 import dataclasses
+import keyword
 import math
 import os
 from dataclasses import dataclass, field
@@ -34,6 +36,12 @@ DEFAULT_ENGINES = 2
 #: options that are off unless their flag is given (`--resume`)
 BOOL_FLAGS = ("delay_init", "activation_checkpointing", "resume")
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
+#: numpy seeds take 32 bits (the cell's RNGs are all seeded with --seed)
+MAX_SEED = 2**32 - 1
+#: beyond a week the process groups' own timeout (--timeout + 60 s) overflows gloo's
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+#: torch threads per engine: more than any machine's cores only makes its thread pool fail
+MAX_THREADS = 1024
 PARTITION_METHODS = ("auto", "parameters", "uniform", "manual")
 
 
@@ -171,14 +179,16 @@ class TrainConfig:
         _check_choice(self, "strategy", STRATEGIES)
         for name in ("batch_size", "epochs", "grad_accum"):
             _check_int(self, name, minimum=1)
-        for name in ("steps", "engines", "threads"):
+        for name in ("steps", "engines"):
             if getattr(self, name) is not None:
                 _check_int(self, name, minimum=1)
-        _check_int(self, "seed", minimum=0)
+        if self.threads is not None:
+            _check_int(self, "threads", minimum=1, maximum=MAX_THREADS)
+        _check_int(self, "seed", minimum=0, maximum=MAX_SEED)
         _check_int(self, "eval_every", minimum=0)
         _check_int(self, "data_workers", minimum=0)
         _check_positive(self, "lr", allow_zero=True)
-        _check_positive(self, "timeout")
+        _check_positive(self, "timeout", maximum=MAX_TIMEOUT_S)
         if self.clip_grad_norm is not None:
             _check_positive(self, "clip_grad_norm")
         from sagenb.cost import price_table  # local: the table is read on first use
@@ -194,8 +204,19 @@ class TrainConfig:
             _check_positive(self, "price_per_hour")
         if not (isinstance(self.spot_discount, (int, float)) and 0 <= self.spot_discount <= 0.95):
             raise ConfigError("spot_discount", self.spot_discount, "must be between 0 and 0.95")
-        if not self.out.isidentifier():
-            raise ConfigError("out", self.out, "must be a valid Python identifier")
+        if (
+            not isinstance(self.out, str)
+            or not self.out.isidentifier()
+            or keyword.iskeyword(self.out)
+            or hasattr(builtins, self.out)
+        ):
+            raise ConfigError(
+                "out",
+                self.out,
+                "must be a Python identifier that is neither a keyword nor a builtin's name "
+                "(the result would shadow it in the notebook)",
+            )
+        self._check_checkpoint_dir()
         self._check_pipeline()
         self._check_memory_savers()
         _check_int(self, "checkpoint_every", minimum=0)
@@ -206,6 +227,26 @@ class TrainConfig:
             self.check_split(self.engines)
         elif self.strategy == "model":
             self.check_split(self.partitions)
+
+    def _check_checkpoint_dir(self) -> None:
+        """A directory, or one that can be made: found out now, not when the finished run
+        writes its final checkpoint."""
+        if not self.checkpoint_dir:
+            return
+        path = os.path.abspath(os.path.expanduser(self.checkpoint_dir))
+        if os.path.exists(path) and not os.path.isdir(path):
+            raise ConfigError(
+                "checkpoint_dir", self.checkpoint_dir, "exists and is not a directory"
+            )
+        parent = path
+        while not os.path.exists(parent):
+            parent = os.path.dirname(parent)
+        if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
+            raise ConfigError(
+                "checkpoint_dir",
+                self.checkpoint_dir,
+                f"cannot be written: {parent} is not writable",
+            )
 
     def engines_to_start(self) -> int:
         """Engines a pool needs for this config when none runs: --engines, else one per
@@ -383,15 +424,22 @@ def _check_choice(cfg: TrainConfig, name: str, choices: tuple[str, ...]) -> None
         raise ConfigError(name, value, f"must be one of {', '.join(choices)}")
 
 
-def _check_int(cfg: TrainConfig, name: str, *, minimum: int) -> None:
+def _check_int(cfg: TrainConfig, name: str, *, minimum: int, maximum: int | None = None) -> None:
     value = getattr(cfg, name)
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ConfigError(name, value, f"must be an integer >= {minimum}")
+        bound = f"from {minimum} to {maximum}" if maximum is not None else f">= {minimum}"
+        raise ConfigError(name, value, f"must be an integer {bound}")
+    if maximum is not None and value > maximum:
+        raise ConfigError(name, value, f"must be an integer from {minimum} to {maximum}")
 
 
-def _check_positive(cfg: TrainConfig, name: str, *, allow_zero: bool = False) -> None:
+def _check_positive(
+    cfg: TrainConfig, name: str, *, allow_zero: bool = False, maximum: float | None = None
+) -> None:
     value = getattr(cfg, name)
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if not ok or value < 0 or (value == 0 and not allow_zero):
+    too_big = ok and maximum is not None and value > maximum
+    if not ok or value < 0 or (value == 0 and not allow_zero) or too_big:
         bound = ">= 0" if allow_zero else "> 0"
-        raise ConfigError(name, value, f"must be a finite number {bound}")
+        most = f" and at most {maximum:g}" if maximum is not None else ""
+        raise ConfigError(name, value, f"must be a finite number {bound}{most}")

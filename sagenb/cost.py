@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 __all__ = ["InstancePrice", "CostMeter", "price_table", "instance_price", "meter_for"]
 
@@ -42,6 +43,7 @@ def price_table(path: str | None = None) -> dict[str, InstancePrice]:
     else:
         text = Path(path).read_text()
     raw = json.loads(text)
+    _check_table(raw)
     return {
         name: InstancePrice(
             name=name,
@@ -54,6 +56,28 @@ def price_table(path: str | None = None) -> dict[str, InstancePrice]:
         )
         for name, row in raw["instances"].items()
     }
+
+
+def _check_table(raw: Any) -> None:
+    """The table's shape, checked when the config is built: a bad row must not surface as a
+    TypeError at the first dashboard tick, or after the run, discarding its result."""
+    instances = raw.get("instances") if isinstance(raw, dict) else None
+    if not isinstance(instances, dict) or not instances:
+        raise ValueError(
+            'must be a JSON object with "instances": {name: {"usd_per_hour": number, '
+            '"accelerators": integer}, ...} (the shape of sagenb/data/prices.json)'
+        )
+    for name, row in instances.items():
+        price = row.get("usd_per_hour") if isinstance(row, dict) else None
+        count = row.get("accelerators") if isinstance(row, dict) else None
+        if not _number(price) or price < 0:
+            raise ValueError(f"instances[{name!r}].usd_per_hour must be a number >= 0")
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise ValueError(f"instances[{name!r}].accelerators must be an integer >= 0")
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def instance_price(

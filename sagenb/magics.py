@@ -102,7 +102,10 @@ def _add_config_flags(parser: MagicParser) -> None:
         help_text = f.metadata["help"]
         if f.name == "dashboard":
             parser.add_argument(
-                "--no-dashboard", dest="dashboard", action="store_false", help=help_text
+                "--no-dashboard",
+                dest="dashboard",
+                action="store_false",
+                help="do not show the live dashboard under the cell (it is shown by default)",
             )
             continue
         if f.name in BOOL_FLAGS:

@@ -3,8 +3,10 @@ before any engine runs user code; never an internal traceback (hypothesis)."""
 
 from __future__ import annotations
 
+import re
 import shlex
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from IPython.core.error import UsageError
@@ -135,3 +137,58 @@ def test_accepted_lines_really_train(pool, line):
     except (ConfigError, JobError):  # found on the engines: the dataset is too small, ...
         return
     assert 1 <= len(result.history) <= 2
+
+
+def _table(tmp_path, content: str) -> str:
+    path = tmp_path / "prices.json"
+    path.write_text(content)
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"out": "class"}, "--out 'class': must be a Python identifier that is neither"),
+        ({"out": "print"}, "--out 'print': must be a Python identifier that is neither"),
+        ({"timeout": 1e10}, "--timeout 10000000000.0: must be a finite number > 0 and at most"),
+        ({"timeout": 1e300}, "--timeout 1e+300: must be a finite number > 0 and at most"),
+        ({"seed": 10**20}, "--seed 100000000000000000000: must be an integer from 0 to"),
+        ({"threads": 100000}, "--threads 100000: must be an integer from 1 to 1024"),
+        ({"price_per_hour": -1.0}, "--price-per-hour -1.0: must be a finite number > 0"),
+    ],
+)
+def test_values_that_would_fail_later_are_refused_now(options, message):
+    """Each of these used to fail on the engines, after the run, or not at all."""
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        sagenb.TrainConfig(**options)
+
+
+def test_a_checkpoint_dir_that_is_a_file_is_refused_before_training(tmp_path):
+    path = tmp_path / "a_file"
+    path.write_text("")
+    with pytest.raises(ConfigError, match="--checkpoint-dir .*exists and is not a directory"):
+        sagenb.TrainConfig(checkpoint_dir=str(path))
+    sagenb.TrainConfig(checkpoint_dir=str(tmp_path / "new" / "dir"))  # made when written
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ("[1, 2]", 'must be a JSON object with "instances"'),
+        (
+            '{"instances": {"ml.x": {"usd_per_hour": "3.5", "accelerators": 1}}}',
+            r"instances\['ml.x'\].usd_per_hour must be a number >= 0",
+        ),
+        (
+            '{"instances": {"ml.x": {"usd_per_hour": -2, "accelerators": 1}}}',
+            r"instances\['ml.x'\].usd_per_hour must be a number >= 0",
+        ),
+        (
+            '{"instances": {"ml.x": {"usd_per_hour": 2}}}',
+            r"instances\['ml.x'\].accelerators must be an integer >= 0",
+        ),
+    ],
+)
+def test_a_price_table_of_the_wrong_shape_is_refused(tmp_path, content, message):
+    with pytest.raises(ConfigError, match=r"--price-table .*cannot be read: " + message):
+        sagenb.TrainConfig(price_table=_table(tmp_path, content), instance="ml.x")
