@@ -52,7 +52,7 @@ def max_param_diff(state: dict, model: torch.nn.Module) -> float:
 
 
 # Modules whose tests start pools or kernels of their own (and stop the shared pool first).
-OWN_POOLS = ("test_multi_host", "test_notebooks", "test_browser")
+OWN_POOLS = ("test_multi_host", "test_notebooks", "test_browser", "test_pool_lifetime")
 
 
 def pytest_collection_modifyitems(items):
