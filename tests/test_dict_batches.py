@@ -77,7 +77,7 @@ def check_one_process(result, cell, *, steps: int, batch_size: int):
 
 @pytest.mark.parametrize("own_loss", [True, False], ids=["own-loss", "loss_fn"])
 def test_data_parallel_dicts_and_padding_equal_one_process(pool, own_loss):
-    cell = llama_cell(own_loss=own_loss)
+    cell = llama_cell(own_loss=own_loss, tied=not own_loss)  # untied and tied embeddings
     result = sagenb.train(cell, batch_size=16, grad_accum=2, steps=6, dashboard=False)
     check_one_process(result, cell, steps=6, batch_size=16)
     # the pieces really counted different numbers of tokens
@@ -85,8 +85,9 @@ def test_data_parallel_dicts_and_padding_equal_one_process(pool, own_loss):
     assert len(counts) > 1
 
 
-def test_sharded_dicts_equal_one_process(pool):
-    cell = llama_cell(tied=True)
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_sharded_dicts_equal_one_process(pool, tied):
+    cell = llama_cell(tied=tied)
     result = sagenb.train(
         cell, strategy="sharded", batch_size=16, grad_accum=2, steps=5, dashboard=False
     )

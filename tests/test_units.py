@@ -23,7 +23,7 @@ from .models import SPLIT_GPT_CELL
         (dict(lr=float("nan")), "--lr nan: must be a finite number >= 0"),
         (dict(clip_grad_norm=0.0), "--clip-grad-norm 0.0: must be a finite number > 0"),
         (dict(strategy="zero"), "--strategy 'zero': must be one of data, model"),
-        (dict(out="2x"), "--out '2x': must be a valid Python identifier"),
+        (dict(out="2x"), "--out '2x': must be a Python identifier"),
         (dict(engines=4, batch_size=6), "try 4 or 8"),
     ],
 )
