@@ -34,7 +34,7 @@ PRECISIONS = ("fp32", "bf16", "fp16")
 #: engines a pool starts with when nothing says otherwise
 DEFAULT_ENGINES = 2
 #: options that are off unless their flag is given (`--resume`)
-BOOL_FLAGS = ("delay_init", "activation_checkpointing", "resume")
+BOOL_FLAGS = ("delay_init", "activation_checkpointing", "resume", "stop_on_nonfinite")
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 #: numpy seeds take 32 bits (the cell's RNGs are all seeded with --seed)
 MAX_SEED = 2**32 - 1
@@ -172,6 +172,11 @@ class TrainConfig:
         0, "write a checkpoint every N steps (0: only at the end, or when interrupted)"
     )
     resume: bool = _opt(False, "continue from the newest checkpoint in --checkpoint-dir")
+    stop_on_nonfinite: bool = _opt(
+        False,
+        "end the run cleanly, history kept, after the first step whose loss is NaN or infinite "
+        "(without it the run goes on, with a warning)",
+    )
     dashboard: bool = _opt(True, "show the live dashboard under the cell", flag="--no-dashboard")
     out: str = _opt("smp_result", "name of the notebook variable that receives the result")
 

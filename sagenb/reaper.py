@@ -19,6 +19,7 @@ touched, and neither is the group of the process that started the pool.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import signal
@@ -82,6 +83,7 @@ def _send(message: dict[str, Any]) -> None:
             start_new_session=True,  # a signal to this process's group must not reach it
         )
         _pipe = watcher.stdin
+        atexit.register(_pipe.close)  # a normal exit closes it too; the watcher then ends
     try:
         _pipe.write(json.dumps(message) + "\n")
         _pipe.flush()

@@ -34,7 +34,9 @@ class TrainResult:
     device: str
     #: the cell's source, when the job was a cell (None for a callable)
     source: str | None
-    #: "done", or "interrupted" (history so far; parameters when the ranks stopped cleanly)
+    #: "done" (every planned step), "interrupted" (history so far; parameters when the ranks
+    #: stopped cleanly) or "stopped" (ended early by a non-finite loss with
+    #: --stop-on-nonfinite, or by a stop request the notebook did not send; both warned)
     status: str
     _state_dict: dict[str, torch.Tensor] = field(repr=False)
     dashboard: Any = field(default=None, repr=False)

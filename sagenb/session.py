@@ -7,6 +7,7 @@ be checked without engines is checked before any engine runs user code.
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -121,6 +122,9 @@ class _Run:
         self.last_progress = time.monotonic()
         #: why this run cannot train as one process would (engine/equivalence.py), as warned
         self.warnings: list[str] = []
+        #: why the run ended before its last step, when it did without an interrupt
+        self.stop_reason: str | None = None
+        self.nonfinite_step: int | None = None
 
     def execute(self) -> TrainResult:
         self.store = _rendezvous(self.pool, self.engines, self.config.collective_timeout)
@@ -156,8 +160,30 @@ class _Run:
             self._stop_ranks()
             self._close_sinks(status="failed")
             raise
-        self._close_sinks(status="done")
-        return self._result(results, status="done")
+        status = self._status(results)
+        self._close_sinks(status=status)
+        return self._result(results, status=status)
+
+    def _status(self, results: list[RankResult]) -> str:
+        """"done" only when every rank finished the planned steps; a run that ended early
+        says why (a stop request this notebook did not send is warned about)."""
+        planned = next((r.values["total_steps"] for r in self.history.records), None)
+        last = min(r.steps for r in results)
+        if planned is None or last >= planned:
+            return "done"
+        if self.stop_reason is None:
+            self.stop_reason = (
+                "a stop request this notebook did not send reached the ranks (another "
+                "process connected to the run's store?)"
+            )
+            warnings.warn_explicit(
+                f"the run stopped after step {last} of {planned}: {self.stop_reason}",
+                RuntimeWarning,
+                "sagenb",
+                0,
+                module="sagenb",
+            )
+        return "stopped"
 
     def _result(self, results: list[RankResult] | None, *, status: str) -> TrainResult:
         wall = self.wall_s  # as the dashboard shows it
@@ -211,6 +237,7 @@ class _Run:
                 if self.first_step_s is None:
                     self.first_step_s = time.perf_counter() - self.started
                 self._warn(rec.values.get("warnings", ()))
+                self._check_finite(rec)
                 for sink in self.sinks:
                     sink.log(rec.values, rec.step, rec.rank)
 
@@ -223,6 +250,25 @@ class _Run:
                 self.warnings.append(note)
                 # no source line of sagenb's under the cell: the warning is about the cell
                 warnings.warn_explicit(note, EquivalenceWarning, "sagenb", 0, module="sagenb")
+
+    def _check_finite(self, rec: Any) -> None:
+        """The first NaN or infinite loss is warned about (and, with --stop-on-nonfinite, ends
+        the run at a step boundary through the same stop request as an interrupt)."""
+        loss = rec.values.get("loss")
+        if self.nonfinite_step is not None or loss is None or math.isfinite(loss):
+            return
+        self.nonfinite_step = rec.step
+        what = f"the loss of step {rec.step} on rank {rec.rank} is {loss}"
+        if self.config.stop_on_nonfinite:
+            self.stop_reason = f"{what} (--stop-on-nonfinite)"
+            self.store.set(REQUEST_KEY, "1")
+            note = f"{what}: the run stops after this step (--stop-on-nonfinite)"
+        else:
+            note = f"{what}: training goes on; --stop-on-nonfinite ends the run at the first one"
+        self.warnings.append(note)
+        if self.dashboard is not None:
+            self.dashboard.warnings.append(note)
+        warnings.warn_explicit(note, RuntimeWarning, "sagenb", 0, module="sagenb")
 
     def _collect(self) -> list[RankResult]:
         results: list[RankResult] = [ar.get() for ar in self.ars]
