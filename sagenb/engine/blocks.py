@@ -21,7 +21,7 @@ from torch import nn
 
 from sagenb.job import JobError
 
-__all__ = ["Blocks", "find_blocks"]
+__all__ = ["Blocks", "find_blocks", "tied_groups"]
 
 
 @dataclass(frozen=True)
@@ -81,3 +81,11 @@ def _top_sequentials(model: nn.Module) -> list[tuple[str, nn.Sequential]]:
             continue
         tops.append((path, module))
     return tops
+
+
+def tied_groups(model: nn.Module) -> list[tuple[str, ...]]:
+    """Names that share one Parameter object in the unsplit model (tied weights)."""
+    by_id: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), []).append(name)
+    return [tuple(names) for names in by_id.values() if len(names) > 1]

@@ -34,7 +34,7 @@ from torch import fx, nn
 from torch.distributed.pipelining import SplitPoint
 from torch.distributed.pipelining._IR import MultiUseParameterConfig, Pipe, annotate_split_points
 
-from sagenb.engine.blocks import Blocks
+from sagenb.engine.blocks import Blocks, tied_groups
 from sagenb.job import JobError
 
 __all__ = ["export_stages"]
@@ -137,8 +137,6 @@ def _annotated(model: nn.Module, spec: dict[str, SplitPoint]) -> Iterator[None]:
 
 def _name_tied(model: nn.Module, stages: list[nn.Module]) -> None:
     """Every name of a tied weight held by some stage: the missing ones alias a holder's."""
-    from sagenb.engine.partition import tied_groups
-
     held = [dict(st.named_parameters(remove_duplicate=False)) for st in stages]
     for names in tied_groups(model):
         missing = [n for n in names if not any(n in h for h in held)]

@@ -26,7 +26,7 @@ from functools import partial
 import torch
 from torch import fx, nn
 
-from sagenb.engine.blocks import Blocks, find_blocks
+from sagenb.engine.blocks import Blocks, find_blocks, tied_groups
 from sagenb.job import JobError
 
 __all__ = ["Blocks", "find_blocks", "split_model", "tied_groups", "stage_of_pieces"]
@@ -187,14 +187,6 @@ def _lookup(env: dict, node: fx.Node, graph: fx.Graph) -> fx.Node:
 def _check_tensors(carried: list[fx.Node], s: int) -> None:
     if len(carried) == 0:
         raise JobError(f"nothing flows from pipeline stage {s} to stage {s + 1}")
-
-
-def tied_groups(model: nn.Module) -> list[tuple[str, ...]]:
-    """Names that share one Parameter object in the unsplit model (tied weights)."""
-    by_id: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        by_id.setdefault(id(p), []).append(name)
-    return [tuple(names) for names in by_id.values() if len(names) > 1]
 
 
 def param_bytes(module: nn.Module) -> int:

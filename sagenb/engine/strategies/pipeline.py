@@ -35,10 +35,11 @@ from torch.distributed.pipelining import (
 
 from sagenb.config import TrainConfig
 from sagenb.engine.balance import choose_starts, profile_blocks, static_profile
+from sagenb.engine.blocks import find_blocks, tied_groups
 from sagenb.engine.data import fetch, to_device
 from sagenb.engine.delayed import materialize, release_others
 from sagenb.engine.objective import Objective, logits_of, weighted
-from sagenb.engine.partition import find_blocks, split_model, tied_groups
+from sagenb.engine.partition import split_model
 from sagenb.engine.prefetch_schedule import PrefetchingSchedule
 from sagenb.engine.workspace import Workspace
 from sagenb.job import JobError
