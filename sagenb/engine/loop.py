@@ -147,7 +147,7 @@ def _accumulate(ws, strategy, meter, batches, loss_scale):
     objective = ws.objective
     counts = [objective.count(objective.target(b), b) for b in batches]
     counted = torch.stack(counts).sum()
-    total = _global_count(objective, objective.target(batches[0]), counted, strategy)
+    local, total = _counts(objective, objective.target(batches[0]), counted, strategy)
     scale = loss_scale * strategy.replicas / total
     sums = []
     samples = tokens = 0
@@ -164,20 +164,21 @@ def _accumulate(ws, strategy, meter, batches, loss_scale):
             tokens += inputs.numel()  # token ids: count them for tokens/s
     if not sums:
         return None, None, samples, tokens
-    # one host sync per step, not per slice
-    counted = float(counted)
-    return float(torch.stack(sums).sum()) / max(counted, 1.0), counted, samples, tokens
+    # one host sync for the loss per step, not per slice
+    return float(torch.stack(sums).sum()) / max(local, 1.0), local, samples, tokens
 
 
-def _global_count(objective, target, counted, strategy) -> float:
-    """The targets the whole global batch counts. Where a piece's count is its sample count,
-    every rank knows it; integer targets (which may hold -100) are summed across the ranks,
-    each replica's share counted once (every engine of a replica loads the same samples)."""
+def _counts(objective, target, counted, strategy) -> tuple[float, float]:
+    """(targets this engine's slices count, targets the whole global batch counts), read to
+    the host once. Where a piece's count is its sample count every rank knows the total;
+    integer targets (which may hold -100) are summed across the ranks, each replica's share
+    counted once (every engine of a replica loads the same samples)."""
+    local = float(counted)
     if not objective.counts_vary(target):
-        return float(counted) * strategy.replicas
+        return local, local * strategy.replicas
     everywhere = counted.to(torch.int64).clone()
     dist.all_reduce(everywhere)
-    return float(everywhere) * strategy.replicas / dist.get_world_size()
+    return local, float(everywhere) * strategy.replicas / dist.get_world_size()
 
 
 def _eval_due(ws: Workspace, config: TrainConfig, step: int, total: int) -> bool:
