@@ -153,8 +153,9 @@ class Dashboard:
             self._last_header = now
 
     def finish(self, elapsed: float, *, status: str) -> None:
-        """The run ended: "done", "failed", "interrupted" or "stopped" (early, not by an
-        interrupt: a non-finite loss with --stop-on-nonfinite); the header says which."""
+        """The run ended: "done", "failed" or "interrupted" (by the kernel's interrupt, or
+        early at a step boundary: a non-finite loss with --stop-on-nonfinite); the header
+        says which."""
         self.elapsed, self.status = elapsed, status
         self.cost_points.append((elapsed, self.cost.cost(elapsed)))
         self._dirty = True

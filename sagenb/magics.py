@@ -21,8 +21,8 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from sagenb import cluster
 from sagenb.config import BOOL_FLAGS, ConfigError, TrainConfig, flag_name
 from sagenb.export_script import TARGETS, ExportError, export
-from sagenb.failures import TrainingInterrupted
 from sagenb.job import JobError
+from sagenb.result import TrainResult
 from sagenb.session import train
 
 __all__ = [
@@ -283,14 +283,21 @@ class SmpMagics(Magics):
         pool = cluster.current_pool()
         try:
             result = train(cell, config, pool=pool)
-        except (ConfigError, JobError) as exc:
-            raise UsageError(f"%%smp_train: {exc}") from None
-        except TrainingInterrupted as stop:  # keep what was done, then let the cell stop
-            self.shell.user_ns[config.out] = stop.result
-            print(f"{stop.result.summary()}\nwhat was done is in `{config.out}`")
+        except BaseException as exc:
+            self._keep_failed(exc, config.out)
+            if isinstance(exc, (ConfigError, JobError)):
+                raise UsageError(f"%%smp_train: {exc}") from None
             raise
         self.shell.user_ns[config.out] = result
         print(f"{result.summary()}\nresult in `{config.out}`")
+
+    def _keep_failed(self, exc: BaseException, out: str) -> None:
+        """A run that failed or was interrupted still leaves what it did in `out` (status,
+        history so far, parameters when they could be collected), not the previous run."""
+        failed = getattr(exc, "result", None)
+        if isinstance(failed, TrainResult):
+            self.shell.user_ns[out] = failed
+            print(f"{failed.summary()}\nwhat was done is in `{out}`")
 
     @cell_magic
     def smp_plan(self, line: str, cell: str) -> None:

@@ -34,15 +34,19 @@ class TrainResult:
     device: str
     #: the cell's source, when the job was a cell (None for a callable)
     source: str | None
-    #: "done" (every planned step), "interrupted" (history so far; parameters when the ranks
-    #: stopped cleanly) or "stopped" (ended early by a non-finite loss with
-    #: --stop-on-nonfinite, or by a stop request the notebook did not send; both warned)
+    #: "done" (every planned step), "interrupted" (ended early at a step boundary or by an
+    #: interrupt: `stopped_by` says who asked; the parameters when the ranks stopped cleanly)
+    #: or "failed" (the history up to the failure, as `err.result` and smp_result; the
+    #: parameters when every rank returned them, e.g. when only the final checkpoint failed)
     status: str
     _state_dict: dict[str, torch.Tensor] = field(repr=False)
     dashboard: Any = field(default=None, repr=False)
     #: why this run cannot equal one process's training (BatchNorm per microbatch or slice,
     #: dropout drawn per engine), one sentence each with what to do; [] when it can
     warnings: list[str] = field(default_factory=list)
+    #: who ended an "interrupted" run early: the kernel's interrupt, --stop-on-nonfinite (and
+    #: the step), or a stop request the notebook did not send; None otherwise
+    stopped_by: str | None = None
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The full trained model's state_dict, with the keys of `model.state_dict()`."""
@@ -65,6 +69,8 @@ class TrainResult:
         last = self.history[-1] if self.history else {}
         loss = f"final loss {last['loss']:.4g}" if last else "no steps"
         status = "" if self.status == "done" else f"{self.status}: "
+        if self.stopped_by:
+            status = f"{self.status} by {self.stopped_by}: "
         return (
             f"{status}{self.config.strategy} parallel: {len(self.history)} steps on "
             f"{self.engines} engines ({self.device}) in {self.wall_time_s:.1f} s, {loss}; "

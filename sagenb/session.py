@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import secrets
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -20,10 +21,10 @@ from torch.distributed import TCPStore
 from sagenb import cluster
 from sagenb.config import ConfigError, TrainConfig
 from sagenb.cost import CostMeter, meter_for
+from sagenb.engine import stopping
 from sagenb.engine.entry import RankResult, RankSpec, merge_states, run_rank
 from sagenb.engine.equivalence import EquivalenceWarning
 from sagenb.engine.rendezvous import bound_store, host_for_run
-from sagenb.engine.stopping import REQUEST_KEY
 from sagenb.failures import (
     DEAD_ENGINE,
     PoolDiedError,
@@ -127,6 +128,7 @@ class _Run:
         self.nonfinite_step: int | None = None
 
     def execute(self) -> TrainResult:
+        self.token = secrets.token_hex(16)  # never written to the store before a stop request
         self.store = _rendezvous(self.pool, self.engines, self.config.collective_timeout)
         specs = [
             (
@@ -141,6 +143,7 @@ class _Run:
                     self.job,
                     local_rank=local_rank,
                     local_size=local_size,
+                    token=self.token,
                 ),
             )
             for r, (local_rank, local_size) in enumerate(self.pool.local_ranks(self.engines))
@@ -150,31 +153,67 @@ class _Run:
         self.ars = self.pool.submit(run_rank, specs)
         self.streams = [RankStream(r, ar) for r, ar in enumerate(self.ars)]
         try:
+            return self._run()
+        finally:
+            # the store's port closes now, not when the traceback that holds this run goes
+            del self.store
+
+    def _run(self) -> TrainResult:
+        try:
             self._follow()
             results = self._collect()
         except KeyboardInterrupt:
+            self.stop_reason = "the kernel's interrupt (KeyboardInterrupt)"
             raise TrainingInterrupted(self._interrupted()) from None
-        except BaseException:
+        except BaseException as err:
             # one place ends a run: whatever failed here (a sink, the dashboard, the cost
             # meter), no rank trains on into the next run's time
             self._stop_ranks()
             self._close_sinks(status="failed")
+            _attach(err, self._failed())
             raise
-        status = self._status(results)
+        unsaved = any(r.end_error is not None for r in results)
+        status = "failed" if unsaved else self._status(results)
         self._close_sinks(status=status)
-        return self._result(results, status=status)
+        result = self._result(results, status=status)
+        self._end_errors(results, result)
+        return result
+
+    def _failed(self) -> TrainResult | None:
+        """The failed run as far as it went: its history, and its parameters when every rank
+        returned them (a failure after the last step)."""
+        try:
+            done = [ar.get(timeout=0) for ar in self.ars if ar.ready() and ar.successful()]
+            return self._result(done if len(done) == len(self.ars) else None, status="failed")
+        except Exception:  # noqa: BLE001 - the run's own error is the one to show
+            return None
+
+    def _end_errors(self, results: list[RankResult], result: TrainResult) -> None:
+        """A rank that trained to the end but could not write its final checkpoint: the run
+        fails with that error, keeping the trained result on it (and in smp_result)."""
+        failed = [r for r in results if r.end_error is not None]
+        if failed:
+            first = next((r for r in failed if r.end_error), failed[0])
+            detail = (
+                f"the checkpoint of step {first.steps} could not be written to "
+                f"--checkpoint-dir {self.config.checkpoint_dir}: {first.end_error or '?'}. "
+                f"Training stopped there and nothing it trained is lost: the run's history "
+                f"and parameters are in this error's `result` (smp_result in a notebook)."
+            )
+            raise _attach(TrainingError(first.rank, self.ids[first.rank], detail), result)
 
     def _status(self, results: list[RankResult]) -> str:
-        """"done" only when every rank finished the planned steps; a run that ended early
-        says why (a stop request this notebook did not send is warned about)."""
+        """"done" only when every rank finished the planned steps; a run that ended early is
+        "interrupted" and says who asked (a request this notebook did not send is warned
+        about: it carried the run's token, so it came from one of the run's own ranks)."""
         planned = next((r.values["total_steps"] for r in self.history.records), None)
         last = min(r.steps for r in results)
         if planned is None or last >= planned:
             return "done"
         if self.stop_reason is None:
             self.stop_reason = (
-                "a stop request this notebook did not send reached the ranks (another "
-                "process connected to the run's store?)"
+                "a stop request this notebook did not send, with the run's token (so from "
+                "one of the run's own ranks: the cell?)"
             )
             warnings.warn_explicit(
                 f"the run stopped after step {last} of {planned}: {self.stop_reason}",
@@ -183,18 +222,19 @@ class _Run:
                 0,
                 module="sagenb",
             )
-        return "stopped"
+        return "interrupted"
 
     def _result(self, results: list[RankResult] | None, *, status: str) -> TrainResult:
         wall = self.wall_s  # as the dashboard shows it
+        cost, label = self._cost(wall)
         return TrainResult(
             config=self.config,
             history=self.history.steps,
             metrics=self.history.records,
             wall_time_s=wall,
             time_to_first_step_s=self.first_step_s if self.first_step_s is not None else wall,
-            cost_usd=self.cost.cost(wall),
-            cost_label=self.cost.label(wall),
+            cost_usd=cost,
+            cost_label=label,
             engines=self.engines,
             device=results[0].device if results else "unknown",
             source=self.job.source,
@@ -206,7 +246,18 @@ class _Run:
             ),
             dashboard=self.dashboard,
             warnings=list(self.warnings),
+            stopped_by=self.stop_reason if status == "interrupted" else None,
         )
+
+    def _cost(self, wall: float) -> tuple[float, str]:
+        """What the run cost; a price the meter cannot use costs the result nothing."""
+        try:
+            return self.cost.cost(wall), self.cost.label(wall)
+        except Exception as err:  # noqa: BLE001 - checked before the run; never lose it here
+            note = f"the run's cost could not be computed: {type(err).__name__}: {err}"
+            self.warnings.append(note)
+            warnings.warn_explicit(note, RuntimeWarning, "sagenb", 0, module="sagenb")
+            return math.nan, "cost unknown"
 
     # -- following the run -----------------------------------------------------------------
     def _follow(self) -> None:
@@ -261,7 +312,7 @@ class _Run:
         what = f"the loss of step {rec.step} on rank {rec.rank} is {loss}"
         if self.config.stop_on_nonfinite:
             self.stop_reason = f"{what} (--stop-on-nonfinite)"
-            self.store.set(REQUEST_KEY, "1")
+            stopping.request(self.store, self.token)
             note = f"{what}: the run stops after this step (--stop-on-nonfinite)"
         else:
             note = f"{what}: training goes on; --stop-on-nonfinite ends the run at the first one"
@@ -308,7 +359,7 @@ class _Run:
         if all(ar.ready() for ar in self.ars):
             return
         try:
-            self.store.set(REQUEST_KEY, "1")
+            stopping.request(self.store, self.token)
         except Exception:  # noqa: BLE001 - the store may be what failed; contain regardless
             pass
         if not self._wait_all(STOP_S):
@@ -379,7 +430,7 @@ class _Run:
         if they have not within STOP_S, interrupt and contain them. Return what was done."""
         results = None
         try:
-            self.store.set(REQUEST_KEY, "1")
+            stopping.request(self.store, self.token)
             if self._wait_all(STOP_S) and all(ar.successful() for ar in self.ars):
                 results = self._collect()
         except KeyboardInterrupt:  # a second interrupt: stop at once
@@ -402,6 +453,16 @@ class _Run:
             self.dashboard.finish(self.wall_s, status=status)
         for sink in self.sinks:
             sink.close()
+
+
+def _attach(err: BaseException, result: TrainResult | None) -> BaseException:
+    """`err` with the failed run on it, as `err.result` (the magic keeps it in smp_result)."""
+    if result is not None and getattr(err, "result", None) is None:
+        try:
+            err.result = result  # type: ignore[attr-defined]
+        except AttributeError:  # an exception type that takes no attributes
+            pass
+    return err
 
 
 def _died(ar: Any) -> bool:

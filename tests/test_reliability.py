@@ -255,10 +255,12 @@ class _BrokenSink:
 def test_a_notebook_side_error_stops_every_rank(pool):
     """One place ends a run: the sink's error propagates only after every rank has stopped,
     so no engine trains on into the next run."""
-    with pytest.raises(RuntimeError, match="the sink broke on purpose"):
+    with pytest.raises(RuntimeError, match="the sink broke on purpose") as info:
         sagenb.train(
             REGRESSION_CELL, batch_size=8, epochs=200, dashboard=False, sinks=[_BrokenSink()]
         )
+    failed = info.value.result  # the failed run as far as it went
+    assert failed.status == "failed" and len(failed.history) >= 1
     busy = {
         eid: q["tasks"] + q["queue"]
         for eid, q in pool.client.queue_status().items()
@@ -267,44 +269,3 @@ def test_a_notebook_side_error_stops_every_rank(pool):
     assert set(busy.values()) == {0}, f"engines still busy after the error: {busy}"
     result = sagenb.train(REGRESSION_CELL, batch_size=16, steps=3, dashboard=False)
     assert len(result.history) == 3
-
-
-def test_a_stop_request_the_notebook_did_not_send_is_not_done(pool):
-    """torch's store has no authentication: anything that reaches it can ask the ranks to
-    stop. Such a run ends at a step boundary, as "stopped", with a warning, never "done"."""
-    cell = fault_cell(
-        "from sagenb.engine import process_group\n"
-        "            process_group._store.set('sagenb/stop_requested', '1')",
-        at_call=5,
-    )
-    with pytest.warns(RuntimeWarning, match=r"stopped after step \d+ of 60: a stop request"):
-        result = sagenb.train(cell, batch_size=16, epochs=5, dashboard=False)
-    assert result.status == "stopped"
-    assert 5 <= len(result.history) < 60
-
-
-NAN_CELL = (
-    REGRESSION_CELL
-    + """
-import time
-calls = [0]
-def loss_fn(output, target):
-    calls[0] += 1
-    time.sleep(0.01)  # the notebook hears of a step's loss within about half a second
-    loss = torch.nn.functional.mse_loss(output, target)
-    return loss * float("nan") if calls[0] >= 4 else loss
-"""
-)
-
-
-@pytest.mark.parametrize("stop", [False, True], ids=["warned", "stopped"])
-def test_a_nonfinite_loss_is_warned_and_can_end_the_run(pool, stop):
-    with pytest.warns(RuntimeWarning, match="the loss of step 4 on rank . is nan"):
-        result = sagenb.train(
-            NAN_CELL, batch_size=16, epochs=20, stop_on_nonfinite=stop, dashboard=False
-        )
-    assert any("is nan" in w for w in result.warnings)
-    if stop:
-        assert result.status == "stopped" and 4 <= len(result.history) < 240
-    else:
-        assert result.status == "done" and len(result.history) == 240

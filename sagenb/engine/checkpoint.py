@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 __all__ = ["save", "load", "latest", "KEEP"]
@@ -61,31 +62,65 @@ def save(
     optimizer: torch.optim.Optimizer,
     scheduler: Any,
     rank: int,
-) -> None:
-    """Write the checkpoint of `step` (a collective: every rank calls it)."""
+) -> str | None:
+    """Write the checkpoint of `step` (a collective: every rank calls it). Returns None, or
+    why it could not be written: this rank's error, or "" where only another rank failed.
+    Every rank learns of a failure at each phase, so all of them stop together and the run
+    keeps what it trained (engine/loop.py); none is left waiting in a collective."""
     root = Path(directory)
     name = f"step-{step:08d}"
     tmp = root / f".{name}.tmp"
-    if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-    dist.barrier()
-    state = _state(strategy, optimizer, rank)
-    state["step"] = step
-    state["key_order"] = list(strategy.key_order)
-    state["scheduler"] = scheduler.state_dict() if scheduler is not None else None
-    dcp.save(state, checkpoint_id=tmp)
-    dist.barrier()
-    if rank == 0:
-        final = root / name
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        pointer = root / f".{LATEST}.tmp"
-        pointer.write_text(name)
-        os.replace(pointer, root / LATEST)
-        for old in sorted(root.glob("step-*"))[:-KEEP]:
-            shutil.rmtree(old, ignore_errors=True)
-    dist.barrier()
+
+    def prepare() -> None:
+        if rank == 0:
+            root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def write() -> None:
+        state = _state(strategy, optimizer, rank)
+        state["step"] = step
+        state["key_order"] = list(strategy.key_order)
+        state["scheduler"] = scheduler.state_dict() if scheduler is not None else None
+        dcp.save(state, checkpoint_id=tmp)
+
+    def publish() -> None:
+        if rank == 0:
+            final = root / name
+            shutil.rmtree(final, ignore_errors=True)
+            os.replace(tmp, final)
+            pointer = root / f".{LATEST}.tmp"
+            pointer.write_text(name)
+            os.replace(pointer, root / LATEST)
+            for old in sorted(root.glob("step-*"))[:-KEEP]:
+                shutil.rmtree(old, ignore_errors=True)
+
+    for phase in (prepare, write, publish):
+        error = _agreed(_attempt(phase))
+        if error is not None:
+            return error
+    return None
+
+
+def _attempt(phase: Any) -> str | None:
+    try:
+        phase()
+    except (Exception, CheckpointException) as err:  # DCP's is a BaseException
+        return f"{type(err).__name__}: {err}"
+    return None
+
+
+def _agreed(error: str | None) -> str | None:
+    """`error` where this rank failed, "" where only another did, None where none did."""
+    device = torch.device("cuda", torch.cuda.current_device()) if _nccl() else None
+    failed = torch.tensor([0 if error is None else 1], device=device)
+    dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+    if failed.item() == 0:
+        return None
+    return error if error is not None else ""
+
+
+def _nccl() -> bool:
+    return dist.get_backend() == "nccl"
 
 
 def load(

@@ -53,6 +53,8 @@ class RankSpec:
     #: the engine's position among the run's engines on its host, and how many there are
     local_rank: int = 0
     local_size: int = 1
+    #: the run's random token: only messages carrying it can stop the run (engine/stopping.py)
+    token: str = ""
 
 
 @dataclass
@@ -63,6 +65,9 @@ class RankResult:
     state_dict: dict[str, torch.Tensor] | None
     key_order: list[str]
     device: str
+    #: why the run's last checkpoint could not be written ("" on a rank that only heard of
+    #: another's failure), or None: the parameters are returned either way
+    end_error: str | None = None
 
 
 class RankFailure(RuntimeError):
@@ -102,6 +107,7 @@ def train_rank(spec: RankSpec, publish: Publisher) -> RankResult:
         port=spec.port,
         timeout_s=spec.config.collective_timeout,
         device=device,
+        token=spec.token,
     )
     check_supported(spec.config.precision, device)
     ws = build_workspace(spec.job, spec.config.seed, delay_init=spec.config.delay_init)
@@ -111,7 +117,7 @@ def train_rank(spec: RankSpec, publish: Publisher) -> RankResult:
         checkpoint_blocks(ws.model)  # before any strategy wraps or splits the model
     strategy = make_strategy(spec.config, rank=spec.rank, world_size=spec.world_size, device=device)
     strategy.setup(ws)
-    steps = train_loop(
+    steps, unsaved = train_loop(
         ws,
         strategy,
         spec.config,
@@ -127,6 +133,7 @@ def train_rank(spec: RankSpec, publish: Publisher) -> RankResult:
         state_dict=strategy.full_state_dict(),
         key_order=strategy.key_order,
         device=str(device),
+        end_error=unsaved,
     )
 
 

@@ -139,6 +139,14 @@ def main(
             f"saved to {output}",
             file=sys.stderr,
         )
+    if result.end_error is not None:  # the parameters are saved above; the run still failed
+        if result.end_error:
+            print(
+                f"sagenb: rank {env.rank}: the checkpoint of step {result.steps} could not be "
+                f"written to --checkpoint-dir {config.checkpoint_dir}: {result.end_error}",
+                file=sys.stderr,
+            )
+        raise SystemExit(1)
 
 
 def _for_this_run(config: TrainConfig, args: argparse.Namespace, env: TorchrunEnv) -> TrainConfig:

@@ -46,9 +46,11 @@ def train_loop(
     publish: Callable[[dict[str, Any]], None],
     rank: int = 0,
     should_stop: Callable[[int], bool] = lambda step: False,
-) -> int:
+) -> tuple[int, str | None]:
     """Train to the end of the plan, publishing one metrics dict per step, or until
-    `should_stop(step)` after a step; returns the number of the last step done."""
+    `should_stop(step)` after a step, or until a checkpoint cannot be written. Returns the
+    number of the last step done, and why its checkpoint could not be written, if it could
+    not (checkpoint.save; the run then fails keeping the parameters it trained, session.py)."""
     optimizer = make_optimizer(ws, strategy, config.lr)
     scheduler = ws.make_scheduler(optimizer) if ws.make_scheduler is not None else None
     objects = dict(strategy=strategy, optimizer=optimizer, scheduler=scheduler, rank=rank)
@@ -65,7 +67,7 @@ def train_loop(
         seed=config.seed,
         start_after=start,
     )
-    last = start
+    last, unsaved = start, None
     loading = batches_of(
         ws.dataset,
         strategy,
@@ -87,10 +89,10 @@ def train_loop(
             stop = last < total and should_stop(last)  # after the last step, none to skip
             every = config.checkpoint_every
             if config.checkpoint_dir and (stop or last == total or (every and last % every == 0)):
-                checkpoint.save(config.checkpoint_dir, last, **objects)
-            if stop:
+                unsaved = checkpoint.save(config.checkpoint_dir, last, **objects)
+            if stop or unsaved is not None:
                 break
-    return last
+    return last, unsaved
 
 
 def _step(ws, strategy, config, data, total, optimizer, scheduler, meter, device, scaler) -> dict:

@@ -26,13 +26,21 @@ def pick_device(local_rank: int, local_size: int) -> torch.device:
 
 
 def init_process_group(
-    *, rank: int, world_size: int, addr: str, port: int, timeout_s: float, device: torch.device
+    *,
+    rank: int,
+    world_size: int,
+    addr: str,
+    port: int,
+    timeout_s: float,
+    device: torch.device,
+    token: str = "",
 ) -> None:
     """nccl when every engine has its own CUDA device, gloo otherwise.
 
     The rendezvous store is hosted by the notebook (session.py), already listening before any
     engine connects: with rank 0 hosting it, the other ranks could arrive first and back off
-    for ~0.5 s before retrying.
+    for ~0.5 s before retrying. `token` is the run's own, which every stop message carries
+    (engine/stopping.py).
     """
     if dist.is_initialized():  # a previous run on this engine died before cleaning up
         shutdown()
@@ -51,7 +59,13 @@ def init_process_group(
         timeout=timeout,
     )
     _stop_watch = StopWatch(
-        store, addr=addr, port=port, rank=rank, world_size=world_size, timeout=timeout
+        store,
+        addr=addr,
+        port=port,
+        rank=rank,
+        world_size=world_size,
+        timeout=timeout,
+        token=token,
     )
 
 
