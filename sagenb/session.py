@@ -18,6 +18,7 @@ from ipyparallel.error import EngineError
 from torch.distributed import TCPStore
 
 from sagenb import cluster
+from sagenb.checkpoints import resume_warnings
 from sagenb.config import ConfigError, TrainConfig
 from sagenb.cost import CostMeter, meter_for
 from sagenb.engine.entry import RankResult, RankSpec, merge_states, run_rank
@@ -127,6 +128,7 @@ class _Run:
         self.nonfinite_step: int | None = None
 
     def execute(self) -> TrainResult:
+        self.warnings += resume_warnings(self.config)  # --resume: before any engine works
         self.store = _rendezvous(self.pool, self.engines, self.config.collective_timeout)
         specs = [
             (
