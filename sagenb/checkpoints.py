@@ -39,7 +39,9 @@ def _read_model(path: Path, metadata: Metadata) -> dict[str, torch.Tensor]:
     for key, meta in metadata.state_dict_metadata.items():
         if key.startswith("model/") and isinstance(meta, TensorStorageMetadata):
             target[key] = torch.empty(meta.size, dtype=meta.properties.dtype)
-    dcp.load(target, storage_reader=SafeReader(path), planner=SafePlanner(), no_dist=True)
+    with warnings.catch_warnings():  # DCP's note that it loads in one process: we asked it to
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        dcp.load(target, storage_reader=SafeReader(path), planner=SafePlanner(), no_dist=True)
     order = target["key_order"]
     if not isinstance(order, list) or any(f"model/{k}" not in target for k in order):
         raise CheckpointError(f"{path}: its key order does not match its model entries")
