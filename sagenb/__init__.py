@@ -40,6 +40,7 @@ _PUBLIC = {
     "Dashboard": "sagenb.dashboard",
     "plan": "sagenb.planner",
     "load_checkpoint": "sagenb.checkpoints",
+    "CheckpointError": "sagenb.checkpoints",
     "ControlPanel": "sagenb.panel",
     "fit_scaling": "sagenb.whatif",
     "what_if": "sagenb.whatif",

@@ -1,28 +1,62 @@
-"""Reading a sagenb checkpoint in one process, without engines."""
+"""Reading a sagenb checkpoint in one process, without engines; choosing the one --resume
+continues from before the engines start."""
 
 from __future__ import annotations
 
 import os
-import tempfile
+import warnings
 from pathlib import Path
+from typing import Any
 
 import torch
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from sagenb.engine.checkpoint import latest
+from sagenb.engine.checkpoint import choose, load_newest
+from sagenb.engine.checkpoint_reader import CheckpointError, SafePlanner, SafeReader
 
-__all__ = ["load_checkpoint"]
+__all__ = ["load_checkpoint", "resume_warnings", "CheckpointError"]
 
 
 def load_checkpoint(directory: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """The full model state_dict (keys of `model.state_dict()`) of the newest checkpoint in
-    `directory`, whatever strategy wrote it; loaded with `torch.load(weights_only=True)`."""
-    path = latest(directory)
-    if path is None:
-        raise FileNotFoundError(f"no checkpoint in {directory}")
-    with tempfile.TemporaryDirectory() as tmp:
-        flat = Path(tmp) / "checkpoint.pt"
-        dcp_to_torch_save(path, flat)
-        state = torch.load(flat, weights_only=True)
-    model = {k.removeprefix("model/"): v for k, v in state.items() if k.startswith("model/")}
-    return {k: model[k] for k in state["key_order"]}
+    """The full model state_dict (keys of `model.state_dict()`) of the newest readable
+    checkpoint in `directory`, whatever strategy wrote it (a newer one that cannot be read is
+    skipped with a RuntimeWarning, as --resume does). Tensors are read with
+    torch.load(weights_only=True), the metadata and the key order without unpickling
+    anything else (engine/checkpoint_reader.py). Raises CheckpointError (an Exception) naming
+    the directory and the cause when no checkpoint there can be read."""
+    if not Path(directory).is_dir():
+        raise CheckpointError(f"load_checkpoint: {directory} is not a directory")
+    state, notes = load_newest(directory, _read_model, by="load_checkpoint")
+    for note in notes:
+        warnings.warn(note, RuntimeWarning, stacklevel=2)
+    return state
+
+
+def _read_model(path: Path, metadata: Metadata) -> dict[str, torch.Tensor]:
+    """The model entries and the key order of one checkpoint, in this process (no_dist)."""
+    target: dict[str, Any] = {"key_order": None}
+    for key, meta in metadata.state_dict_metadata.items():
+        if key.startswith("model/") and isinstance(meta, TensorStorageMetadata):
+            target[key] = torch.empty(meta.size, dtype=meta.properties.dtype)
+    with warnings.catch_warnings():  # DCP's note that it loads in one process: we asked it to
+        warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+        dcp.load(target, storage_reader=SafeReader(path), planner=SafePlanner(), no_dist=True)
+    order = target["key_order"]
+    if not isinstance(order, list) or any(f"model/{k}" not in target for k in order):
+        raise CheckpointError(f"{path}: its key order does not match its model entries")
+    return {k: target[f"model/{k}"] for k in order}
+
+
+def resume_warnings(config: Any) -> list[str]:
+    """With --resume: which checkpoint the run continues from is decided here, before the
+    engines start (they find the same one): a newer one that cannot be read is skipped with a
+    RuntimeWarning, whose text is returned for the run's result; none readable raises
+    CheckpointError naming --checkpoint-dir and what it holds, before any engine works."""
+    if not getattr(config, "resume", False):
+        return []
+    _, _, notes = choose(config.checkpoint_dir)
+    for note in notes:
+        # no source line of sagenb's under the cell: the warning is about the run
+        warnings.warn_explicit(note, RuntimeWarning, "sagenb", 0, module="sagenb")
+    return notes

@@ -19,6 +19,7 @@ from ipyparallel.error import EngineError
 from torch.distributed import TCPStore
 
 from sagenb import cluster
+from sagenb.checkpoints import resume_warnings
 from sagenb.config import ConfigError, TrainConfig
 from sagenb.cost import CostMeter, meter_for
 from sagenb.engine import stopping
@@ -129,6 +130,7 @@ class _Run:
 
     def execute(self) -> TrainResult:
         self.token = secrets.token_hex(16)  # never written to the store before a stop request
+        self.warnings += resume_warnings(self.config)  # --resume: before any engine works
         self.store = _rendezvous(self.pool, self.engines, self.config.collective_timeout)
         specs = [
             (

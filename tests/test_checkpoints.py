@@ -1,15 +1,26 @@
 """Checkpoints: atomic writes, resume after a killed engine, the same final parameters as an
-uninterrupted run, for data parallel and for pipelines; one-process loading."""
+uninterrupted run, for data parallel and for pipelines; one-process loading; a newest checkpoint
+that cannot be read skipped for the older one; a crafted checkpoint runs nothing."""
 
 from __future__ import annotations
 
+import os
+import pickle
+import shutil
+import time
+from pathlib import Path
+
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 import sagenb
 from sagenb.config import ConfigError
-from sagenb.engine.checkpoint import latest
-from sagenb.failures import EngineDiedError, TrainingInterrupted
+from sagenb.engine.checkpoint import candidates, latest
+from sagenb.engine.checkpoint_reader import CheckpointError, SafePlanner, SafeReader
+from sagenb.failures import EngineDiedError, TrainingError, TrainingInterrupted
 
 from .conftest import REGRESSION_CELL
 from .models import GPT_CELL
@@ -98,3 +109,162 @@ def test_checkpoint_flags_need_a_directory():
         sagenb.TrainConfig(resume=True)
     with pytest.raises(ConfigError, match="--checkpoint-every 5: needs --checkpoint-dir"):
         sagenb.TrainConfig(checkpoint_every=5)
+
+
+# -- checkpoints that cannot be read, and checkpoints that must not be trusted ---------------
+
+SHORT = dict(batch_size=16, epochs=1, dashboard=False)
+
+
+def two_checkpoints(directory) -> None:
+    """step-00000003 and step-00000006 of the regression cell, `latest` naming the second."""
+    sagenb.train(
+        REGRESSION_CELL, steps=6, checkpoint_dir=str(directory), checkpoint_every=3, **SHORT
+    )
+    assert [p.name for p in candidates(directory)] == ["step-00000006", "step-00000003"]
+
+
+def data_file(checkpoint) -> Path:
+    return sorted(checkpoint.glob("*.distcp"))[0]
+
+
+def garble_a_tensor(checkpoint) -> None:
+    """Overwrite the first tensor record of the checkpoint's data with zeros, its size kept:
+    what `check` cannot see (it reads no tensor), so the ranks' load fails and falls back."""
+    meta = pickle.loads((checkpoint / ".metadata").read_bytes())  # our own, trusted file
+    info = next(meta.storage_data[i] for i in meta.storage_data if i.fqn.startswith("model/"))
+    path = checkpoint / info.relative_path
+    data = bytearray(path.read_bytes())
+    data[info.offset : info.offset + info.length] = bytes(info.length)
+    path.write_bytes(bytes(data))
+
+
+CORRUPTIONS = {
+    # a write cut short (a full disk, a copy interrupted): half of the metadata file
+    "metadata cut short": lambda c: (c / ".metadata").write_bytes(
+        (c / ".metadata").read_bytes()[:200]
+    ),
+    "data file cut short": lambda c: data_file(c).write_bytes(data_file(c).read_bytes()[:500]),
+    "data file missing": lambda c: data_file(c).unlink(),
+    "metadata not readable": lambda c: (c / ".metadata").write_bytes(b"not a pickle"),
+}
+
+
+@pytest.mark.parametrize("damage", sorted(CORRUPTIONS))
+def test_resume_skips_a_newest_checkpoint_that_cannot_be_read(pool, tmp_path, damage):
+    whole = sagenb.train(REGRESSION_CELL, steps=9, **SHORT)
+    two_checkpoints(tmp_path)
+    CORRUPTIONS[damage](tmp_path / "step-00000006")
+    with pytest.warns(RuntimeWarning, match=r"skipped the checkpoint step-00000006") as caught:
+        resumed = sagenb.train(
+            REGRESSION_CELL, steps=9, checkpoint_dir=str(tmp_path), resume=True, **SHORT
+        )
+    note = str(next(w.message for w in caught if "step-00000006" in str(w.message)))
+    assert "resuming from the older step-00000003" in note and str(tmp_path) in note
+    assert note in resumed.warnings
+    assert resumed.history[0]["step"] == 4  # from the older checkpoint
+    assert same(resumed.state_dict(), whole.state_dict()) == 0.0
+
+
+def test_resume_falls_back_when_the_ranks_cannot_load_the_newest(pool, tmp_path):
+    """Damage only the ranks' load finds (a tensor record garbled, sizes intact): they skip to
+    the older checkpoint together and train on to the same parameters."""
+    whole = sagenb.train(REGRESSION_CELL, steps=9, **SHORT)
+    two_checkpoints(tmp_path)
+    garble_a_tensor(tmp_path / "step-00000006")
+    with pytest.warns(RuntimeWarning, match="skipped the checkpoint step-00000006.*loaded the"):
+        older = sagenb.load_checkpoint(tmp_path)  # in one process, the same fall back
+    assert list(older) == list(whole.state_dict())
+    resumed = sagenb.train(
+        REGRESSION_CELL, steps=9, checkpoint_dir=str(tmp_path), resume=True, **SHORT
+    )
+    assert resumed.history[0]["step"] == 4
+    assert same(resumed.state_dict(), whole.state_dict()) == 0.0
+
+
+def test_no_readable_checkpoint_fails_before_training(pool, tmp_path):
+    with pytest.raises(CheckpointError, match=r"--checkpoint-dir \S+ holds no checkpoint"):
+        sagenb.train(REGRESSION_CELL, steps=9, checkpoint_dir=str(tmp_path), resume=True, **SHORT)
+    two_checkpoints(tmp_path)
+    for name in ("step-00000006", "step-00000003"):
+        (tmp_path / name / ".metadata").write_bytes(b"")
+    with pytest.raises(CheckpointError) as info:
+        sagenb.train(REGRESSION_CELL, steps=9, checkpoint_dir=str(tmp_path), resume=True, **SHORT)
+    message = str(info.value)
+    assert f"no checkpoint in --checkpoint-dir {tmp_path} can be read" in message
+    assert "step-00000006: " in message and "step-00000003: " in message
+    assert "EOFError" in message  # the cause, in one line
+    assert "Traceback" not in message
+
+
+def test_load_checkpoint_raises_an_exception_naming_the_directory_and_cause(pool, tmp_path):
+    assert issubclass(sagenb.CheckpointError, Exception)
+    with pytest.raises(sagenb.CheckpointError, match="is not a directory"):
+        sagenb.load_checkpoint(tmp_path / "nowhere")
+    two_checkpoints(tmp_path)
+    data_file(tmp_path / "step-00000006").unlink()
+    with pytest.warns(RuntimeWarning, match="skipped the checkpoint step-00000006"):
+        older = sagenb.load_checkpoint(tmp_path)
+    assert list(older) == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    (tmp_path / "step-00000003" / ".metadata").write_bytes(b"garbage")
+    with pytest.raises(sagenb.CheckpointError) as info:
+        sagenb.load_checkpoint(tmp_path)
+    assert f"no checkpoint in {tmp_path} can be read" in str(info.value)
+    assert ".metadata cannot be read" in str(info.value)
+
+
+class _Payload:
+    """Unpickling this runs a shell command that creates the marker file."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+def crafted(tmp_path, where: str) -> tuple[Path, Path]:
+    """A checkpoint directory holding a payload in its `.metadata` or in a non-tensor entry of
+    its data (DCP reads those with torch.load(weights_only=False)), and the payload's marker."""
+    marker, directory = tmp_path / "marker", tmp_path / "ckpt"
+    two_checkpoints(directory)
+    newest = directory / "step-00000006"
+    if where == "metadata":
+        (newest / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
+    else:  # its tensors, with the payload as the step and the key order
+        meta = pickle.loads((newest / ".metadata").read_bytes())
+        target = {
+            k: torch.empty(m.size, dtype=m.properties.dtype)
+            for k, m in meta.state_dict_metadata.items()
+            if isinstance(m, TensorStorageMetadata)
+        }
+        dcp.load(target, checkpoint_id=newest, no_dist=True)
+        target.update(step=_Payload(marker), key_order=_Payload(marker))
+        shutil.rmtree(newest)
+        dcp.save(target, checkpoint_id=newest, no_dist=True)
+    (directory / "step-00000003").rename(tmp_path / "older")  # nothing to fall back to
+    return directory, marker
+
+
+@pytest.mark.parametrize("where", ["metadata", "entry"])
+def test_a_crafted_checkpoint_runs_nothing(pool, tmp_path, monkeypatch, where):
+    directory, marker = crafted(tmp_path, where)
+    refused = "refused" if where == "metadata" else "weights_only"
+    with pytest.raises(sagenb.CheckpointError, match=refused):
+        sagenb.load_checkpoint(directory)
+    with pytest.raises(sagenb.CheckpointError, match=refused):  # in the notebook, early
+        sagenb.train(REGRESSION_CELL, steps=9, checkpoint_dir=str(directory), resume=True, **SHORT)
+    # the engines refuse it too (under torchrun no notebook looks first)
+    monkeypatch.setattr("sagenb.session.resume_warnings", lambda config: [])
+    with pytest.raises(TrainingError, match=refused):
+        sagenb.train(REGRESSION_CELL, steps=9, checkpoint_dir=str(directory), resume=True, **SHORT)
+    # the reader and planner themselves, past the checks (defence in depth)
+    with pytest.raises(CheckpointException):
+        dcp.load(
+            {"step": 0},
+            storage_reader=SafeReader(directory / "step-00000006"),
+            planner=SafePlanner(),
+            no_dist=True,
+        )
+    time.sleep(0.5)  # a shell started by a payload would have touched it by now
+    assert not marker.exists()

@@ -8,26 +8,37 @@ entries are written once (DCP's de-duplication).
 
 Writes are atomic: all ranks write into `.step-N.tmp`, then rank 0 renames it to `step-N` and
 points `latest` at it (write, then rename), so a crash mid-write leaves the last good
-checkpoint untouched. The two newest checkpoints are kept.
+checkpoint untouched. The two newest checkpoints are kept, and --resume falls back to the
+older one when the newest cannot be read (a disk that filled up, a copy cut short, a file
+damaged since): `choose` skips it, saying why.
+
+Nothing in a checkpoint is unpickled beyond tensors, DCP's metadata and plain values
+(engine/checkpoint_reader.py): resuming from a checkpoint runs no code it holds.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import warnings
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-__all__ = ["save", "load", "latest", "KEEP"]
+from sagenb.engine.checkpoint_reader import CheckpointError, SafePlanner, SafeReader, check, reason
+
+__all__ = ["save", "load", "latest", "candidates", "choose", "load_newest", "KEEP"]
 
 KEEP = 2
 LATEST = "latest"
+RESUME = "--resume"
+T = TypeVar("T")
 
 
 def latest(directory: str | os.PathLike) -> Path | None:
@@ -37,6 +48,75 @@ def latest(directory: str | os.PathLike) -> Path | None:
         return None
     path = Path(directory) / pointer.read_text().strip()
     return path if path.is_dir() else None
+
+
+def candidates(directory: str | os.PathLike) -> list[Path]:
+    """The checkpoints in `directory`, newest first: the one `latest` names, then the others
+    (older ones are kept for when the newest cannot be read)."""
+    found = sorted((p for p in Path(directory).glob("step-*") if p.is_dir()), reverse=True)
+    newest = latest(directory)
+    return ([newest] if newest else []) + [p for p in found if p != newest]
+
+
+def choose(directory: str | os.PathLike, *, by: str = RESUME) -> tuple[Path, Metadata, list[str]]:
+    """The newest readable checkpoint in `directory`, its metadata, and one note for each newer
+    one skipped (which, and why); CheckpointError naming what was found when none is readable.
+    The notebook calls it before the engines start (engines would find the same)."""
+    skipped: list[tuple[Path, str]] = []
+    path, metadata = _first_readable(directory, candidates(directory), skipped, by)
+    return path, metadata, [_skip_note(p, why, path, by) for p, why in skipped]
+
+
+def load_newest(
+    directory: str | os.PathLike, read: Callable[[Path, Metadata], T], *, by: str = RESUME
+) -> tuple[T, list[str]]:
+    """`read(path, metadata)` of the newest checkpoint that `check` passes and whose data
+    loads, and one note for each newer one skipped. A failure inside dcp.load reaches every
+    rank (DCP gathers them), so in a collective all ranks skip the same checkpoint."""
+    skipped: list[tuple[Path, str]] = []
+    paths = candidates(directory)
+    while True:
+        path, metadata = _first_readable(directory, paths, skipped, by)
+        try:
+            result = read(path, metadata)
+            break
+        except (CheckpointError, CheckpointException) as exc:  # the latter: a BaseException
+            skipped.append((path, reason(exc)))
+        paths = paths[paths.index(path) + 1 :]
+    return result, [_skip_note(p, why, path, by) for p, why in skipped]
+
+
+def _first_readable(
+    directory: str | os.PathLike, paths: list[Path], skipped: list[tuple[Path, str]], by: str
+) -> tuple[Path, Metadata]:
+    for path in paths:
+        try:
+            return path, check(path)
+        except CheckpointError as exc:
+            skipped.append((path, str(exc)))
+    raise _none_readable(directory, skipped, by)
+
+
+def _where(directory: str | os.PathLike, by: str) -> str:
+    return f"--checkpoint-dir {directory}" if by == RESUME else str(directory)
+
+
+def _skip_note(path: Path, why: str, chosen: Path, by: str) -> str:
+    return (
+        f"{by}: skipped the checkpoint {path.name} in {_where(path.parent, by)}, which cannot "
+        f"be read ({why}); {'resuming from' if by == RESUME else 'loaded'} the older {chosen.name}"
+    )
+
+
+def _none_readable(
+    directory: str | os.PathLike, skipped: list[tuple[Path, str]], by: str
+) -> CheckpointError:
+    where = _where(directory, by)
+    todo = "train without --resume" if by == RESUME else "train with --checkpoint-dir"
+    if not skipped:
+        return CheckpointError(f"{by}: {where} holds no checkpoint (no step-* directory): {todo}")
+    found = "; ".join(f"{p.name}: {why}" for p, why in skipped)
+    return CheckpointError(f"{by}: no checkpoint in {where} can be read ({found}); {todo}")
 
 
 def _state(strategy: Any, optimizer: torch.optim.Optimizer, rank: int) -> dict[str, Any]:
@@ -131,20 +211,36 @@ def load(
     scheduler: Any,
     rank: int,
 ) -> int:
-    """Restore the newest checkpoint into this rank's objects; returns its step (collective)."""
-    path = latest(directory)
-    if path is None:
-        raise FileNotFoundError(f"--resume: no checkpoint in {directory}")
-    metadata = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    """Restore the newest readable checkpoint into this rank's objects; returns its step
+    (collective). One whose data fails to load is skipped for the next older one: every
+    object a failed load may have half written is written again by the one that loads."""
+    objects = dict(strategy=strategy, optimizer=optimizer, scheduler=scheduler, rank=rank)
+    step, notes = load_newest(directory, lambda path, meta: _load_from(path, meta, **objects))
+    if rank == 0:  # for a script under torchrun; the notebook warned before the engines started
+        for note in notes:
+            warnings.warn(note, RuntimeWarning, stacklevel=2)
+    return step
+
+
+def _load_from(
+    path: Path,
+    metadata: Metadata,
+    *,
+    strategy: Any,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    rank: int,
+) -> int:
     target = _state(strategy, optimizer, rank)
     params = dict(strategy.named_parameters())
     names = list(params)
+    state_metadata = metadata.state_dict_metadata
     for name, param in params.items():  # optimizer state that does not exist yet (no step taken)
-        for key, meta in metadata.items():
+        for key, meta in state_metadata.items():
             if key.startswith(f"optim/{name}/") and key not in target:
                 target[key] = _empty(meta, like=param)
     target.update(step=0, key_order=None, scheduler=None)
-    dcp.load(target, checkpoint_id=path)
+    dcp.load(target, storage_reader=SafeReader(path), planner=SafePlanner())
     strategy.load_checkpoint_state(
         {k.removeprefix("model/"): v for k, v in target.items() if k.startswith("model/")}
     )

@@ -41,6 +41,7 @@ from sagenb.engine.delayed import materialize, release_others
 from sagenb.engine.objective import Objective, logits_of, weighted
 from sagenb.engine.partition import split_model
 from sagenb.engine.prefetch_schedule import PrefetchingSchedule
+from sagenb.engine.tensor_messages import broadcast_ints_or_error, recv_tensors, send_tensors
 from sagenb.engine.workspace import Workspace
 from sagenb.job import JobError
 
@@ -120,16 +121,17 @@ class Pipeline:
         method = cfg.partition_by
         if cfg.delay_init and method == "auto":  # meta parameters cannot be timed
             method = "parameters"
-        box: list[Any] = [None]
+        measured: list[int] | Exception | None = None
         if self.rank == 0:  # one rank measures; all use its cut points
             try:
-                box[0] = self._measure_starts(ws, example, method, n)
+                measured = self._measure_starts(ws, example, method, n)
             except JobError as exc:  # e.g. the model cannot be split: every rank raises it
-                box[0] = exc
-        dist.broadcast_object_list(box, src=0)
-        if isinstance(box[0], Exception):
-            raise box[0]
-        return box[0]
+                measured = exc
+        # ints, or the error's text: tensors on the wire, nothing unpickled (tensor_messages.py)
+        starts = broadcast_ints_or_error(measured, src=0, device=self.device)
+        if isinstance(starts, str):
+            raise measured if isinstance(measured, JobError) else JobError(starts)
+        return starts
 
     def _measure_starts(self, ws: Workspace, example: Any, method: str, n: int):
         cfg = self.config
@@ -345,10 +347,8 @@ class Pipeline:
             args, kwargs, target = objective.split(batch, labels_in=False)
             value: Any = args
             for i in self.stage_ids:
-                if i > 0:
-                    box = [None]
-                    dist.recv_object_list(box, src=self._global(i - 1))
-                    value, kwargs = to_device(box[0], self.device), {}
+                if i > 0:  # tensors only on the wire (tensor_messages.py)
+                    value, kwargs = recv_tensors(self._global(i - 1), self.device), {}
                 module = self.modules[self.stage_ids.index(i)]
                 value = module(*value, **kwargs) if isinstance(value, tuple) else module(value)
                 if i == self.S - 1:
@@ -357,7 +357,7 @@ class Pipeline:
                     total[0] += float(weighted(objective.pipeline_loss(value, target), count))
                     total[1] += float(count)
                 else:
-                    dist.send_object_list([_to_cpu(value)], dst=self._global(i + 1))
+                    send_tensors(value, self._global(i + 1), self.device)
         for m in self.modules:
             m.train()
         dist.all_reduce(total)
@@ -408,12 +408,6 @@ def _keep_buffers_through_inference(module: nn.Module) -> None:
 
     module.register_forward_pre_hook(before)
     module.register_forward_hook(after)
-
-
-def _to_cpu(value: Any) -> Any:
-    if isinstance(value, tuple):
-        return tuple(_to_cpu(v) for v in value)
-    return value.cpu() if torch.is_tensor(value) else value
 
 
 class _LogitsOut(nn.Module):
