@@ -84,9 +84,10 @@ def check_reference(state: dict) -> None:
     assert max_param_diff(state, model) <= TOL
 
 
-def test_a_billion_samples_train_their_steps_in_seconds(pool):
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_billion_samples_train_their_steps_in_seconds(pool, workers):
     started = time.perf_counter()
-    result = sagenb.train(HUGE_CELL, dashboard=False, **OPTIONS)
+    result = sagenb.train(HUGE_CELL, data_workers=workers, dashboard=False, **OPTIONS)
     assert time.perf_counter() - started < SECONDS
     assert len(result.history) == 3
     # each engine's resident memory after step 1 (randperm(10**9) alone is 7629 MiB)
