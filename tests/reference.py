@@ -25,6 +25,36 @@ def namespace(cell: str, seed: int, delay_init: bool = False) -> dict:
     return ns
 
 
+def contract_order(n: int, seed: int):
+    """The contract's order of range(n) for seed + epoch, as order(start, stop) -> indices:
+    torch.randperm up to 2**22 samples, above it the Feistel permutation as README.md states
+    it, recomputed here in plain Python integers, one position at a time."""
+    if n <= 2**22:
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+        return lambda start, stop: perm[start:stop]
+    return lambda start, stop: torch.tensor([feistel_index(i, n, seed) for i in range(start, stop)])
+
+
+def feistel_index(i: int, n: int, seed: int) -> int:
+    h = (max(1, (n - 1).bit_length()) + 1) // 2
+    keys, s = [], seed % 2**64
+    for _ in range(6):  # splitmix64, the top 32 bits of each output
+        s = (s + 0x9E3779B97F4A7C15) % 2**64
+        z = (s ^ (s >> 30)) * 0xBF58476D1CE4E5B9 % 2**64
+        z = (z ^ (z >> 27)) * 0x94D049BB133111EB % 2**64
+        keys.append((z ^ (z >> 31)) // 2**32)
+    while True:  # cycle-walking: apply the network until the value is below n
+        left, right = i // 2**h, i % 2**h
+        for k in keys:
+            x = right ^ k
+            for _ in range(2):
+                x = (x ^ (x >> 16)) * 0x45D9F3B % 2**32
+            left, right = right, left ^ ((x ^ (x >> 16)) % 2**h)
+        i = left * 2**h + right
+        if i < n:
+            return i
+
+
 def batch(dataset, idx):
     samples = [dataset[i] for i in idx.tolist()]
     if isinstance(samples[0], dict):
@@ -78,11 +108,11 @@ def train_reference(
     losses: list[float] = []
     n = len(dataset)
     for epoch in range(epochs):
-        order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch))
+        order = contract_order(n, seed + epoch)
         for b in range(n // batch_size):
             if steps is not None and len(losses) == steps:
                 return model, losses, ns
-            idx = order[b * batch_size : (b + 1) * batch_size]
+            idx = order(b * batch_size, (b + 1) * batch_size)
             step_loss = 0.0
             for piece in idx.chunk(grad_accum):
                 loss = loss_of(model, loss_fn, batch(dataset, piece))

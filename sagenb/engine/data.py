@@ -3,6 +3,31 @@
 Epoch e visits the dataset in the order randperm(len(dataset), seed + e), in global batches of
 `batch_size` consecutive samples; the incomplete last batch is dropped. Every strategy uses this
 one plan, which is why every strategy trains the same model as a single process.
+
+Above EAGER_MAX samples (2**22) the order is `FeistelOrder` instead: the same kind of order (a
+pseudo-random permutation of range(n) drawn from seed + e) computed per position, so a run
+holds only the indices of the steps it runs. torch.randperm(n) builds all n indices as int64
+(8 bytes each) before the first step: 8 GB and minutes for 10**9 samples (sagenb issue 19), on
+every engine. 2**22 keeps randperm, and so every earlier result, for ordinary datasets
+(ImageNet-1k's 1,281,167 images among them) while its order stays at most 32 MiB and builds in
+well under a second (0.4 s measured on a busy 2-core CPU; 2**24 took 2.2 s), so no progress
+needs showing while an epoch's order is built.
+
+The lazy order is a balanced Feistel network (Luby & Rackoff 1988: a permutation from any round
+function) on the 2h-bit integers, h = ceil(bits(n - 1) / 2), with cycle-walking (Black &
+Rogaway, "Ciphers with arbitrary finite domains", CT-RSA 2002): position i maps to the first of
+f(i), f(f(i)), ... that is below n, which is a permutation of range(n) since f permutes the
+larger domain (each cycle that holds a value below n walks back to it). The domain is under 4n,
+so a position takes under 4 walks on average. Exactly, with every value an unsigned integer:
+
+    keys: s = (seed + e) mod 2**64; six times: s = splitmix64 step of s, k_r = its top 32 bits
+    round r: (L, R) -> (R, L xor (hash32(R xor k_r) mod 2**h)), L the high and R the low h bits
+    hash32(x): x = (x xor x >> 16) * 0x45d9f3b mod 2**32, twice, then x xor x >> 16
+
+(splitmix64: Steele, Lea & Flood, "Fast splittable pseudorandom number generators", OOPSLA
+2014; hash32: the integer hash of T. Mueller, https://stackoverflow.com/a/12996028.) Every
+product stays below 2**63, so torch's int64 arithmetic computes it exactly on every engine and
+platform, and tests/reference.py recomputes it in plain Python integers.
 """
 
 from __future__ import annotations
@@ -12,11 +37,19 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils.data import TensorDataset, default_collate
+from torch.utils.data import IterableDataset, TensorDataset, default_collate
 
 from sagenb.job import JobError
 
-__all__ = ["Step", "epoch_order", "plan_steps", "total_steps", "fetch"]
+__all__ = [
+    "Step",
+    "FeistelOrder",
+    "epoch_order",
+    "plan_steps",
+    "total_steps",
+    "require_map_style",
+    "fetch",
+]
 
 
 @dataclass(frozen=True)
@@ -28,8 +61,74 @@ class Step:
     indices: torch.Tensor
 
 
-def epoch_order(n: int, seed: int, epoch: int) -> torch.Tensor:
-    return torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch))
+#: the largest dataset whose order is torch.randperm (see the module's docstring)
+EAGER_MAX = 2**22
+#: the largest dataset the lazy order handles: its 2h-bit values must fit in int64
+LAZY_MAX = 2**62
+ROUNDS = 6
+_M32, _M64 = 2**32 - 1, 2**64 - 1
+
+
+def epoch_order(n: int, seed: int, epoch: int) -> torch.Tensor | FeistelOrder:
+    """Epoch `epoch`'s order of range(n): a tensor up to EAGER_MAX samples, else computed per
+    position. Either is sliced, order[a:b], into a tensor of indices."""
+    if n <= EAGER_MAX:
+        return torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch))
+    return FeistelOrder(n, seed + epoch)
+
+
+class FeistelOrder:
+    """A pseudo-random permutation of range(n), computed only at the positions asked for."""
+
+    def __init__(self, n: int, seed: int) -> None:
+        if not 0 < n <= LAZY_MAX:
+            raise JobError(f"dataset has {n} samples: sagenb orders at most 2**62")
+        self.n = n
+        self.half = (max(1, (n - 1).bit_length()) + 1) // 2
+        self.keys = round_keys(seed)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, where: slice) -> torch.Tensor:
+        start, stop, step = where.indices(self.n)
+        return self.at(torch.arange(start, stop, step, dtype=torch.int64))
+
+    def at(self, positions: torch.Tensor) -> torch.Tensor:
+        """The values at `positions` (int64, each in range(n)): cycle-walk until below n."""
+        x = feistel(positions, self.keys, self.half)
+        out = x >= self.n
+        while bool(out.any()):
+            x[out] = feistel(x[out], self.keys, self.half)
+            out = x >= self.n
+        return x
+
+
+def round_keys(seed: int) -> list[int]:
+    """ROUNDS 32-bit keys: the top halves of successive splitmix64 outputs from `seed`."""
+    state, keys = seed & _M64, []
+    for _ in range(ROUNDS):
+        state = (state + 0x9E3779B97F4A7C15) & _M64
+        z = ((state ^ (state >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+        keys.append((z ^ (z >> 31)) >> 32)
+    return keys
+
+
+def feistel(x: torch.Tensor, keys: list[int], half: int) -> torch.Tensor:
+    """The balanced Feistel network on 2 * half-bit integers (a permutation of them)."""
+    mask = (1 << half) - 1
+    left, right = x >> half, x & mask
+    for key in keys:
+        left, right = right, left ^ (_hash32(right ^ key) & mask)
+    return (left << half) | right
+
+
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """T. Mueller's 32-bit integer hash; x < 2**32, so each product stays below 2**59."""
+    x = ((x ^ (x >> 16)) * 0x45D9F3B) & _M32
+    x = ((x ^ (x >> 16)) * 0x45D9F3B) & _M32
+    return x ^ (x >> 16)
 
 
 def total_steps(n: int, *, batch_size: int, epochs: int, steps: int | None) -> int:
@@ -48,15 +147,34 @@ def plan_steps(
     """The steps of the run, from step start_after + 1 on (resuming from a checkpoint)."""
     total = total_steps(n, batch_size=batch_size, epochs=epochs, steps=steps)
     per_epoch = n // batch_size
-    number = 0
-    for epoch in range(epochs):
-        order = epoch_order(n, seed, epoch)
-        for b in range(per_epoch):
-            if number == total:
-                return
-            number += 1
-            if number > start_after:
-                yield Step(number, epoch, order[b * batch_size : (b + 1) * batch_size])
+    order, built = None, -1
+    # straight to step start_after + 1: no order is built, nor any index computed, for the
+    # steps and epochs before it
+    for number in range(start_after + 1, total + 1):
+        epoch, b = divmod(number - 1, per_epoch)
+        if epoch != built:
+            order, built = epoch_order(n, seed, epoch), epoch
+        yield Step(number, epoch, order[b * batch_size : (b + 1) * batch_size])
+
+
+def require_map_style(name: str, data: Any) -> None:
+    """Refuse, before any step, a dataset the contract cannot order: an IterableDataset (or any
+    stream without random access). The contract draws each epoch's order as a permutation of
+    indices, and every engine loads its share of each global batch by index; a stream has
+    neither, and engines each reading a copy of it would each need every sample before theirs.
+    torch's IterableDataset has a __getitem__ that raises, so it is named here before
+    dataset[0] fails with "Subclasses of Dataset should implement __getitem__"."""
+    streaming = isinstance(data, IterableDataset)
+    if not streaming and hasattr(data, "__len__") and hasattr(data, "__getitem__"):
+        return
+    kind = "an IterableDataset" if streaming else f"a {type(data).__name__}"
+    raise JobError(
+        f"{name} must be a map-style Dataset (with __len__ and __getitem__); it is {kind}, "
+        "which has no random access for the contract's shuffled order to index: wrap it as "
+        "a map-style Dataset, e.g. collect the stream into a list or a TensorDataset, or "
+        "write __len__ and a __getitem__(i) that builds or reads sample i on demand (only "
+        "the samples of the steps run are built, however large __len__ is)"
+    )
 
 
 def fetch(dataset: Any, indices: torch.Tensor) -> Any:

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from sagenb.engine.data import require_map_style
 from sagenb.engine.delayed import meta_parameters
 from sagenb.engine.objective import Objective
 from sagenb.job import Job, JobError
@@ -74,12 +75,8 @@ def _check(ws: Workspace) -> None:
     if not isinstance(ws.model, nn.Module):
         raise JobError(f"model must be a torch.nn.Module, got {type(ws.model).__name__}")
     for name in ("dataset", "eval_dataset"):
-        data = getattr(ws, name)
-        if data is not None and not (hasattr(data, "__len__") and hasattr(data, "__getitem__")):
-            raise JobError(
-                f"{name} must be a map-style Dataset (with __len__ and __getitem__), "
-                f"got {type(data).__name__}"
-            )
+        if getattr(ws, name) is not None:
+            require_map_style(name, getattr(ws, name))
     for name in ("loss_fn", "make_optimizer", "make_scheduler"):
         value = getattr(ws, name)
         if value is not None and not callable(value):
