@@ -128,3 +128,34 @@ def test_an_iterable_dataset_is_refused_with_the_alternative(pool):
     generator = STREAM_CELL.replace("dataset = Stream()", "dataset = iter(Stream())")
     with pytest.raises(sagenb.JobError, match=r"it is a generator, .*map-style Dataset"):
         sagenb.train(generator, batch_size=8, steps=1, dashboard=False)
+
+
+class _Whole:
+    """Where a strategy would take this engine's share of a piece: all of it (one engine)."""
+
+    def local_indices(self, piece: torch.Tensor) -> torch.Tensor:
+        return piece
+
+
+def test_worker_loading_walks_a_whole_huge_epoch_lazily():
+    """--data-workers without --steps: the loader hands out a billion-sample epoch's steps as
+    they are loaded, never listing the epoch's indices first."""
+    from sagenb.engine.loader import batches_of
+
+    data = torch.utils.data.TensorDataset(torch.arange(64).float())
+
+    class Huge(torch.utils.data.Dataset):
+        def __len__(self):
+            return 10**9
+
+        def __getitem__(self, i):
+            return data[i % 64]
+
+    plan = plan_steps(10**9, batch_size=8, epochs=1, steps=None, seed=0)
+    started = time.perf_counter()
+    with batches_of(
+        Huge(), _Whole(), plan, grad_accum=2, workers=1, device=torch.device("cpu")
+    ) as steps:
+        first = [next(steps) for _ in range(3)]
+    assert [s.step.number for s in first] == [1, 2, 3] and len(first[0].batches) == 2
+    assert time.perf_counter() - started < 60

@@ -34,6 +34,7 @@ engine keeps no child processes between runs.
 
 from __future__ import annotations
 
+import itertools
 import math
 import sys
 import time
@@ -81,11 +82,14 @@ def batches_of(
     if workers == 0:
         yield _in_thread(dataset, strategy, plan, grad_accum, device)
         return
-    steps = list(plan)  # the sampler and the loop both walk it
-    pieces = [_pieces(strategy, step, grad_accum) for step in steps]
+    # the sampler and the loop both walk the plan, lazily: tee holds only the steps the
+    # sampler is ahead by (the prefetch), never a whole epoch of a huge dataset's indices
+    for_sampler, steps = itertools.tee(plan)
     loader = DataLoader(
         _Samples(dataset),
-        batch_sampler=[piece for step_pieces in pieces for piece in step_pieces],
+        batch_sampler=(
+            piece for step in for_sampler for piece in _pieces(strategy, step, grad_accum)
+        ),
         collate_fn=_as_is,
         num_workers=workers,
         # about two steps' slices in flight across the workers
@@ -96,7 +100,7 @@ def batches_of(
     )
     loaded = iter(loader)
     try:
-        yield _from_workers(steps, pieces, loaded, device)
+        yield _from_workers(steps, grad_accum, loaded, device)
     finally:
         loaded._shutdown_workers()  # now, not when a traceback frees the iterator
 
@@ -115,10 +119,11 @@ def _in_thread(dataset, strategy, plan, grad_accum, device) -> Iterator[StepData
         yield StepData(step, batches, time.perf_counter() - started)
 
 
-def _from_workers(steps, pieces, loaded, device) -> Iterator[StepData]:
-    for step, step_pieces in zip(steps, pieces):
+def _from_workers(steps, grad_accum, loaded, device) -> Iterator[StepData]:
+    for step in steps:
         started = time.perf_counter()
-        batches = [to_device(next(loaded), device) for _ in step_pieces]
+        pieces = len(step.indices.chunk(grad_accum))  # as many as _pieces made
+        batches = [to_device(next(loaded), device) for _ in range(pieces)]
         yield StepData(step, batches, time.perf_counter() - started)
 
 
