@@ -9,7 +9,8 @@ stopped, dead or stuck engines replaced); then the next run's time to its first 
 counts the steps finished since the last checkpoint (29 - 25: what --resume must redo). A
 kernel interrupt instead stops every rank after the same step and writes a checkpoint there, so
 it loses nothing; its "contain" is the time from the interrupt to the cell's return. Detection
-is measured at the notebook's polling granularity (50 ms).
+is measured at the notebook's polling granularity (50 ms). The cases where the pool itself is
+lost (the process that started it killed, its controller killed) are in benchmarks/pool_loss.py.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import argparse
 import json
 import os
 import signal
+import sys
 import tempfile
 import threading
 import time
@@ -26,6 +28,9 @@ from pathlib import Path
 import sagenb
 from sagenb import failures, session
 from sagenb.engine.checkpoint import latest
+
+sys.path.insert(0, str(Path(__file__).parent))
+import pool_loss  # noqa: E402 - a sibling file of this script
 
 BASE = """
 import os, signal, time
@@ -144,6 +149,9 @@ def main() -> None:
                 row = one(name, action, directory)
                 rows.append(row)
                 print(row, flush=True)
+        with tempfile.TemporaryDirectory() as directory:
+            lost = pool_loss.rows(directory)
+            print(lost, flush=True)
     finally:
         sagenb.stop_pool()
     lines = [
@@ -160,9 +168,21 @@ def main() -> None:
         f"| {r['next_first_step_s']:.2f} | {r['steps_lost']} |"
         for r in rows
     ]
+    lines += [
+        "",
+        "When the pool itself is lost (seconds from the signal or the kill):",
+        "",
+        "| case | error in the cell s | no process or port left s | next run's first step s |",
+        "|---|---|---|---|",
+    ]
+    lines += [
+        f"| {r['case']} | {_seconds(r.get('raised_s'))} | {r['gone_s']:.2f} | "
+        f"{_seconds(r.get('next_first_step_s'))} |"
+        for r in lost
+    ]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "recovery.json").write_text(json.dumps(rows, indent=1))
+    (out / "recovery.json").write_text(json.dumps({"faults": rows, "pool_lost": lost}, indent=1))
     (out / "recovery.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
