@@ -43,6 +43,7 @@ class RankTrace:
     frames: list[Frame] = field(default_factory=list)  # innermost first, as dumped
     collectives: list[dict] = field(default_factory=list)  # in flight, oldest first
     collected: bool = False  # whether a stack was dumped at all
+    _last_read: str = field(default="", repr=False)
 
     @property
     def waiting(self) -> bool:
@@ -110,10 +111,13 @@ def collect(
 def _read(trace: RankTrace, store, port: int) -> bool:
     """Fill in what has come; True when both the stack and the collectives have."""
     if not trace.collected:
+        # faulthandler writes line by line from the signal handler: a dump is complete
+        # when it reads the same twice, a poll apart
         text = _read_file(stack_path(port, trace.rank))
-        frames = _main_frames(text) if text else None
+        frames = _main_frames(text) if text and text == trace._last_read else None
         if frames is not None:
             trace.frames, trace.collected = frames, True
+        trace._last_read = text
     key = collectives_key(trace.rank)
     got = _quietly(store.check, [key])
     if got:

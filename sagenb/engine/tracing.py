@@ -49,8 +49,15 @@ def collectives_key(rank: int) -> str:
     return f"sagenb/trace/collectives/{rank}"
 
 
-def _ignore(signum: int, frame: object) -> None:
-    """SIGUSR1 outside a run: nothing (its default action would end the engine)."""
+_nowhere: list = []  # /dev/null, opened once per engine
+
+
+def _stand_down() -> None:
+    """Dump a later SIGUSR1 (sent as the run ended) into /dev/null: unregistered, its default
+    action would end the engine, and a closed file's descriptor may be reused."""
+    if not _nowhere:
+        _nowhere.append(open(os.devnull, "w"))  # noqa: SIM115 - for the engine's lifetime
+    faulthandler.register(STACK_SIGNAL, file=_nowhere[0], all_threads=True, chain=False)
 
 
 class Tracer:
@@ -63,9 +70,6 @@ class Tracer:
         self._file = open(self.path, "w")  # noqa: SIM115 - faulthandler writes to it until close
         self._file.write(f"rank thread 0x{threading.get_ident():016x}\n")
         self._file.flush()  # faulthandler appends at the descriptor's offset, after this line
-        in_main = threading.current_thread() is threading.main_thread()
-        if in_main and signal.getsignal(STACK_SIGNAL) == signal.SIG_DFL:
-            signal.signal(STACK_SIGNAL, _ignore)  # what faulthandler restores at unregister
         faulthandler.register(STACK_SIGNAL, file=self._file, all_threads=True, chain=False)
         self._closed, self._where = False, (addr, port)
         # the thread connects: an unreachable store fails init_process_group, not this
@@ -96,7 +100,7 @@ class Tracer:
 
     def close(self) -> None:
         """Stop dumping (a later SIGUSR1 is ignored), remove the file, release the thread."""
-        faulthandler.unregister(STACK_SIGNAL)
+        _stand_down()
         self._closed = True
         self._file.close()
         try:
