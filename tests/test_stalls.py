@@ -11,6 +11,7 @@ import pytest
 
 import sagenb
 from sagenb.failures import StalledError
+from sagenb.stacks import CELL_FILE, Frame, RankTrace, culprits
 
 from .conftest import REGRESSION_CELL
 
@@ -83,3 +84,25 @@ def test_a_rank_stuck_in_a_loop_is_named_with_its_stack(pool):
     assert pool.engine_ids == engines and pool.pids == pids
     result = sagenb.train(REGRESSION_CELL, batch_size=16, steps=3, dashboard=False)
     assert len(result.history) == 3
+
+
+def test_when_every_rank_waits_the_ranks_behind_are_named():
+    """Ranks in different collectives (a deadlock) all wait: the stuck ones are those whose
+    last reported step is lowest. (Pure: what sagenb/stacks.py reads from dumps.)"""
+    torch_frame = Frame("/x/torch/distributed/distributed_c10d.py", 1, "recv")
+    cell = Frame(CELL_FILE, 3, "loss_fn")
+    p2p = {"op": "gloo:recv", "seq": 1, "sizes": [[3]], "group": "default_pg"}
+    traces = {
+        0: RankTrace(0, [torch_frame], [p2p], collected=True),
+        1: RankTrace(1, [torch_frame, cell], [p2p], collected=True),
+        2: RankTrace(2, [torch_frame], [p2p], collected=True),
+    }
+    assert all(t.waiting for t in traces.values())
+    assert culprits(traces, {0: 4, 1: 3, 2: 3}) == ([1, 2], [0, 1, 2])
+    assert traces[1].collective() == "gloo:recv (seq 1, sizes [[3]])"
+    # outermost first, the cell's frame with its own line (the file above has none to show)
+    assert traces[1].stack("a = 1\nb = 2\nspin()\n").splitlines() == [
+        '  File "<smp_train cell>", line 3, in loss_fn',
+        "    spin()",
+        '  File "/x/torch/distributed/distributed_c10d.py", line 1, in recv',
+    ]
