@@ -233,8 +233,13 @@ class EnginePool:
 
     def interrupt(self, engine_ids: Sequence[int]) -> None:
         """SIGINT to engines: their Python code raises KeyboardInterrupt."""
+        self.send_signal(engine_ids, signal.SIGINT)
+
+    def send_signal(self, engine_ids: Sequence[int], sig: int) -> None:
+        """Send `sig` to engines, without waiting for them (SIGUSR1: dump the running
+        rank's stack, engine/tracing.py)."""
         for eid in engine_ids:
-            self._signal(eid, signal.SIGINT)
+            self._signal(eid, sig)
 
     def _signal(self, engine_id: int, sig: int) -> None:
         """Send `sig` to an engine: by pid when it runs on this host (no round trip through a

@@ -2,13 +2,13 @@
 
 Each error names the rank and engine it came from and carries that rank's traceback; an
 out-of-memory error also carries the rank's last memory telemetry, a stall the last step every
-rank reported, an interrupt the partial result (history so far, and the parameters when the
-ranks stopped at a step boundary).
+rank reported and where each rank was (stacks, collectives), an interrupt the partial result
+(history so far, and the parameters when the ranks stopped at a step boundary).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 __all__ = [
@@ -53,7 +53,30 @@ class EngineDiedError(TrainingError):
 
 
 class StalledError(TrainingError):
-    """No rank reported progress for --timeout seconds; the stuck ranks were stopped."""
+    """No rank reported progress for --timeout seconds; the ranks were stopped after their
+    stacks were read. `stuck_ranks` did not finish their step: busy in code of their own (or,
+    when every rank was waiting in a collective, those whose last reported step is lowest);
+    `waiting_ranks` were blocked in a collective, waiting for them. `stacks` maps each rank to
+    its Python stack (innermost frame last) and `collectives` to the collective it was in ('' if
+    none). `rank` and `engine_id` are the first stuck rank's."""
+
+    def __init__(
+        self,
+        rank: int,
+        engine_id: int,
+        detail: str,
+        *,
+        stuck_ranks: Sequence[int] = (),
+        waiting_ranks: Sequence[int] = (),
+        stacks: Mapping[int, str] | None = None,
+        collectives: Mapping[int, str] | None = None,
+    ) -> None:
+        self.stuck_ranks = list(stuck_ranks) or [rank]
+        self.waiting_ranks = list(waiting_ranks)
+        self.stacks = dict(stacks or {})
+        self.collectives = dict(collectives or {})
+        super().__init__(rank, engine_id, detail)
+        self.args = (detail,)  # the detail names the ranks itself
 
 
 class PoolDiedError(RuntimeError):

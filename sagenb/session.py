@@ -18,7 +18,7 @@ from typing import Any
 from ipyparallel.error import EngineError
 from torch.distributed import TCPStore
 
-from sagenb import cluster
+from sagenb import cluster, stacks
 from sagenb.checkpoints import resume_warnings
 from sagenb.config import ConfigError, TrainConfig
 from sagenb.cost import CostMeter, meter_for
@@ -46,6 +46,7 @@ RELEASE_S = 5.0  # how long ranks get to end after the engines blocking them are
 CONTROLLER_CHECK_S = 1.0  # how often a run checks that the pool's controller still runs
 OUTPUT_S = 10.0  # how long to wait for the last published metrics after a rank returns
 STOP_S = 4.0  # after an interrupt, how long ranks get to stop at a step boundary
+INTERRUPTED_S = 2.0  # how long the ranks of a stalled run get to end once interrupted
 
 
 def prepare(job: str | Callable[[], Any] | Job, config: TrainConfig) -> Job:
@@ -414,18 +415,38 @@ class _Run:
         return {}
 
     def _stall(self) -> None:
-        steps = {r: stream.received for r, stream in enumerate(self.streams)}
-        stuck = min(steps, key=steps.get)
-        running = [self.ids[r] for r, ar in enumerate(self.ars) if not ar.ready()]
-        self.pool.kill(running)
+        """Read where every running rank is (engine/tracing.py, sagenb/stacks.py), then
+        interrupt them: a rank in a Python loop or a sleep ends at once and releases its
+        peers, so the engines stay and the pool needs no repair (engines are killed and
+        replaced only when they do not end, as after any failure)."""
+        running = {r: self.ids[r] for r, ar in enumerate(self.ars) if not ar.ready()}
+        traces = stacks.collect(self.pool, self.store, running, self.store.port)
+        steps = self._last_steps()
+        stuck, waiting = stacks.culprits(traces, steps)
+        self.pool.interrupt(list(running.values()))
+        self._wait_all(INTERRUPTED_S)  # then _contain kills what has not ended
         self._contain()
+        replaced = [r for r, eid in running.items() if eid not in self.pool.client.ids]
+        what = "their engines replaced" if replaced else "their engines kept"
         raise StalledError(
-            stuck,
-            self.ids[stuck],
-            f"no rank reported progress for {self.config.timeout:.0f} s (--timeout); steps "
-            f"reported per rank: {steps}. The running ranks were stopped and their engines "
-            "replaced. Raise --timeout if a step really takes this long.",
+            stuck[0],
+            self.ids[stuck[0]],
+            f"no rank reported progress for {self.config.timeout:.0f} s (--timeout): "
+            f"{stacks.summary(traces, stuck, waiting, steps)}. Last step reported per rank: "
+            f"{steps}. The running ranks were stopped and {what}. Raise --timeout if a step "
+            f"really takes this long.\n{stacks.describe(traces, stuck, self.ids, self.job.source)}",
+            stuck_ranks=stuck,
+            waiting_ranks=waiting,
+            stacks={r: t.stack(self.job.source) for r, t in traces.items()},
+            collectives={r: t.collective() for r, t in traces.items()},
         )
+
+    def _last_steps(self) -> dict[int, int]:
+        """The last step each rank reported (0: none)."""
+        last = dict.fromkeys(range(self.engines), 0)
+        for rec in self.history.records:
+            last[rec.rank] = max(last[rec.rank], rec.step)
+        return last
 
     def _interrupted(self) -> TrainResult:
         """Ask every rank to stop after the same step (engine/stopping.py);

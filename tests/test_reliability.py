@@ -115,7 +115,7 @@ def test_stuck_rank_is_stopped_by_the_watchdog(pool):
             fault_cell("while True: pass"), batch_size=16, steps=20, timeout=3, dashboard=False
         )
     assert time.perf_counter() - started < 25
-    assert_healed(pool, before, replaced=2)
+    assert_healed(pool, before, replaced=0)  # interrupted, not killed (tests/test_stalls.py)
 
 
 def test_out_of_memory_is_reported_as_such(pool):

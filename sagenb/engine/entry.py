@@ -7,12 +7,14 @@ so a failing rank releases its peers instead of leaving them in a collective unt
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 import traceback
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 
@@ -24,6 +26,7 @@ from sagenb.engine.precision import check_supported
 from sagenb.engine.publish import Publisher
 from sagenb.engine.recompute import checkpoint_blocks
 from sagenb.engine.strategies import make_strategy
+from sagenb.engine.tracing import Tracer
 from sagenb.engine.workspace import build_workspace
 from sagenb.job import Job, JobError
 
@@ -77,6 +80,7 @@ class RankFailure(RuntimeError):
 def run_rank(spec: RankSpec, publish: Publisher | None = None) -> RankResult:
     publish = publish if publish is not None else Publisher()
     error: Exception | None = None
+    tracer = _tracer(spec)  # where this rank is, should the notebook find the run stalled
     try:
         return train_rank(spec, publish)
     except JobError as exc:
@@ -92,7 +96,23 @@ def run_rank(spec: RankSpec, publish: Publisher | None = None) -> RankResult:
         except Exception:  # noqa: BLE001 - reporting must not hide the run's own error
             pass
         process_group.shutdown()
+        if tracer is not None:
+            tracer.close()
     raise error
+
+
+def _tracer(spec: RankSpec) -> Tracer | None:
+    """The rank's Tracer (engine/tracing.py); None when it cannot be set up: a run that
+    cannot show where it stalled still runs."""
+    try:
+        return Tracer(
+            addr=spec.addr,
+            port=spec.port,
+            rank=spec.rank,
+            timeout=timedelta(seconds=spec.config.collective_timeout),
+        )
+    except Exception:  # noqa: BLE001 - the same store fails init_process_group, with its error
+        return None
 
 
 def train_rank(spec: RankSpec, publish: Publisher) -> RankResult:
@@ -168,9 +188,18 @@ def merge_states(
 
 def warm() -> None:
     """Import what the first run would otherwise pay for: DDP's constructor imports
-    torch._dynamo lazily, 1.3-1.6 s on this 2-core machine."""
+    torch._dynamo lazily, 1.3-1.6 s on this 2-core machine.
+
+    Then freeze what is imported (https://docs.python.org/3/library/gc.html#gc.freeze): the
+    ~300,000 objects of torch and its dynamo are never garbage, and the full collection of
+    process_group.shutdown() walked them all, 1.0-1.3 s per rank on this 2-core machine, the
+    most of the time an interrupted or failed run took to end (a stalled run interrupts its
+    ranks and a peer waits for the stuck rank's shutdown). Frozen: under a millisecond."""
     import torch._dynamo  # noqa: F401
     import torch.nn.parallel  # noqa: F401
+
+    gc.collect()
+    gc.freeze()
 
 
 def probe() -> dict:

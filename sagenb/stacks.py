@@ -1,0 +1,217 @@
+"""Where the ranks of a stalled run are, read before any of them is stopped: each rank's
+Python stack (dumped by faulthandler on SIGUSR1) and the collectives it has started and not
+finished (torch's flight recorder), as engine/tracing.py leaves them.
+
+A rank whose innermost frame is in torch and that has a collective in flight is *waiting*: the
+victim of a peer that does not reach the same collective. A rank busy anywhere else (the cell's
+loop, a sleep, a data loader) is *busy*: the culprit.
+"""
+
+from __future__ import annotations
+
+import json
+import linecache
+import os
+import re
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from sagenb.engine.tracing import STACK_SIGNAL, collectives_key, request_key, stack_path
+
+__all__ = ["RankTrace", "collect", "describe", "CELL_FILE"]
+
+CELL_FILE = "<smp_train cell>"  # the file name job.py compiles a cell under
+DUMP_WAIT_S = 1.0  # the most a dump may take to appear (measured: under 0.1 s when idle)
+_THREAD = re.compile(r"^(?:Current thread|Thread) (0x[0-9a-f]+)", re.M)
+_FRAME = re.compile(r'^\s+File "(.*)", line (\d+) in (.*)$')
+SHOWN_FRAMES = 10  # the outermost 2 and innermost 8 frames, and every frame of the cell
+
+
+@dataclass(frozen=True)
+class Frame:
+    file: str
+    line: int
+    name: str
+
+
+@dataclass
+class RankTrace:
+    """What one rank was doing when the run stalled."""
+
+    rank: int
+    frames: list[Frame] = field(default_factory=list)  # innermost first, as dumped
+    collectives: list[dict] = field(default_factory=list)  # in flight, oldest first
+    collected: bool = False  # whether a stack was dumped at all
+    _last_read: str = field(default="", repr=False)
+
+    @property
+    def waiting(self) -> bool:
+        """Blocked in a collective (or torch.distributed), not busy in code of its own."""
+        inner = self.frames[0].file if self.frames else ""
+        if "/torch/distributed/" in inner:
+            return True
+        return bool(self.collectives) and (not self.frames or "/torch/" in inner)
+
+    def collective(self) -> str:
+        """'gloo:all_reduce (seq 12, sizes [[1000]])' for the oldest in flight, else ''."""
+        if not self.collectives:
+            return ""
+        c = self.collectives[0]
+        return f"{c['op']} (seq {c['seq']}, sizes {c['sizes']})"
+
+    def stack(self, source: str = "") -> str:
+        """The rank's frames as a Python traceback reads (innermost last), trimmed to the
+        frames that matter: the outermost, the innermost, and every one in the cell."""
+        if not self.collected:
+            return "  (no stack: the rank did not dump one; is its engine on another host?)"
+        frames = self.frames[::-1]
+        keep = {i for i, f in enumerate(frames) if f.file == CELL_FILE}
+        keep |= set(range(2)) | set(range(len(frames) - (SHOWN_FRAMES - 2), len(frames)))
+        lines, skipped = [], 0
+        for i, f in enumerate(frames):
+            if i not in keep:
+                skipped += 1
+                continue
+            if skipped:
+                lines.append(f"  ... {skipped} frame{'s' * (skipped > 1)} ...")
+                skipped = 0
+            lines.append(f'  File "{f.file}", line {f.line}, in {f.name}')
+            code = _source_line(f, source)
+            if code:
+                lines.append(f"    {code}")
+        return "\n".join(lines)
+
+
+def collect(
+    pool, store, engine_ids: Mapping[int, int], port: int, *, wait_s: float = DUMP_WAIT_S
+) -> dict[int, RankTrace]:
+    """Ask each rank in `engine_ids` ({rank: engine id}) where it is, and read the answers;
+    whatever has not come within `wait_s` is left out (never raises: the run still has to
+    be stopped)."""
+    for rank, eid in engine_ids.items():
+        _quietly(store.set, request_key(rank), "dump")
+        pool.send_signal([eid], STACK_SIGNAL)
+    traces = {rank: RankTrace(rank) for rank in engine_ids}
+    deadline = time.monotonic() + wait_s
+    pending = set(engine_ids)
+    while pending and time.monotonic() < deadline:
+        time.sleep(0.05)
+        for rank in list(pending):
+            if _read(traces[rank], store, port):
+                pending.discard(rank)
+    for rank in engine_ids:
+        try:
+            os.remove(stack_path(port, rank))
+        except OSError:
+            pass
+    return traces
+
+
+def _read(trace: RankTrace, store, port: int) -> bool:
+    """Fill in what has come; True when both the stack and the collectives have."""
+    if not trace.collected:
+        # faulthandler writes line by line from the signal handler: a dump is complete
+        # when it reads the same twice, a poll apart
+        text = _read_file(stack_path(port, trace.rank))
+        frames = _main_frames(text) if text and text == trace._last_read else None
+        if frames is not None:
+            trace.frames, trace.collected = frames, True
+        trace._last_read = text
+    key = collectives_key(trace.rank)
+    got = _quietly(store.check, [key])
+    if got:
+        trace.collectives = json.loads(store.get(key).decode())
+    return trace.collected and bool(got)
+
+
+def _read_file(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def _main_frames(text: str) -> list[Frame] | None:
+    """The frames of the thread that runs the rank (named on the file's first line), cut at
+    the engine's entry: what ipyparallel ran it from is noise. None until a complete dump."""
+    header, _, dump = text.partition("\n")
+    main = header.rsplit(" ", 1)[-1]
+    blocks = {m.group(1): m.start() for m in _THREAD.finditer(dump)}
+    if main not in blocks or not dump.endswith("\n"):
+        return None
+    frames = []
+    for line in dump[blocks[main] :].splitlines()[1:]:
+        m = _FRAME.match(line)
+        if m is None:
+            break
+        frame = Frame(m.group(1), int(m.group(2)), m.group(3))
+        if frame.name == "run_rank" and frame.file.endswith(os.path.join("engine", "entry.py")):
+            break
+        frames.append(frame)
+    return frames
+
+
+def _source_line(frame: Frame, source: str) -> str:
+    if frame.file == CELL_FILE:
+        lines = source.splitlines()
+        return lines[frame.line - 1].strip() if 0 < frame.line <= len(lines) else ""
+    return linecache.getline(frame.file, frame.line).strip()
+
+
+def _quietly(fn, *args):
+    try:
+        return fn(*args)
+    except Exception:  # noqa: BLE001 - the store or an engine may be what failed
+        return None
+
+
+def describe(
+    traces: Mapping[int, RankTrace], stuck: Sequence[int], ids: Sequence[int], source: str
+) -> str:
+    """Each stuck rank's stack, then each waiting one's, for the error's message."""
+    parts = []
+    for rank in [*stuck, *(r for r in traces if r not in stuck)]:
+        t = traces[rank]
+        what = "stuck" if rank in stuck else ("waiting" if t.waiting else "running")
+        where = f", in {t.collective()}" if t.collective() else ""
+        parts.append(f"rank {rank} (engine {ids[rank]}), {what}{where}:\n{t.stack(source)}")
+    return "\n".join(parts)
+
+
+def culprits(traces: Mapping[int, RankTrace], steps: Mapping[int, int]) -> tuple[list, list]:
+    """(stuck, waiting) ranks: stuck are those busy in code of their own; when every rank
+    waits in a collective (ranks in different collectives), those whose last reported step is
+    lowest."""
+    waiting = [r for r, t in traces.items() if t.waiting]
+    busy = [r for r in traces if r not in waiting]
+    if busy:
+        return busy, waiting
+    lowest = min((steps.get(r, 0) for r in traces), default=0)
+    return [r for r in traces if steps.get(r, 0) == lowest], waiting
+
+
+def summary(
+    traces: Mapping[int, RankTrace],
+    stuck: Sequence[int],
+    waiting: Sequence[int],
+    steps: Mapping[int, int],
+) -> str:
+    """'rank 1 did not finish step 4 (busy in its own code); rank 0 was waiting for it in
+    gloo:all_reduce (seq 12, sizes [[16, 8]])'."""
+
+    def step(r: int) -> str:
+        return f"step {steps.get(r, 0) + 1}"
+
+    said = [
+        f"rank {r} did not finish {step(r)} "
+        + ("(waiting in a collective too)" if r in waiting else "(busy in its own code)")
+        for r in stuck
+    ]
+    for r in waiting:
+        if r not in stuck:
+            said.append(
+                f"rank {r} was waiting for it in {traces[r].collective() or 'a collective'}"
+            )
+    return "; ".join(said)

@@ -1,0 +1,108 @@
+"""A stalled run says where (issue 19, item 6): the rank that did not finish its step, its
+Python stack down to the cell's line, the peers that waited for it in a collective; within
+--timeout plus 3 s of the last progress, and the pool trains the next run on the same engines."""
+
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+
+import sagenb
+from sagenb.failures import StalledError
+from sagenb.stacks import CELL_FILE, Frame, RankTrace, culprits
+
+from .conftest import REGRESSION_CELL
+
+TIMEOUT = 5
+#: the issue's bound on the time from the last progress to the error, past --timeout
+MARGIN_S = 3.0
+
+# rank 1 spins in the cell's loss_fn at its 3rd call; rank 0 goes on into the step's
+# gradient all-reduce and waits there for rank 1
+LOOP_CELL = (
+    REGRESSION_CELL
+    + """
+import torch.distributed as dist
+calls = [0]
+def loss_fn(output, target):
+    calls[0] += 1
+    if calls[0] == 3 and dist.get_rank() == 1:
+        spins = 0
+        while True: spins += 1  # stuck on purpose
+    return nn.functional.mse_loss(output, target)
+"""
+)
+
+
+class LastProgress:
+    """A metric sink noting when the notebook last received a step."""
+
+    def __init__(self) -> None:
+        self.at = time.monotonic()
+
+    def log(self, metrics, step, rank) -> None:
+        self.at = time.monotonic()
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_rank_stuck_in_a_loop_is_named_with_its_stack(pool):
+    engines = pool.engine_ids
+    pids = dict(pool.pids)
+    progress = LastProgress()
+    with pytest.raises(StalledError) as info:
+        sagenb.train(
+            LOOP_CELL,
+            batch_size=16,
+            steps=20,
+            timeout=TIMEOUT,
+            dashboard=False,
+            sinks=[progress],
+        )
+    late = time.monotonic() - progress.at
+    err = info.value
+    print(f"\n{err}\n(raised {late:.2f} s after the last progress, --timeout {TIMEOUT})")
+
+    # the culprit, not the victim; the victim said to be waiting, and in what
+    assert (err.rank, err.engine_id, err.stuck_ranks) == (1, engines[1], [1])
+    assert err.waiting_ranks == [0]
+    assert "all_reduce" in err.collectives[0] and err.collectives[1] == ""
+    assert re.search(r"rank 1 did not finish step \d+ \(busy in its own code\)", str(err))
+    assert "rank 0 was waiting for it in gloo:all_reduce (seq " in str(err)
+    # the stuck rank's stack ends at the cell's looping line
+    assert err.stacks[1].splitlines()[-1].strip() == "while True: spins += 1  # stuck on purpose"
+    assert '"<smp_train cell>", line ' in err.stacks[1]
+    assert "while True: spins += 1" in str(err)
+    assert "backward" in err.stacks[0]  # DDP's all-reduce runs inside backward
+
+    assert late < TIMEOUT + MARGIN_S
+
+    # the ranks were interrupted, not killed: the same engines train the next run
+    assert pool.engine_ids == engines and pool.pids == pids
+    result = sagenb.train(REGRESSION_CELL, batch_size=16, steps=3, dashboard=False)
+    assert len(result.history) == 3
+
+
+def test_when_every_rank_waits_the_ranks_behind_are_named():
+    """Ranks in different collectives (a deadlock) all wait: the stuck ones are those whose
+    last reported step is lowest. (Pure: what sagenb/stacks.py reads from dumps.)"""
+    torch_frame = Frame("/x/torch/distributed/distributed_c10d.py", 1, "recv")
+    cell = Frame(CELL_FILE, 3, "loss_fn")
+    p2p = {"op": "gloo:recv", "seq": 1, "sizes": [[3]], "group": "default_pg"}
+    traces = {
+        0: RankTrace(0, [torch_frame], [p2p], collected=True),
+        1: RankTrace(1, [torch_frame, cell], [p2p], collected=True),
+        2: RankTrace(2, [torch_frame], [p2p], collected=True),
+    }
+    assert all(t.waiting for t in traces.values())
+    assert culprits(traces, {0: 4, 1: 3, 2: 3}) == ([1, 2], [0, 1, 2])
+    assert traces[1].collective() == "gloo:recv (seq 1, sizes [[3]])"
+    # outermost first, the cell's frame with its own line (the file above has none to show)
+    assert traces[1].stack("a = 1\nb = 2\nspin()\n").splitlines() == [
+        '  File "<smp_train cell>", line 3, in loss_fn',
+        "    spin()",
+        '  File "/x/torch/distributed/distributed_c10d.py", line 1, in recv',
+    ]
