@@ -22,6 +22,14 @@ __all__ = [
 ]
 
 OOM_MARKERS = ("out of memory", "can't allocate memory", "MemoryError", "OutOfMemoryError")
+#: what a rank says when it failed only because a peer went away (gloo's and nccl's words):
+#: the peer's own error is the one to report, whichever task completed first
+PEER_LOST = (
+    "Connection closed by peer",
+    "Connection reset by peer",
+    "Broken pipe",
+    "NCCL communicator was aborted",
+)
 #: how ipyparallel names the error of a task whose engine died
 DEAD_ENGINE = ("EngineError", "DeadEngine")
 
@@ -90,6 +98,11 @@ class TrainingInterrupted(KeyboardInterrupt):
     def __init__(self, result: Any) -> None:
         self.result = result
         super().__init__(f"interrupted after {len(result.history)} steps")
+
+
+def lost_a_peer(evalue: str) -> bool:
+    """Whether a rank's error only says that another rank went away."""
+    return any(marker in evalue for marker in PEER_LOST)
 
 
 def classify(

@@ -272,6 +272,7 @@ class SmpMagics(Magics):
             if pool is None:
                 print("no engine pool is running: %smp_cluster start -n N")
                 return None
+            pool.heal()  # engines lost in a failed run are replaced on the pool's next use
         _print_status(pool)
         return None
 

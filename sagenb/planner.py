@@ -128,6 +128,7 @@ def plan(job: Any, config: TrainConfig | None = None, *, pool=None, **options: A
         raise ConfigError("strategy", config.strategy, "the planner is for model or hybrid")
     prepared = prepare(job, config)
     pool = pool or cluster.ensure_pool(config.partitions)
+    pool.heal()  # engines lost in a failed run are replaced first (session.train does too)
     engines = config.partitions if config.strategy == "model" else (config.engines or pool.size)
     config = config.with_engines(engines)
     threads = config.threads_per_engine(engines)

@@ -33,6 +33,7 @@ from sagenb.failures import (
     TrainingError,
     TrainingInterrupted,
     classify,
+    lost_a_peer,
 )
 from sagenb.job import Job, JobError
 from sagenb.metrics import History, MetricSink, RankStream
@@ -76,6 +77,7 @@ def train(
     prepared = prepare(job, config)
     if pool is None:
         pool = cluster.ensure_pool(config.engines_to_start())
+    pool.heal()  # engines lost in an earlier run's failure are replaced before this one
     config = _resolve_engines(config, pool)
     return _Run(pool, config, prepared, list(sinks)).execute()
 
@@ -339,7 +341,9 @@ class _Run:
 
     # -- when things go wrong --------------------------------------------------------------
     def _contain(self) -> None:
-        """Every rank ends within seconds and the pool heals (dead engines replaced)."""
+        """Every rank ends within seconds. The engines that died or were killed are replaced
+        when the pool is next used (`train` heals it first), not here: the error reaches the
+        cell now, not after a new engine has started (5-20 s on a busy 2-core machine)."""
         self._mark_end()  # repairing the pool is not part of the run's time or cost
         if not self.pool.controller_alive():
             self._pool_died()
@@ -354,7 +358,6 @@ class _Run:
                 self._wait_all(RELEASE_S)
         dead = [ids[r] for r, ar in enumerate(ars) if _died(ar)]
         self.pool.kill(dead)  # waits until the controller has dropped them
-        self.pool.heal()
 
     def _stop_ranks(self) -> None:
         """Stop every rank still running: at a step boundary if they stop within STOP_S,
@@ -397,7 +400,7 @@ class _Run:
         self._contain()
         self._drain()
         failed = [r for r, ar in enumerate(self.ars) if ar.ready() and not ar.successful()]
-        first = min(failed, key=lambda r: self.ars[r].metadata.get("completed") or datetime.max)
+        first = min(failed, key=self._blame)
         err = self.ars[first].exception()
         ename = getattr(err, "ename", type(err).__name__)
         evalue = getattr(err, "evalue", str(err))
@@ -406,6 +409,14 @@ class _Run:
         raise classify(
             ename, evalue, rank=first, engine_id=self.ids[first], memory=self._memory(first)
         )
+
+    def _blame(self, rank: int) -> tuple[bool, datetime]:
+        """The rank to report sorts first: one with an error of its own before one that only
+        lost a peer (a failing rank releases its peers before its own task completes), then
+        the first to complete."""
+        err = self.ars[rank].exception()
+        completed = self.ars[rank].metadata.get("completed") or datetime.max
+        return lost_a_peer(str(getattr(err, "evalue", err))), completed
 
     def _memory(self, rank: int) -> dict[str, float]:
         """The rank's memory telemetry from the last step it reported."""

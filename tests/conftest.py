@@ -33,6 +33,8 @@ def _stop_pool_at_end():
 def pool(_stop_pool_at_end) -> cluster.EnginePool:
     """The shared pool of 2 engines (started again if a test stopped or resized it)."""
     current = cluster.current_pool()
+    if current is not None:
+        current.heal()  # engines a failed test lost are replaced when the pool is next used
     if current is None or current.size != 2:
         current = cluster.start_pool(2)
     return current
@@ -42,6 +44,8 @@ def pool(_stop_pool_at_end) -> cluster.EnginePool:
 def pool4(_stop_pool_at_end) -> cluster.EnginePool:
     """A pool of 4 engines (hybrid and tensor x data parallel), started when needed."""
     current = cluster.current_pool()
+    if current is not None:
+        current.heal()
     return current if current is not None and current.size == 4 else cluster.start_pool(4)
 
 

@@ -53,6 +53,10 @@ def pids(pool) -> list[int]:
 
 
 def assert_healed(pool, before: list[int], *, replaced: int) -> None:
+    """The engines that had to go are gone (no zombie), and the next run replaces them first
+    and trains on a full pool."""
+    result = sagenb.train(REGRESSION_CELL, batch_size=16, steps=3, dashboard=False)
+    assert len(result.history) == 3 and result.engines == len(before)
     after = pids(pool)
     assert pool.size == len(before) and len(set(after) - set(before)) == replaced
     gone = set(before) - set(after)
@@ -60,8 +64,6 @@ def assert_healed(pool, before: list[int], *, replaced: int) -> None:
     while any(psutil.pid_exists(p) for p in gone) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(psutil.pid_exists(p) for p in gone)  # replaced engines leave no zombie
-    result = sagenb.train(REGRESSION_CELL, batch_size=16, steps=3, dashboard=False)
-    assert len(result.history) == 3
 
 
 FAILING_CELL = fault_cell("raise ValueError('bad batch on purpose')")
@@ -76,9 +78,8 @@ def test_a_failing_rank_is_reported_and_the_pool_stays_usable(pool):
     ):
         sagenb.train(FAILING_CELL, batch_size=16, steps=20, dashboard=False)
     assert time.perf_counter() - started < 5  # the peer was released, not timed out
-    assert pool.size == 2
     result = sagenb.train(REGRESSION_CELL, batch_size=16, steps=3, dashboard=False)
-    assert len(result.history) == 3
+    assert len(result.history) == 3 and pool.size == 2
 
 
 def test_ranks_that_do_not_stop_are_killed_and_replaced(pool):
@@ -86,11 +87,12 @@ def test_ranks_that_do_not_stop_are_killed_and_replaced(pool):
     started = time.perf_counter()
     with pytest.raises(TrainingError, match=r"(?s)rank 1 \(engine \d+\) failed.*bad batch"):
         sagenb.train(STUCK_CELL, batch_size=16, steps=20, dashboard=False)
-    assert time.perf_counter() - started < 30
-    new_pids = [row.pid for row in pool.status()]
-    assert pool.size == 2 and not set(pids) & set(new_pids)
+    # the error does not wait for new engines: they start with the next run
+    assert time.perf_counter() - started < 15
     result = sagenb.train(REGRESSION_CELL, batch_size=16, steps=3, dashboard=False)
     assert len(result.history) == 3
+    new_pids = [row.pid for row in pool.status()]
+    assert pool.size == 2 and not set(pids) & set(new_pids)
 
 
 def test_killed_engine(pool):
@@ -103,7 +105,7 @@ def test_killed_engine(pool):
             steps=20,
             dashboard=False,
         )
-    assert time.perf_counter() - started < 20
+    assert time.perf_counter() - started < 10  # new engines start with the next run
     assert_healed(pool, before, replaced=1)
 
 
