@@ -63,9 +63,11 @@ def load_ipython_extension(ipython: Any) -> None:
     and starts the default engine pool in the background (SAGENB_PREWARM=0 in the environment
     turns that off), so that the 8-12 s a pool takes pass while the first cell is written."""
     from sagenb import cluster
-    from sagenb.magics import SmpMagics
+
+    with cluster.IMPORTS:  # the start's first seconds overlap this thread's import of torch
+        if cluster.prewarm_wanted():
+            # a failing start never breaks %load_ext: its error is raised by the first run
+            cluster.prewarm()
+        from sagenb.magics import SmpMagics
 
     ipython.register_magics(SmpMagics)
-    if cluster.prewarm_wanted():
-        # a failing start never breaks %load_ext: its error is raised by the first run
-        cluster.prewarm()

@@ -164,8 +164,7 @@ class EnginePool:
         """Wait until n engines have registered, starting each one's warm-up imports (torch,
         DDP's torch._dynamo: the longest part of a start) as soon as it has registered rather
         than when the last one has."""
-        from sagenb.engine.entry import warm
-
+        warm, _ = _engine_side()
         waiting = self.client.wait_for_engines(n, timeout=timeout, block=False, interactive=False)
         warming: set[int] = set()
         while not waiting.done():
@@ -253,9 +252,7 @@ class EnginePool:
     ) -> None:
         """Import torch, sagenb and DDP's lazy imports on the engines, all at once; note
         where each engine runs (host name, address toward the controller)."""
-        from sagenb.engine.entry import warm
-        from sagenb.engine.rendezvous import locate
-
+        warm, locate = _engine_side()
         ids = sorted(self.client.ids) if engine_ids is None else engine_ids
         for ar in [self.client[e].apply_async(warm) for e in ids]:
             _result(ar, 120, cancel)
@@ -377,6 +374,22 @@ def _bounded(fn: Callable[[], Any], timeout: float) -> None:
     worker = threading.Thread(target=fn, daemon=True, name="sagenb-bounded")
     worker.start()
     worker.join(timeout)
+
+
+#: held while this process imports the engine side (torch): `%load_ext` holds it while the
+#: notebook's thread imports the magics (torch among them) and a background start takes it
+#: before it needs the engine functions, so the two threads never import torch at once
+#: (concurrent imports of a package with circular submodule imports can deadlock, which
+#: Python turns into an ImportError of a partially initialized module in one of them)
+IMPORTS = threading.RLock()
+
+
+def _engine_side() -> tuple[Callable[[], None], Callable[[str], Any]]:
+    """The engine functions a start sends: warm (imports) and locate (host, address)."""
+    with IMPORTS:
+        from sagenb.engine.entry import warm
+        from sagenb.engine.rendezvous import locate
+    return warm, locate
 
 
 class StartCancelled(Exception):
