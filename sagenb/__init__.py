@@ -37,6 +37,7 @@ _PUBLIC = {
     "restart_pool": "sagenb.cluster",
     "current_pool": "sagenb.cluster",
     "attach_pool": "sagenb.cluster",
+    "prewarm": "sagenb.cluster",
     "Dashboard": "sagenb.dashboard",
     "plan": "sagenb.planner",
     "load_checkpoint": "sagenb.checkpoints",
@@ -59,7 +60,15 @@ def __getattr__(name: str) -> Any:
 
 
 def load_ipython_extension(ipython: Any) -> None:
-    """`%load_ext sagenb`: registers %smp_cluster, %%smp_train, %%smp_plan and %%smp_export."""
-    from sagenb.magics import SmpMagics
+    """`%load_ext sagenb`: registers %smp_cluster, %%smp_train, %%smp_plan and %%smp_export,
+    and starts the default engine pool in the background (SAGENB_PREWARM=0 in the environment
+    turns that off), so that the 8-12 s a pool takes pass while the first cell is written."""
+    from sagenb import cluster
+
+    with cluster.IMPORTS:  # the start's first seconds overlap this thread's import of torch
+        if cluster.prewarm_wanted():
+            # a failing start never breaks %load_ext: its error is raised by the first run
+            cluster.prewarm()
+        from sagenb.magics import SmpMagics
 
     ipython.register_magics(SmpMagics)

@@ -11,6 +11,14 @@ attached to by profile and cluster id, and left running when the notebook lets g
 A pool started here ends with the process that started it, even one killed by a signal
 (sagenb/reaper.py).
 
+Cold start: `%load_ext sagenb` starts the default pool in a background thread (`prewarm`; off
+with SAGENB_PREWARM=0), so the 8-12 s a pool takes on a 2-core machine pass while the user
+writes the first cell; the first run that needs a pool waits for that one (`ensure_pool`), and
+starting, stopping or attaching another pool cancels it first, so two pools of ours never run
+at once. Where a start's time goes (2 engines, 2 shared cores): controller ~1 s, engines
+registered ~5 s (imports, a nanny process each, and the controller noticing the heart beat),
+torch and torch._dynamo imported on the engines ~6 s.
+
 Placement: ranks are numbered host by host (engines on one host get consecutive ranks), so a
 pipeline replica's stages and a tensor-parallel group, which take consecutive ranks, share a
 host when they fit on one, and only the data-parallel gradient all-reduce, once a step,
@@ -25,6 +33,7 @@ import signal
 import socket
 import threading
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -46,9 +55,26 @@ __all__ = [
     "attach_pool",
     "stop_pool",
     "restart_pool",
+    "prewarm",
+    "prewarm_wanted",
+    "StartCancelled",
 ]
 
 LOOPBACK = "127.0.0.1"
+#: the environment variable that turns the background start on `%load_ext sagenb` off ("0")
+PREWARM_ENV = "SAGENB_PREWARM"
+#: ms between the controller's heartbeat pings. An engine counts as registered only once the
+#: controller has seen its heart beat, at a ping (ipyparallel's hub.py, handle_new_heart), so
+#: the default 3000 ms added up to 3 s to every pool start (measured: engines registered
+#: 8.6-11.8 s after launch with 3000 ms, 5.0-6.7 s with 500 ms, same loaded machine)
+HEARTBEAT_MS = 500
+#: pings missed before an engine counts as dead, keeping ipyparallel's default tolerance
+#: (10 x 3000 ms = 30 s at the controller; 50 x (3000 + 500) ms = 175 s at the engine)
+CONTROLLER_HEARTBEAT = [
+    f"--HeartMonitor.period={HEARTBEAT_MS}",
+    "--HeartMonitor.max_heartmonitor_misses=60",
+]
+ENGINE_HEARTBEAT = ["--IPEngine.max_heartbeat_misses=175"]
 #: ipyparallel's engine launchers sagenb passes through; all but local may span hosts
 LAUNCHERS = ("local", "mpi", "slurm", "ssh")
 
@@ -93,9 +119,12 @@ class EnginePool:
         launcher: str = "local",
         options: dict[str, Any] | None = None,
         timeout: float = 120.0,
+        cancel: threading.Event | None = None,
     ) -> EnginePool:
         """Start a controller and n engines with ipyparallel's `launcher`; `options` are
-        launcher settings as ipyparallel names them ("SlurmEngineSetLauncher.partition")."""
+        launcher settings as ipyparallel names them ("SlurmEngineSetLauncher.partition").
+        Setting `cancel` (a background start) stops what was started and raises StartCancelled
+        at the next check (every 50 ms while waiting on the engines)."""
         if n < 1:
             raise ValueError(f"an engine pool needs at least 1 engine, got {n}")
         if launcher not in LAUNCHERS:
@@ -107,21 +136,44 @@ class EnginePool:
             engine_launcher_class=launcher,
             # beyond loopback only when engines may run on other hosts
             controller_ip=LOOPBACK if launcher == "local" else "*",
+            controller_args=CONTROLLER_HEARTBEAT,
             log_level=logging.ERROR,
             config=_launcher_config(options or {}),
         )
+        # all n engines are launched at once (ipyparallel's engine set launchers start them
+        # without waiting on each other), once the controller has written its connection file
         cluster.start_cluster_sync()
+        pool = None
         try:
             _owner_only(cluster)
             client = cluster.connect_client_sync()
-            client.wait_for_engines(n, timeout=timeout, interactive=False)
             pool = cls(cluster, client, n, launcher=launcher, options=options)
-            pool._remember()
-            pool.warm()
+            pool._remember()  # controller and engines, watched from their launch on
+            pool._register(n, timeout, cancel)
+            pool._remember()  # and the nanny each engine started as it registered
+            pool.warm(cancel=cancel)
         except BaseException:
-            cluster.stop_cluster_sync()
+            if pool is not None:
+                pool.stop()  # ends and forgets every process it noted
+            else:
+                cluster.stop_cluster_sync()
             raise
         return pool
+
+    def _register(self, n: int, timeout: float, cancel: threading.Event | None) -> None:
+        """Wait until n engines have registered, starting each one's warm-up imports (torch,
+        DDP's torch._dynamo: the longest part of a start) as soon as it has registered rather
+        than when the last one has."""
+        warm, _ = _engine_side()
+        waiting = self.client.wait_for_engines(n, timeout=timeout, block=False, interactive=False)
+        warming: set[int] = set()
+        while not waiting.done():
+            for eid in set(self.client.ids) - warming:
+                self.client[eid].apply_async(warm)  # warm() below waits for it and checks it
+                warming.add(eid)
+            _check(cancel)
+            time.sleep(0.05)
+        waiting.result()
 
     @classmethod
     def attach(
@@ -195,19 +247,19 @@ class EnginePool:
             raise ValueError(f"{len(per_rank_args)} ranks but the pool has {len(ids)} engines")
         return [self.client[ids[r]].apply_async(fn, *args) for r, args in enumerate(per_rank_args)]
 
-    def warm(self, engine_ids: Sequence[int] | None = None) -> None:
+    def warm(
+        self, engine_ids: Sequence[int] | None = None, *, cancel: threading.Event | None = None
+    ) -> None:
         """Import torch, sagenb and DDP's lazy imports on the engines, all at once; note
         where each engine runs (host name, address toward the controller)."""
-        from sagenb.engine.entry import warm
-        from sagenb.engine.rendezvous import locate
-
+        warm, locate = _engine_side()
         ids = sorted(self.client.ids) if engine_ids is None else engine_ids
         for ar in [self.client[e].apply_async(warm) for e in ids]:
-            ar.get(timeout=120)
+            _result(ar, 120, cancel)
         where = {e: self.client[e].apply_async(locate, self.controller_host) for e in ids}
         pids = {e: self.client[e].apply_async(os.getpid) for e in ids}
-        self.places.update({e: tuple(ar.get(timeout=60)) for e, ar in where.items()})
-        self.pids.update({e: ar.get(timeout=60) for e, ar in pids.items()})
+        self.places.update({e: tuple(_result(ar, 60, cancel)) for e, ar in where.items()})
+        self.pids.update({e: _result(ar, 60, cancel) for e, ar in pids.items()})
 
     def status(self) -> list[EngineStatus]:
         from sagenb.engine.entry import probe
@@ -329,9 +381,45 @@ def _bounded(fn: Callable[[], Any], timeout: float) -> None:
     worker.join(timeout)
 
 
+#: held while this process imports the engine side (torch): `%load_ext` holds it while the
+#: notebook's thread imports the magics (torch among them) and a background start takes it
+#: before it needs the engine functions, so the two threads never import torch at once
+#: (concurrent imports of a package with circular submodule imports can deadlock, which
+#: Python turns into an ImportError of a partially initialized module in one of them)
+IMPORTS = threading.RLock()
+
+
+def _engine_side() -> tuple[Callable[[], None], Callable[[str], Any]]:
+    """The engine functions a start sends: warm (imports) and locate (host, address)."""
+    with IMPORTS:
+        from sagenb.engine.entry import warm
+        from sagenb.engine.rendezvous import locate
+    return warm, locate
+
+
+class StartCancelled(Exception):
+    """A background pool start was cancelled (another pool was asked for, or none)."""
+
+
+def _check(cancel: threading.Event | None) -> None:
+    if cancel is not None and cancel.is_set():
+        raise StartCancelled("the background pool start was cancelled")
+
+
+def _result(ar: Any, timeout: float, cancel: threading.Event | None) -> Any:
+    """ar.get(timeout), checking every 50 ms whether the start was cancelled."""
+    deadline = time.monotonic() + timeout
+    while not ar.ready() and time.monotonic() < deadline:
+        _check(cancel)
+        ar.wait(0.05)
+    return ar.get(timeout=max(0.0, deadline - time.monotonic()))
+
+
 def _launcher_config(options: dict[str, Any]) -> Config:
-    """{"SlurmEngineSetLauncher.partition": "gpu"} -> the traitlets Config ipyparallel reads."""
+    """{"SlurmEngineSetLauncher.partition": "gpu"} -> the traitlets Config ipyparallel reads
+    (engines get the heartbeat tolerance that goes with HEARTBEAT_MS unless options say)."""
     config = Config()
+    config.EngineLauncher.engine_args = list(ENGINE_HEARTBEAT)
     for key, value in options.items():
         section, _, trait = key.rpartition(".")
         if not section or not trait:
@@ -362,17 +450,117 @@ def _pool_processes() -> list[psutil.Process]:
 
 
 _current: EnginePool | None = None
+_background: _BackgroundStart | None = None
+
+
+class _BackgroundStart:
+    """A pool of n local engines being started in a daemon thread (`prewarm`)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.cancel = threading.Event()
+        self.pool: EnginePool | None = None
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, daemon=True, name="sagenb-prewarm")
+        self.thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.pool = EnginePool.start(self.n, cancel=self.cancel)
+        except BaseException as exc:  # noqa: BLE001 - kept for the first run that needs it
+            self.error = exc
+
+    def result(self) -> EnginePool:
+        """The started pool (after the thread has ended), or its error with what to do."""
+        if self.pool is not None:
+            return self.pool
+        raise RuntimeError(
+            f"the engine pool of {self.n} engines that `%load_ext sagenb` started in the "
+            f"background failed: {type(self.error).__name__}: {self.error}. Run the cell again "
+            f"to start a new pool, or `%smp_cluster start -n N`; {PREWARM_ENV}=0 in the "
+            "environment turns the background start off"
+        ) from self.error
+
+    def stop(self, timeout: float = 60.0) -> None:
+        """Cancel the start and end whatever it started (the thread does, at its next check)."""
+        self.cancel.set()
+        self.thread.join(timeout)
+        if self.thread.is_alive():  # stuck inside ipyparallel: starting another would race it
+            raise RuntimeError(
+                f"the background pool start did not stop within {timeout:.0f} s; restart the "
+                "kernel (its engines end with it)"
+            )
+        if self.pool is not None:  # finished before it saw the cancel
+            self.pool.stop()
 
 
 def current_pool() -> EnginePool | None:
+    """The running pool (None while the one `%load_ext` started is still starting)."""
     return _current
+
+
+def prewarm_wanted() -> bool:
+    """Whether `%load_ext sagenb` starts a pool in the background: yes unless the environment
+    says SAGENB_PREWARM=0 (or off, false, no)."""
+    value = os.environ.get(PREWARM_ENV, "1").strip().lower()
+    if value in ("0", "off", "false", "no"):
+        return False
+    if value not in ("", "1", "on", "true", "yes"):
+        warnings.warn(
+            f"{PREWARM_ENV}={value!r}: must be 1 or 0 (on or off); starting the pool in the "
+            "background as by default",
+            stacklevel=2,
+        )
+    return True
+
+
+def prewarm(n: int = DEFAULT_ENGINES) -> None:
+    """Start a pool of n local engines in the background and return at once (what
+    `%load_ext sagenb` does): the first run that needs a pool waits for this one instead of
+    starting its own, and its error, if it fails, is raised there. Nothing happens while a
+    pool runs or is starting."""
+    global _background
+    if n < 1:
+        raise ValueError(f"prewarm({n}): an engine pool needs at least 1 engine")
+    if _current is None and _background is None:
+        _background = _BackgroundStart(n)
+
+
+def _join_background(*, raise_error: bool) -> EnginePool | None:
+    """Wait for the background start (an interrupt leaves it running) and make its pool the
+    running one; a failed start is dropped, its error raised when `raise_error`."""
+    global _current, _background
+    start = _background
+    if start is None:
+        return None
+    start.thread.join()
+    _background = None
+    if start.pool is None and not raise_error:
+        return None
+    _current = start.result()
+    return _current
+
+
+def _cancel_background() -> bool:
+    """Cancel a background start and end what it started; whether there was one."""
+    global _background
+    start, _background = _background, None
+    if start is None:
+        return False
+    start.stop()
+    return True
 
 
 def start_pool(
     n: int = DEFAULT_ENGINES, *, launcher: str = "local", options: dict[str, Any] | None = None
 ) -> EnginePool:
-    """Start a pool of n engines with ipyparallel's `launcher`, replacing any running one."""
+    """Start a pool of n engines with ipyparallel's `launcher`, replacing any running one; the
+    pool `%load_ext` is starting in the background is that pool when it is the same."""
     global _current
+    if _background is not None and (n, launcher, options or {}) == (_background.n, "local", {}):
+        joined = _join_background(raise_error=False)
+        if joined is not None:
+            return joined
     stop_pool()
     started = time.perf_counter()
     _current = EnginePool.start(n, launcher=launcher, options=options)
@@ -393,22 +581,30 @@ def attach_pool(*, profile: str | None = None, cluster_id: str = "") -> EnginePo
 
 
 def ensure_pool(n: int = DEFAULT_ENGINES) -> EnginePool:
-    """The running pool, or a new one of n engines when none runs."""
+    """The running pool; else the one starting in the background, waited for, when it has at
+    least n engines (its error, if it failed, is raised here); else a new one of n engines."""
+    if _current is None and _background is not None and _background.n >= n:
+        _join_background(raise_error=True)
     return _current if _current is not None else start_pool(n)
 
 
 def stop_pool() -> bool:
-    """Stop the running pool; False when none ran."""
+    """Stop the running pool, and cancel a background start; False when there was neither."""
     global _current
+    cancelled = _cancel_background()
     if _current is None:
-        return False
+        return cancelled
     pool, _current = _current, None
     pool.stop()
     return True
 
 
 def restart_pool(n: int | None = None) -> EnginePool:
-    """Fresh engines (and controller), n of them or as many as before, with the same launcher."""
+    """Fresh engines (and controller), n of them or as many as before, with the same launcher
+    (a pool still starting in the background counts as fresh)."""
+    if _current is None and _background is not None:
+        size = n if n is not None else _background.n
+        return start_pool(size)
     size = n if n is not None else (_current.size if _current is not None else DEFAULT_ENGINES)
     if _current is not None and not _current.owned:
         raise ValueError(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -16,6 +18,10 @@ Y = X @ torch.randn(8, 1) + 0.1 * torch.randn(192, 1)
 dataset = torch.utils.data.TensorDataset(X, Y)
 loss_fn = nn.functional.mse_loss
 """
+
+# `%load_ext sagenb` starts a pool in the background: off for the suite, whose tests share the
+# pool below (a second pool would take the cores it needs); tests/test_prewarm.py turns it on.
+os.environ["SAGENB_PREWARM"] = "0"
 
 SGD_MOMENTUM = """
 def make_optimizer(params):
