@@ -499,6 +499,11 @@ def current_pool() -> EnginePool | None:
     return _current
 
 
+def starting() -> int | None:
+    """How many engines the pool `%load_ext` is starting in the background has (None: none)."""
+    return _background.n if _background is not None else None
+
+
 def prewarm_wanted() -> bool:
     """Whether `%load_ext sagenb` starts a pool in the background: yes unless the environment
     says SAGENB_PREWARM=0 (or off, false, no)."""

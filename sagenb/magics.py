@@ -269,6 +269,9 @@ class SmpMagics(Magics):
             return None
         else:
             pool = cluster.current_pool()
+            if pool is None and cluster.starting():
+                print("the engine pool `%load_ext sagenb` started is still starting: waiting")
+                pool = _guard(cluster.ensure_pool, cluster.starting())
             if pool is None:
                 print("no engine pool is running: %smp_cluster start -n N")
                 return None

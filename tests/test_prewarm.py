@@ -140,7 +140,7 @@ def test_a_process_killed_during_the_background_start_leaves_nothing(monkeypatch
         proc.wait()
 
 
-def test_the_first_run_uses_the_background_pool(load_ext):
+def test_the_first_run_uses_the_background_pool(load_ext, capsys):
     """Within seconds of %load_ext the pool's processes run; the first %%smp_train waits for
     that pool and runs on its engines, with no second controller. The pool stays for the
     tests after this one (the shared 2-engine pool)."""
@@ -148,6 +148,9 @@ def test_the_first_run_uses_the_background_pool(load_ext):
     wait_for_processes()
     controller = controllers()
     start = cluster._background
+    shell.run_line_magic("smp_cluster", "status")  # waits for the pool, says so
+    out = capsys.readouterr().out
+    assert "still starting" in out and "2 engines" in out
     shell.run_cell_magic("smp_train", TRAIN, REGRESSION_CELL)
     pool = cluster.current_pool()
     assert pool is start.pool and pool.size == 2 and cluster._background is None
