@@ -435,7 +435,10 @@ class _Run:
         steps = self._last_steps()
         stuck, waiting = stacks.culprits(traces, steps)
         self.pool.interrupt(list(running.values()))
-        self._wait_all(INTERRUPTED_S)  # then _contain kills what has not ended
+        if not self._wait_all(INTERRUPTED_S):
+            # blocked in C++ (a deadlock of collectives), where no interrupt reaches Python:
+            # kill now, as _contain would only after its own waits, to stay near --timeout
+            self.pool.kill([self.ids[r] for r, ar in enumerate(self.ars) if not ar.ready()])
         self._contain()
         replaced = [r for r, eid in running.items() if eid not in self.pool.client.ids]
         what = "their engines replaced" if replaced else "their engines kept"

@@ -106,3 +106,40 @@ def test_when_every_rank_waits_the_ranks_behind_are_named():
         "    spin()",
         '  File "/x/torch/distributed/distributed_c10d.py", line 1, in recv',
     ]
+
+
+# rank 1 waits in a receive no rank sends, rank 0 in the step's all-reduce: both blocked in
+# C++, where an interrupt never reaches Python, so their engines must be killed
+DEADLOCK_CELL = (
+    REGRESSION_CELL
+    + """
+import torch.distributed as dist
+calls = [0]
+def loss_fn(output, target):
+    calls[0] += 1
+    if calls[0] == 3 and dist.get_rank() == 1:
+        dist.recv(torch.zeros(1), src=0)  # never sent: a deadlock on purpose
+    return nn.functional.mse_loss(output, target)
+"""
+)
+
+
+def test_a_deadlock_is_named_and_ends_near_the_timeout(pool):
+    progress = LastProgress()
+    with pytest.raises(StalledError) as info:
+        sagenb.train(
+            DEADLOCK_CELL,
+            batch_size=16,
+            steps=20,
+            timeout=TIMEOUT,
+            dashboard=False,
+            sinks=[progress],
+        )
+    late = time.monotonic() - progress.at
+    err = info.value
+    assert 1 in err.stuck_ranks
+    assert "dist.recv(torch.zeros(1), src=0)" in err.stacks[1]
+    assert "their engines replaced" in str(err)
+    assert late < TIMEOUT + MARGIN_S
+    result = sagenb.train(REGRESSION_CELL, batch_size=16, steps=3, dashboard=False)
+    assert len(result.history) == 3 and pool.size == 2
