@@ -12,12 +12,12 @@ A pool started here ends with the process that started it, even one killed by a 
 (sagenb/reaper.py).
 
 Cold start: `%load_ext sagenb` starts the default pool in a background thread (`prewarm`; off
-with SAGENB_PREWARM=0), so the 8-12 s a pool takes on a 2-core machine pass while the user
-writes the first cell; the first run that needs a pool waits for that one (`ensure_pool`), and
-starting, stopping or attaching another pool cancels it first, so two pools of ours never run
-at once. Where a start's time goes (2 engines, 2 shared cores): controller ~1 s, engines
-registered ~5 s (imports, a nanny process each, and the controller noticing the heart beat),
-torch and torch._dynamo imported on the engines ~6 s.
+with SAGENB_PREWARM=0; sagenb/prewarm.py), so the 6-10 s a pool takes on a 2-core machine pass
+while the user writes the first cell; the first run that needs a pool waits for that one
+(`ensure_pool`), and starting, stopping or attaching another pool cancels it first, so two pools
+of ours never run at once. Where a start's time goes (2 engines, 2 shared cores): controller ~1
+s, engines registered ~5 s (imports, a nanny process each, and the controller noticing the heart
+beat), torch and torch._dynamo imported on the engines ~6 s.
 
 Placement: ranks are numbered host by host (engines on one host get consecutive ranks), so a
 pipeline replica's stages and a tensor-parallel group, which take consecutive ranks, share a
@@ -33,7 +33,6 @@ import signal
 import socket
 import threading
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -44,6 +43,7 @@ from traitlets.config import Config
 
 from sagenb import reaper
 from sagenb.config import DEFAULT_ENGINES
+from sagenb.prewarm import BackgroundStart, prewarm_wanted
 
 __all__ = [
     "EnginePool",
@@ -61,8 +61,6 @@ __all__ = [
 ]
 
 LOOPBACK = "127.0.0.1"
-#: the environment variable that turns the background start on `%load_ext sagenb` off ("0")
-PREWARM_ENV = "SAGENB_PREWARM"
 #: ms between the controller's heartbeat pings. An engine counts as registered only once the
 #: controller has seen its heart beat, at a ping (ipyparallel's hub.py, handle_new_heart), so
 #: the default 3000 ms added up to 3 s to every pool start (measured: engines registered
@@ -450,48 +448,7 @@ def _pool_processes() -> list[psutil.Process]:
 
 
 _current: EnginePool | None = None
-_background: _BackgroundStart | None = None
-
-
-class _BackgroundStart:
-    """A pool of n local engines being started in a daemon thread (`prewarm`)."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-        self.cancel = threading.Event()
-        self.pool: EnginePool | None = None
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, daemon=True, name="sagenb-prewarm")
-        self.thread.start()
-
-    def _run(self) -> None:
-        try:
-            self.pool = EnginePool.start(self.n, cancel=self.cancel)
-        except BaseException as exc:  # noqa: BLE001 - kept for the first run that needs it
-            self.error = exc
-
-    def result(self) -> EnginePool:
-        """The started pool (after the thread has ended), or its error with what to do."""
-        if self.pool is not None:
-            return self.pool
-        raise RuntimeError(
-            f"the engine pool of {self.n} engines that `%load_ext sagenb` started in the "
-            f"background failed: {type(self.error).__name__}: {self.error}. Run the cell again "
-            f"to start a new pool, or `%smp_cluster start -n N`; {PREWARM_ENV}=0 in the "
-            "environment turns the background start off"
-        ) from self.error
-
-    def stop(self, timeout: float = 60.0) -> None:
-        """Cancel the start and end whatever it started (the thread does, at its next check)."""
-        self.cancel.set()
-        self.thread.join(timeout)
-        if self.thread.is_alive():  # stuck inside ipyparallel: starting another would race it
-            raise RuntimeError(
-                f"the background pool start did not stop within {timeout:.0f} s; restart the "
-                "kernel (its engines end with it)"
-            )
-        if self.pool is not None:  # finished before it saw the cancel
-            self.pool.stop()
+_background: BackgroundStart | None = None
 
 
 def current_pool() -> EnginePool | None:
@@ -504,21 +461,6 @@ def starting() -> int | None:
     return _background.n if _background is not None else None
 
 
-def prewarm_wanted() -> bool:
-    """Whether `%load_ext sagenb` starts a pool in the background: yes unless the environment
-    says SAGENB_PREWARM=0 (or off, false, no)."""
-    value = os.environ.get(PREWARM_ENV, "1").strip().lower()
-    if value in ("0", "off", "false", "no"):
-        return False
-    if value not in ("", "1", "on", "true", "yes"):
-        warnings.warn(
-            f"{PREWARM_ENV}={value!r}: must be 1 or 0 (on or off); starting the pool in the "
-            "background as by default",
-            stacklevel=2,
-        )
-    return True
-
-
 def prewarm(n: int = DEFAULT_ENGINES) -> None:
     """Start a pool of n local engines in the background and return at once (what
     `%load_ext sagenb` does): the first run that needs a pool waits for this one instead of
@@ -528,7 +470,7 @@ def prewarm(n: int = DEFAULT_ENGINES) -> None:
     if n < 1:
         raise ValueError(f"prewarm({n}): an engine pool needs at least 1 engine")
     if _current is None and _background is None:
-        _background = _BackgroundStart(n)
+        _background = BackgroundStart(n, EnginePool.start)
 
 
 def _join_background(*, raise_error: bool) -> EnginePool | None:
