@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -37,7 +36,7 @@ from sagenb import cluster
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE / "peers"))
 
-from torchrun import free_port  # noqa: E402
+from torchrun import torchrun  # noqa: E402
 
 CELL = """
 import torch
@@ -94,25 +93,8 @@ def peer_first_step() -> float:
         script = Path(tmp) / "peer.py"
         script.write_text(PEER)
         launched = time.time()
-        out = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--nproc-per-node",
-                "2",
-                "--master-addr",
-                "127.0.0.1",
-                "--master-port",
-                str(free_port()),
-                str(script),
-            ],  # fmt: skip
-            capture_output=True,
-            text=True,
-            check=True,
-            timeout=300,
-        )
-    return json.loads(out.stdout.strip().splitlines()[-1])["first_step_end"] - launched
+        row = torchrun(script)
+    return row["first_step_end"] - launched
 
 
 def rounds(shell: InteractiveShell, repeats: int, write_s: float) -> dict[str, list[float]]:

@@ -49,21 +49,20 @@ class LastProgress:
         pass
 
 
-def test_a_rank_stuck_in_a_loop_is_named_with_its_stack(pool):
-    engines = pool.engine_ids
-    pids = dict(pool.pids)
+def stalled(cell: str) -> tuple[StalledError, float]:
+    """The StalledError of training `cell`, and how long after the last progress it came."""
     progress = LastProgress()
     with pytest.raises(StalledError) as info:
         sagenb.train(
-            LOOP_CELL,
-            batch_size=16,
-            steps=20,
-            timeout=TIMEOUT,
-            dashboard=False,
-            sinks=[progress],
+            cell, batch_size=16, steps=20, timeout=TIMEOUT, dashboard=False, sinks=[progress]
         )
-    late = time.monotonic() - progress.at
-    err = info.value
+    return info.value, time.monotonic() - progress.at
+
+
+def test_a_rank_stuck_in_a_loop_is_named_with_its_stack(pool):
+    engines = pool.engine_ids
+    pids = dict(pool.pids)
+    err, late = stalled(LOOP_CELL)
     print(f"\n{err}\n(raised {late:.2f} s after the last progress, --timeout {TIMEOUT})")
 
     # the culprit, not the victim; the victim said to be waiting, and in what
@@ -125,18 +124,7 @@ def loss_fn(output, target):
 
 
 def test_a_deadlock_is_named_and_ends_near_the_timeout(pool):
-    progress = LastProgress()
-    with pytest.raises(StalledError) as info:
-        sagenb.train(
-            DEADLOCK_CELL,
-            batch_size=16,
-            steps=20,
-            timeout=TIMEOUT,
-            dashboard=False,
-            sinks=[progress],
-        )
-    late = time.monotonic() - progress.at
-    err = info.value
+    err, late = stalled(DEADLOCK_CELL)
     assert 1 in err.stuck_ranks
     assert "dist.recv(torch.zeros(1), src=0)" in err.stacks[1]
     assert "their engines replaced" in str(err)
