@@ -30,7 +30,6 @@ from torchrun import free_port, torchrun  # noqa: E402
 from workload import BATCH, CELL, STEPS, rate  # noqa: E402
 
 import sagenb  # noqa: E402
-from sagenb import dashboard  # noqa: E402
 
 
 def _cpu_s() -> float:
@@ -40,10 +39,14 @@ def _cpu_s() -> float:
 
 
 def run_sagenb(*, engines: int = 2, live_dashboard: bool = False) -> dict:
-    dashboard._in_kernel = lambda: live_dashboard  # the live FigureWidget, as in a notebook
     called, cpu = time.time(), _cpu_s()
     result = sagenb.train(
-        CELL, batch_size=BATCH, steps=STEPS, engines=engines, dashboard=live_dashboard
+        CELL,
+        batch_size=BATCH,
+        steps=STEPS,
+        engines=engines,
+        dashboard=live_dashboard,
+        live=live_dashboard,  # the live FigureWidget, as in a notebook
     )
     cpu, wall = _cpu_s() - cpu, time.time() - called
     stamps = [r.values["time(unix s)"] for r in result.metrics if r.rank == 0]

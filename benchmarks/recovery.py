@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 import sagenb
-from sagenb import failures, session
+from sagenb import failures
 from sagenb.engine.checkpoint import latest
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -76,14 +76,11 @@ class LastArrival:
 def one(name: str, action: str, directory: str) -> dict:
     arrival = LastArrival()
     noticed: list[float] = []
-    contain = session._Run._contain
 
-    def timed_contain(run) -> None:  # when the notebook noticed, before containing
+    def notice(kind: str) -> None:  # when the notebook noticed, before containing
         if not noticed:
             noticed.append(time.time())
-        contain(run)
 
-    session._Run._contain = timed_contain
     fault_at = Path(directory) / "fault_at"
     cell = _cell(action, fault_at)
     if name == "kernel interrupt":
@@ -104,12 +101,11 @@ def one(name: str, action: str, directory: str) -> dict:
             timeout=5 if "stuck" in name else 300,
             sinks=[arrival],
             dashboard=False,
+            on_failure=notice,
         )
         raise AssertionError(f"{name}: the run did not fail")
     except (failures.TrainingError, KeyboardInterrupt) as exc:
         raised, kind = time.time(), type(exc).__name__
-    finally:
-        session._Run._contain = contain
     path = latest(directory)
     saved = int(path.name.split("-")[1]) if path else 0
     asked = time.perf_counter()  # the next run first replaces the engines this one lost

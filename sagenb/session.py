@@ -63,12 +63,17 @@ def train(
     *,
     pool: cluster.EnginePool | None = None,
     sinks: Sequence[MetricSink] = (),
+    live: bool | None = None,
+    on_failure: Callable[[str], None] | None = None,
     **options: Any,
 ) -> TrainResult:
     """Train `job` (cell source, or a callable returning {'model', 'dataset', 'loss_fn', ...}).
 
     Options are the fields of TrainConfig (`batch_size=64, strategy="data"`), or pass a config.
     Uses the running pool (or `pool`), starting one of `engines` engines when none runs.
+    `live` shows the dashboard as a live widget (default: when running in a Jupyter kernel);
+    `on_failure(kind)` is called when the notebook notices a failure ("rank failed", "stalled",
+    "controller died", "interrupted"), before it stops the ranks.
     """
     if config is None:
         config = TrainConfig(**options)
@@ -79,7 +84,7 @@ def train(
         pool = cluster.ensure_pool(config.engines_to_start())
     pool.heal()  # engines lost in an earlier run's failure are replaced before this one
     config = _resolve_engines(config, pool)
-    return _Run(pool, config, prepared, list(sinks)).execute()
+    return _Run(pool, config, prepared, list(sinks), live=live, on_failure=on_failure).execute()
 
 
 def _resolve_engines(config: TrainConfig, pool: cluster.EnginePool) -> TrainConfig:
@@ -112,14 +117,24 @@ class _Run:
     """One training run on the pool: submit a task per rank, follow, contain, collect."""
 
     def __init__(
-        self, pool: cluster.EnginePool, config: TrainConfig, job: Job, sinks: list[MetricSink]
+        self,
+        pool: cluster.EnginePool,
+        config: TrainConfig,
+        job: Job,
+        sinks: list[MetricSink],
+        *,
+        live: bool | None = None,
+        on_failure: Callable[[str], None] | None = None,
     ) -> None:
         self.pool, self.config, self.job = pool, config, job
+        self.on_failure = on_failure
         self.engines = config.engines or pool.size
         self.cost = meter_for(config, self.engines)
         self.history = History(self.engines, config.batch_size)
         self.dashboard = (
-            _make_dashboard(config, self.cost, self.history) if config.dashboard else None
+            _make_dashboard(config, self.cost, self.history, live)
+            if config.dashboard
+            else None
         )
         self.sinks = [self.history, *sinks, *([self.dashboard] if self.dashboard else [])]
         self.first_step_s: float | None = None
@@ -375,6 +390,7 @@ class _Run:
     def _pool_died(self) -> None:
         """The controller is gone, so no rank can report or be told anything: stop the run's
         engines by pid, close the pool (the next run starts a new one) and say so."""
+        self._notice("controller died")
         self._mark_end()
         self.pool.kill(self.ids)
         pid = getattr(getattr(self.pool.cluster, "controller", None), "process", None)
@@ -397,6 +413,7 @@ class _Run:
         return True
 
     def _fail(self) -> None:
+        self._notice("rank failed")
         self._contain()
         self._drain()
         failed = [r for r, ar in enumerate(self.ars) if ar.ready() and not ar.successful()]
@@ -430,6 +447,7 @@ class _Run:
         interrupt them: a rank in a Python loop or a sleep ends at once and releases its
         peers, so the engines stay and the pool needs no repair (engines are killed and
         replaced only when they do not end, as after any failure)."""
+        self._notice("stalled")
         running = {r: self.ids[r] for r, ar in enumerate(self.ars) if not ar.ready()}
         traces = stacks.collect(self.pool, self.store, running, self.store.port)
         steps = self._last_steps()
@@ -465,6 +483,7 @@ class _Run:
     def _interrupted(self) -> TrainResult:
         """Ask every rank to stop after the same step (engine/stopping.py);
         if they have not within STOP_S, interrupt and contain them. Return what was done."""
+        self._notice("interrupted")
         results = None
         try:
             stopping.request(self.store, self.token)
@@ -478,6 +497,15 @@ class _Run:
             self._drain()
         self._close_sinks(status="interrupted")
         return self._result(results, status="interrupted")
+
+    def _notice(self, kind: str) -> None:
+        """Tell `on_failure` (train's hook) that the notebook noticed a failure of `kind`."""
+        if self.on_failure is not None:
+            try:
+                self.on_failure(kind)
+            except Exception as err:  # noqa: BLE001 - a hook never keeps the ranks running
+                note = f"on_failure raised {err!r}; the run is stopped regardless"
+                warnings.warn_explicit(note, RuntimeWarning, "sagenb", 0, module="sagenb")
 
     def _mark_end(self) -> None:
         if self.ended is None:
@@ -509,7 +537,7 @@ def _died(ar: Any) -> bool:
     return isinstance(err, EngineError) or getattr(err, "ename", "") in DEAD_ENGINE
 
 
-def _make_dashboard(config: TrainConfig, cost: CostMeter, history: History):
+def _make_dashboard(config: TrainConfig, cost: CostMeter, history: History, live: bool | None):
     from sagenb.dashboard import Dashboard  # plotly is imported only when a dashboard is shown
 
-    return Dashboard(config, cost, history=history)
+    return Dashboard(config, cost, history=history, live=live)

@@ -140,3 +140,16 @@ def test_a_failed_run_leaves_no_port_open_here(pool):
         sagenb.train(fault_cell("raise ValueError('bad batch on purpose')"), dashboard=False)
     assert info.value.__traceback__ is not None  # the run's frames are still referenced
     assert own_listening_ports() == before
+
+
+def test_on_failure_hears_of_a_failure_before_the_error(pool):
+    """train's public hook, which benchmarks/recovery.py times detection with."""
+    heard: list[str] = []
+    with pytest.raises(TrainingError):
+        sagenb.train(
+            fault_cell("raise ValueError('bad batch on purpose')"),
+            dashboard=True,
+            live=False,  # the dashboard as a sink, without a widget
+            on_failure=heard.append,
+        )
+    assert heard == ["rank failed"]
