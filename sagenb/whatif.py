@@ -1,8 +1,8 @@
 """What if: time and cost to train N samples on k instances, from runs measured on this job.
 
-The request's teaching case is SageMaker's own: 10 hours on one instance becoming about 1 hour
-on ten. That holds only when the work scales perfectly, and then it costs the same (ten
-instances for a tenth of the time). Real jobs keep a serial part: Amdahl's law,
+The teaching case is SageMaker's own example: 10 hours on one instance, about 1 hour on ten.
+That holds only when the work scales perfectly, and then it costs the same (ten instances for
+a tenth of the time). Real jobs keep a serial part: Amdahl's law,
 speedup(n) = 1 / ((1 - p) + p / n), with p the parallel fraction. p is fitted here to the
 throughput measured on runs of different sizes (least squares on 1 / speedup, which is linear
 in 1 / n), and every figure says so.

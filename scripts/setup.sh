@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Create .venv (if needed) and install sagenb with its test tools; a no-op when nothing changed.
+# Create .venv (if needed) and install sagenb with its test and docs tools; a no-op when nothing changed.
 # torch is pinned through scripts/constraints.txt: an unpinned torch would pull a multi-GB CUDA
 # build on machines where the CPU wheel is what we want.
 set -euo pipefail
@@ -14,7 +14,7 @@ fi
 log=$(mktemp)
 echo "installing sagenb and its dependencies into .venv (about a minute the first time)"
 if ! { .venv/bin/python -m pip install --upgrade pip &&
-       .venv/bin/python -m pip install -c scripts/constraints.txt -e '.[test]' &&
+       .venv/bin/python -m pip install -c scripts/constraints.txt -e '.[test,docs]' &&
        # rfc3987-syntax (pulled in by jupyterlab through jupyter-events) compiles its grammars
        # whenever jsonschema is imported: 0.7 s idle, 2-3 s on a busy 2-core machine, paid by
        # every kernel's first dashboard, the JupyterLab server and nbformat. jsonschema guards

@@ -1,0 +1,85 @@
+"""The documentation: every relative link in README.md and docs/*.md resolves (to a file, and to
+a heading where it names one), and the Sphinx site builds with warnings as errors.
+
+GitHub renders the Markdown pages as they are, so a link must work there (a path relative to
+the page, a heading slug as GitHub makes it); the Sphinx build (MyST) resolves the same links
+between pages, and turns a broken one into a warning, which -W makes an error.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+FENCE = re.compile(r"^(```|~~~).*?^\1\s*$", re.M | re.S)
+CODE_SPAN = re.compile(r"`[^`\n]*`")
+LINK = re.compile(r"!?\[(?:[^\[\]]|\[[^\]]*\])*\]\(([^()\s]+)(?:\s+\"[^\"]*\")?\)")
+HEADING = re.compile(r"^#{1,6}\s+(.+?)\s*#*\s*$", re.M)
+
+
+def _prose(text: str) -> str:
+    """The page without code blocks and code spans, where a `[x](y)` is not a link."""
+    return CODE_SPAN.sub("", FENCE.sub("", text))
+
+
+def github_slug(heading: str) -> str:
+    """The anchor GitHub gives a heading: markup dropped, lower case, punctuation other than
+    '-' and '_' removed, spaces to '-' (as github-slugger does)."""
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading).replace("`", "").lower()
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def anchors(page: Path) -> set[str]:
+    return {github_slug(h) for h in HEADING.findall(FENCE.sub("", page.read_text()))}
+
+
+def links(page: Path) -> list[str]:
+    return [t for t in LINK.findall(_prose(page.read_text())) if not re.match(r"[a-z]+:", t)]
+
+
+def test_pages_found():
+    names = {p.name for p in PAGES}
+    assert {"README.md", "index.md", "flags.md", "architecture.md"} <= names
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_relative_links_resolve(page: Path):
+    broken = []
+    for target in links(page):
+        path_part, _, anchor = target.partition("#")
+        dest = (page.parent / path_part).resolve() if path_part else page
+        if not dest.exists():
+            broken.append(f"{target}: no file {dest.relative_to(ROOT)}")
+        elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
+            broken.append(f"{target}: no heading with the anchor #{anchor} in {dest.name}")
+        elif ROOT not in dest.parents:
+            broken.append(f"{target}: points outside the repository")
+    assert not broken, f"{page.relative_to(ROOT)}: broken links:\n" + "\n".join(broken)
+
+
+def test_readme_is_short():
+    """The README says what sagenb is and how to start; the depth lives in docs/."""
+    assert len((ROOT / "README.md").read_bytes()) <= 12_500
+
+
+def test_sphinx_builds_without_warnings(tmp_path):
+    """`python -m sphinx -W`: a broken link between pages, a bad heading level or a page missing
+    from the table of contents fails the build. Needs the docs extra (scripts/setup.sh installs
+    it: pip install -e '.[docs]')."""
+    start = time.monotonic()
+    out = subprocess.run(
+        [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b", "html",
+         str(ROOT / "docs"), str(tmp_path / "html")],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode == 0, f"sphinx failed:\n{out.stdout}\n{out.stderr}"
+    assert (tmp_path / "html" / "index.html").exists()
+    assert time.monotonic() - start < 60, "the docs build should take seconds, not minutes"
