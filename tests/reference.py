@@ -1,4 +1,4 @@
-"""A single-process reference, written with plain torch from the contract in README.md.
+"""A single-process reference, written with plain torch from the contract in docs/contract.md.
 
 Deliberately independent of sagenb's engine code: if the engine's sample order, accumulation,
 clipping or scheduling drifted from the contract, the comparison with this would fail.
@@ -27,7 +27,7 @@ def namespace(cell: str, seed: int, delay_init: bool = False) -> dict:
 
 def contract_order(n: int, seed: int):
     """The contract's order of range(n) for seed + epoch, as order(start, stop) -> indices:
-    torch.randperm up to 2**22 samples, above it the Feistel permutation as README.md states
+    torch.randperm up to 2**22 samples, above it the Feistel permutation as docs/contract.md states
     it, recomputed here in plain Python integers, one position at a time."""
     if n <= 2**22:
         perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed))

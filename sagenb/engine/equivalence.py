@@ -1,6 +1,6 @@
 """What keeps a run from training the model one process would, said out loud (issue 15).
 
-Every strategy trains as one process would (README, "The contract"), with exceptions that come
+Every strategy trains as one process would (docs/contract.md), with exceptions that come
 from the model itself: BatchNorm normalises whatever batch reaches it, and dropout draws its
 masks from each engine's own generator. `equivalence_warnings` names each exception a run will
 hit, from the built model and the config, with what to do about it; rank 0 sends them to the

@@ -1,4 +1,4 @@
-"""The training loop every strategy shares: the contract of README.md, step by step.
+"""The training loop every strategy shares: the contract of docs/contract.md, step by step.
 
 An optimizer step takes one global batch of the fixed sample order, cut into `grad_accum`
 slices; each slice's loss is weighted by its share of the targets the global batch counts
