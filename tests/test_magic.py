@@ -126,6 +126,7 @@ def test_config_round_trips_through_its_magic_line():
     assert parse_train_line(line) == config
 
 
+@pytest.mark.pool  # starts a pool itself, with no fixture to show it
 def test_cluster_magic_lifecycle(shell, capsys):
     """status / stop / start -n / restart, and %%smp_train starting a pool when none runs."""
     import psutil

@@ -124,6 +124,7 @@ time.sleep(300)
 """
 
 
+@pytest.mark.pool  # starts a pool itself, with no fixture to show it
 def test_a_process_killed_during_the_background_start_leaves_nothing(monkeypatch):
     monkeypatch.setenv("SAGENB_PREWARM", "1")
     proc = subprocess.Popen(

@@ -227,6 +227,7 @@ print(" ".join(str(row.pid) for row in pool.status()), flush=True)
 """
 
 
+@pytest.mark.pool  # starts a pool itself, with no fixture to show it
 def test_kernel_exit_leaves_no_engine():
     out = subprocess.run(
         [sys.executable, "-c", KERNEL], capture_output=True, text=True, timeout=120, check=True
