@@ -23,13 +23,8 @@ from sagenb.engine.checkpoint_reader import CheckpointError, SafePlanner, SafeRe
 from sagenb.failures import EngineDiedError, TrainingError, TrainingInterrupted
 
 from .conftest import REGRESSION_CELL
+from .helpers import LONG, fault_cell, interrupt_after, same
 from .models import GPT_CELL
-from .test_reliability import LONG, fault_cell, interrupt_after
-
-
-def same(a: dict, b: dict) -> float:
-    assert list(a) == list(b)
-    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
 
 
 def killed_once(marker) -> str:

@@ -16,8 +16,9 @@ from sagenb.engine import loader
 from sagenb.engine.data import plan_steps
 
 from .conftest import max_param_diff
+from .helpers import check_one_process
+from .models import llama_cell
 from .reference import train_reference
-from .test_dict_batches import check_one_process, llama_cell
 
 TOL = 1e-5
 

@@ -12,68 +12,11 @@ import torch
 
 import sagenb
 
-from .conftest import max_param_diff
-from .reference import batch, namespace, train_reference
+from .helpers import check_one_process
+from .models import llama_cell
+from .reference import batch, namespace
 
 TOL = 1e-5
-
-# A tiny Llama built from a config (random initialisation, nothing downloaded), given as it is:
-# model(**batch) returns a CausalLMOutputWithPast whose loss shifts labels by one. Samples are
-# dicts whose prompts (a random length) and right padding are labelled -100: every piece of a
-# global batch counts a different number of tokens.
-LLAMA_DICT_CELL = """
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
-
-config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                     use_cache=False, tie_word_embeddings={tied})
-model = LlamaForCausalLM(config)
-
-class Prompts(torch.utils.data.Dataset):
-    def __init__(self, n, length=12):
-        g = torch.Generator().manual_seed(3)
-        self.ids = torch.randint(1, 64, (n, length), generator=g)
-        self.prompt = torch.randint(0, 8, (n,), generator=g)
-        self.used = torch.randint(6, length + 1, (n,), generator=g)
-    def __len__(self):
-        return len(self.ids)
-    def __getitem__(self, i):
-        pos = torch.arange(self.ids.shape[1])
-        mask = (pos < self.used[i]).long()
-        labels = self.ids[i].clone()
-        labels[(pos < self.prompt[i]) | (mask == 0)] = -100
-        return {{"input_ids": self.ids[i], "attention_mask": mask, "labels": labels}}
-
-dataset = Prompts(96)
-eval_dataset = Prompts(20)
-{loss}
-def make_optimizer(params):
-    return torch.optim.SGD(params, lr=0.5)
-"""
-
-# The same with a loss_fn of the cell: it receives the output's logits and the labels, and a
-# piece's weight is the count of those labels other than -100 (so a loss_fn must not drop
-# labels itself: the labels the loss uses are the dataset's, aligned with the logits)
-CELL_LOSS = """
-import torch.nn.functional as F
-def loss_fn(logits, labels):
-    return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
-"""
-
-
-def llama_cell(*, tied: bool = False, own_loss: bool = True) -> str:
-    return LLAMA_DICT_CELL.format(tied=tied, loss="" if own_loss else CELL_LOSS)
-
-
-def check_one_process(result, cell, *, steps: int, batch_size: int):
-    """Equal to one process over each whole global batch (grad_accum 1 in the reference)."""
-    model, losses, _ = train_reference(cell, batch_size=batch_size, steps=steps)
-    torch.testing.assert_close(result.losses, losses, rtol=0, atol=TOL)
-    assert max_param_diff(result.state_dict(), model) <= TOL
-    assert list(result.state_dict()) == list(model.state_dict())
-    return model
-
 
 @pytest.mark.parametrize("own_loss", [True, False], ids=["own-loss", "loss_fn"])
 def test_data_parallel_dicts_and_padding_equal_one_process(pool, own_loss):

@@ -7,10 +7,8 @@ from __future__ import annotations
 import ast
 import json
 import runpy
-import socket
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,10 +20,10 @@ from sagenb.config import ConfigError, TrainConfig
 from sagenb.export_script import ExportError
 
 from .conftest import REGRESSION_CELL
+from .helpers import TORCHRUN, run
+from .lab import free_port
 from .models import SEQUENTIAL_CELL
 
-TORCHRUN = Path(sys.executable).parent / "torchrun"
-RUN_TIMEOUT_S = 300  # a cold torchrun on the 2-core CI machine, shared with other tests
 TOL = 1e-6
 
 STRATEGIES = {
@@ -37,18 +35,6 @@ STRATEGIES = {
 def options_for(strategy: str) -> dict:
     # threads=1 in the pool and under torchrun alike: the same kernels, the same rounding
     return dict(STRATEGIES[strategy], batch_size=32, steps=6, threads=1, dashboard=False)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def run(command: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    done = subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
-    assert done.returncode == 0, f"{command} failed:\n{done.stdout}\n{done.stderr}"
-    return done
 
 
 def max_diff(a: dict, b: dict) -> float:

@@ -14,8 +14,9 @@ import sagenb
 from sagenb.engine.data import EAGER_MAX, FeistelOrder, epoch_order, plan_steps
 
 from .conftest import max_param_diff
+from .helpers import TORCHRUN, run
+from .lab import free_port
 from .reference import feistel_index, train_reference
-from .test_export_script import TORCHRUN, free_port, run
 
 TOL = 1e-5
 #: a behaviour bound, not a speed target: randperm(10**9) took 165 s and 8 GB per engine

@@ -11,11 +11,9 @@ from sagenb.failures import TrainingError
 from sagenb.job import JobError
 
 from .conftest import max_param_diff
-from .models import SEQUENTIAL_CELL, SPLIT_GPT_CELL
+from .helpers import same
+from .models import MAP_STYLE_CELL, SEQUENTIAL_CELL, SPLIT_GPT_CELL, UNSPLITTABLE_CELL
 from .reference import eval_loss, train_reference
-from .test_checkpoints import same
-from .test_data_parallel import MAP_STYLE_CELL
-from .test_model_parallel import UNSPLITTABLE_CELL
 
 TOL = 1e-5
 MODELS = {"mlp": SEQUENTIAL_CELL, "gpt": SPLIT_GPT_CELL}

@@ -23,7 +23,7 @@ import sagenb.magics  # noqa: F401 - imported here, so %load_ext's time is the s
 from sagenb import cluster
 
 from .conftest import REGRESSION_CELL
-from .test_pool_lifetime import wait_clean
+from .helpers import wait_clean
 
 TRAIN = "--batch-size 32 --steps 2 --no-dashboard --out prewarmed"
 

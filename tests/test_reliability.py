@@ -4,10 +4,8 @@ hangs the others, the cell shows what happened within seconds, the pool heals, n
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
-import threading
 import time
 
 import psutil
@@ -24,28 +22,9 @@ from sagenb.failures import (
 )
 
 from .conftest import REGRESSION_CELL, max_param_diff
+from .helpers import LONG, fault_cell, interrupt_after
 from .models import SEQUENTIAL_CELL
 from .reference import train_reference
-
-
-def fault_cell(action: str, *, at_call: int = 4, rank: int = 1, others: str = "pass") -> str:
-    """The regression cell whose loss_fn does `action` on `rank` at its at_call-th call (and
-    `others` on the other ranks at that call)."""
-    return (
-        REGRESSION_CELL
-        + f"""
-import os, signal, time
-import torch.distributed as dist
-calls = [0]
-def loss_fn(output, target):
-    calls[0] += 1
-    if calls[0] == {at_call}:
-        if dist.get_rank() == {rank}:
-            {action}
-        {others}
-    return torch.nn.functional.mse_loss(output, target)
-"""
-    )
 
 
 def pids(pool) -> list[int]:
@@ -132,16 +111,6 @@ def test_out_of_memory_is_reported_as_such(pool):
         )
     assert info.value.memory["memory/params(MiB)"] > 0  # the rank's telemetry of its last step
     assert "can't allocate memory" in str(info.value)
-
-
-LONG = dict(batch_size=2, epochs=200, dashboard=False)  # ~19,000 tiny steps: time to interrupt
-
-
-def interrupt_after(seconds: float) -> threading.Timer:
-    """SIGINT to this process, as the notebook's interrupt button sends to the kernel."""
-    timer = threading.Timer(seconds, os.kill, (os.getpid(), signal.SIGINT))
-    timer.start()
-    return timer
 
 
 def test_interrupt_stops_every_rank_and_keeps_the_work(pool):

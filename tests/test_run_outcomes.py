@@ -11,8 +11,8 @@ import sagenb
 from sagenb.failures import TrainingError
 
 from .conftest import REGRESSION_CELL, max_param_diff
+from .helpers import fault_cell
 from .reference import train_reference
-from .test_reliability import fault_cell
 
 # a separate process that finds the run's store (the port rank 0 is connected to) and sends
 # every stop message of the protocol, as a process on the same machine could (the store has
