@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 
 import pytest
-import torch
 
 from sagenb import cluster
 
@@ -53,12 +52,6 @@ def pool4(_stop_pool_at_end) -> cluster.EnginePool:
     if current is not None:
         current.heal()
     return current if current is not None and current.size == 4 else cluster.start_pool(4)
-
-
-def max_param_diff(state: dict, model: torch.nn.Module) -> float:
-    ref = model.state_dict()
-    assert state.keys() == ref.keys()
-    return max((state[k].double() - v.double()).abs().max().item() for k, v in ref.items())
 
 
 # Modules whose tests start pools or kernels of their own (and stop the shared pool first).

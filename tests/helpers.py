@@ -1,5 +1,6 @@
 """Helpers shared by several test modules (no test module imports another): cells that fail on
-purpose, the interrupt button, a command run to completion, waiting for processes to go."""
+purpose, the interrupt button, a command run to completion, waiting for processes to go, and
+the one check that a trained model equals another (tests/reference.py's, a checkpoint's)."""
 
 from __future__ import annotations
 
@@ -9,12 +10,13 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 import psutil
 import torch
 
-from .conftest import REGRESSION_CELL, max_param_diff
+from .conftest import REGRESSION_CELL
 from .reference import train_reference
 
 TOL = 1e-5
@@ -90,23 +92,37 @@ def wait_clean(pids: list[int], ports: list[int], timeout: float = 10.0) -> None
 # -- trained versus one process ------------------------------------------------------------------
 
 
-def same(a: dict, b: dict) -> float:
-    assert list(a) == list(b)
-    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
+def largest_difference(state: Mapping[str, torch.Tensor], reference: Mapping) -> tuple[str, float]:
+    """The entry of `state` (parameters and buffers) farthest from `reference`'s, and by how
+    much (the largest absolute elementwise difference, in float64)."""
+    diffs = {k: (state[k].double() - v.double()).abs().max().item() for k, v in reference.items()}
+    worst = max(diffs, key=diffs.__getitem__)
+    return worst, diffs[worst]
 
 
-def check_equal(result, cell, **options):
+def assert_params_equal(
+    state: Mapping[str, torch.Tensor],
+    reference: Mapping | torch.nn.Module,
+    *,
+    tol: float = TOL,
+    context: str = "",
+) -> None:
+    """`state` has `reference`'s entries (a state_dict, or a module's), in its order, each within
+    `tol` (0: bit for bit); the failure names the entry that differs most and by how much."""
+    ref = reference.state_dict() if isinstance(reference, torch.nn.Module) else reference
+    where = f" ({context})" if context else ""
+    missing, extra = sorted(set(ref) - set(state)), sorted(set(state) - set(ref))
+    assert not missing and not extra, f"entries missing: {missing}, unexpected: {extra}{where}"
+    assert list(state) == list(ref), f"entries in another order than the reference's{where}"
+    name, diff = largest_difference(state, ref)
+    assert diff <= tol, f"{name} differs by {diff:.3g} from the reference (tol {tol:g}){where}"
+
+
+def check_equal(result, cell: str, *, tol: float = TOL, **options) -> tuple[torch.nn.Module, dict]:
+    """`result` trained as one process (tests/reference.py) trains `cell` with `options`: the
+    same losses and the same parameters and buffers, up to `tol`. Returns the reference model
+    and the cell's namespace."""
     model, losses, ns = train_reference(cell, **options)
-    torch.testing.assert_close(result.losses, losses, rtol=0, atol=TOL)
-    assert max_param_diff(result.state_dict(), model) <= TOL
-    assert list(result.state_dict()) == list(model.state_dict())  # same keys, same order
+    torch.testing.assert_close(result.losses, losses, rtol=0, atol=tol)
+    assert_params_equal(result.state_dict(), model, tol=tol)
     return model, ns
-
-
-def check_one_process(result, cell, *, steps: int, batch_size: int):
-    """Equal to one process over each whole global batch (grad_accum 1 in the reference)."""
-    model, losses, _ = train_reference(cell, batch_size=batch_size, steps=steps)
-    torch.testing.assert_close(result.losses, losses, rtol=0, atol=TOL)
-    assert max_param_diff(result.state_dict(), model) <= TOL
-    assert list(result.state_dict()) == list(model.state_dict())
-    return model

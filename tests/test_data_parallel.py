@@ -8,19 +8,12 @@ import torch
 import sagenb
 from sagenb.config import ConfigError
 
-from .conftest import REGRESSION_CELL, SGD_MOMENTUM, max_param_diff
+from .conftest import REGRESSION_CELL, SGD_MOMENTUM
+from .helpers import check_equal
 from .models import MAP_STYLE_CELL
-from .reference import eval_loss, train_reference
+from .reference import eval_loss
 
 TOL = 1e-5
-
-
-def check_equal(result, cell, **options):
-    model, losses, ns = train_reference(cell, **options)
-    assert len(result.history) == len(losses)
-    torch.testing.assert_close(result.losses, losses, rtol=0, atol=TOL)
-    assert max_param_diff(result.state_dict(), model) <= TOL
-    return model, ns
 
 
 def test_sgd_momentum_matches_reference(pool):
@@ -80,7 +73,6 @@ def test_uneven_split_is_refused_before_training(pool):
 
 def test_callable_job_trains_like_the_cell(pool):
     def job():
-        import torch
         from torch import nn
 
         model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))

@@ -12,7 +12,7 @@ import torch
 
 import sagenb
 
-from .helpers import check_one_process
+from .helpers import check_equal
 from .models import llama_cell
 from .reference import batch, namespace
 
@@ -22,7 +22,7 @@ TOL = 1e-5
 def test_data_parallel_dicts_and_padding_equal_one_process(pool, own_loss):
     cell = llama_cell(own_loss=own_loss, tied=not own_loss)  # untied and tied embeddings
     result = sagenb.train(cell, batch_size=16, grad_accum=2, steps=6, dashboard=False)
-    check_one_process(result, cell, steps=6, batch_size=16)
+    check_equal(result, cell, steps=6, batch_size=16)
     # the pieces really counted different numbers of tokens
     counts = {m.values["counted"] for m in result.metrics if "counted" in m.values}
     assert len(counts) > 1
@@ -34,7 +34,7 @@ def test_sharded_dicts_equal_one_process(pool, tied):
     result = sagenb.train(
         cell, strategy="sharded", batch_size=16, grad_accum=2, steps=5, dashboard=False
     )
-    check_one_process(result, cell, steps=5, batch_size=16)
+    check_equal(result, cell, steps=5, batch_size=16)
 
 
 @pytest.mark.parametrize("strategy", ["tensor", "model"])
@@ -47,7 +47,7 @@ def test_transformers_model_as_it_is_in_tensor_and_pipeline(pool, strategy):
     result = sagenb.train(
         cell, strategy=strategy, batch_size=16, grad_accum=2, steps=4, dashboard=False, **options
     )
-    model = check_one_process(result, cell, steps=4, batch_size=16)
+    model, _ = check_equal(result, cell, steps=4, batch_size=16)
     # evaluated in microbatch-sized chunks on the pipeline (export fixes the shapes; the last
     # chunk of 20 samples is filled up), as one forward over the whole eval set in one process
     assert result.history[-1]["eval_loss"] == pytest.approx(one_process_eval(cell, model), abs=TOL)
@@ -65,7 +65,7 @@ def one_process_eval(cell: str, model) -> float:
 def test_eval_loss_is_the_mean_over_counted_tokens(pool):
     cell = llama_cell()
     result = sagenb.train(cell, batch_size=16, steps=3, eval_every=0, dashboard=False)
-    model = check_one_process(result, cell, steps=3, batch_size=16)
+    model, _ = check_equal(result, cell, steps=3, batch_size=16)
     assert result.history[-1]["eval_loss"] == pytest.approx(one_process_eval(cell, model), abs=TOL)
 
 
@@ -117,7 +117,7 @@ def test_keyword_inputs_and_dict_outputs(pool, strategy):
         dashboard=False,
         **options,
     )
-    check_one_process(result, KWARGS_GPT, steps=6, batch_size=16)
+    check_equal(result, KWARGS_GPT, steps=6, batch_size=16)
 
 
 def test_tuple_samples_without_loss_fn_are_refused(pool):

@@ -21,8 +21,8 @@ from sagenb.failures import (
     TrainingInterrupted,
 )
 
-from .conftest import REGRESSION_CELL, max_param_diff
-from .helpers import LONG, fault_cell, interrupt_after
+from .conftest import REGRESSION_CELL
+from .helpers import LONG, assert_params_equal, fault_cell, interrupt_after
 from .models import SEQUENTIAL_CELL
 from .reference import train_reference
 
@@ -126,7 +126,7 @@ def test_interrupt_stops_every_rank_and_keeps_the_work(pool):
     assert [row["step"] for row in result.history] == list(range(1, steps + 1))
     # the ranks stopped at the same step boundary: the parameters are those of that step
     model, _, _ = train_reference(REGRESSION_CELL, batch_size=2, epochs=200, steps=steps)
-    assert max_param_diff(result.state_dict(), model) <= 1e-5
+    assert_params_equal(result.state_dict(), model)
     assert_healed(pool, pids(pool), replaced=0)
 
 
@@ -144,7 +144,7 @@ def test_interrupt_stops_four_pipeline_ranks_at_one_step(pool4):
     assert [row["step"] for row in result.history] == list(range(1, steps + 1))
     assert all(len(row["rank_losses"]) == 2 for row in result.history)  # both replicas, every step
     model, _, _ = train_reference(cell, batch_size=8, epochs=400, steps=steps)
-    assert max_param_diff(result.state_dict(), model) <= 1e-5
+    assert_params_equal(result.state_dict(), model)
     assert_healed(pool4, pids(pool4), replaced=0)
 
 
