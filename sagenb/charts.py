@@ -58,7 +58,9 @@ def _smoothed(values: list[float]) -> list[float]:
 
 def _timeline(board: Any) -> dict[str, dict[str, list]]:
     """The last complete step's microbatches as Gantt bars, per kind (F, B)."""
-    bars = {kind: {"x": [], "base": [], "y": [], "text": []} for kind in "FB"}
+    bars: dict[str, dict[str, list]] = {
+        kind: {"x": [], "base": [], "y": [], "text": []} for kind in "FB"
+    }
     timelines = board.timelines
     if not timelines:
         return bars

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 
 import pytest
-import torch
 
 from sagenb import cluster
 
@@ -55,19 +54,34 @@ def pool4(_stop_pool_at_end) -> cluster.EnginePool:
     return current if current is not None and current.size == 4 else cluster.start_pool(4)
 
 
-def max_param_diff(state: dict, model: torch.nn.Module) -> float:
-    ref = model.state_dict()
-    assert state.keys() == ref.keys()
-    return max((state[k].double() - v.double()).abs().max().item() for k, v in ref.items())
-
-
 # Modules whose tests start pools or kernels of their own (and stop the shared pool first).
 OWN_POOLS = ("test_multi_host", "test_notebooks", "test_browser", "test_pool_lifetime")
 
 
+# Fixtures that start (or stop, at the session's end) engine pools; a test using any of them,
+# directly or through another fixture (tests/test_prewarm.py's load_ext, test_multi_host's
+# mpi_pool...), needs engines.
+POOL_FIXTURES = {"pool", "pool4", "_stop_pool_at_end"}
+
+
+def needs_pool(item) -> bool:
+    """Whether `item` starts engines or kernels: through a pool fixture, by living in a module
+    of OWN_POOLS, or by its own `@pytest.mark.pool` (a test that starts a pool in a subprocess
+    or through `%smp_cluster`, which no fixture shows)."""
+    if POOL_FIXTURES & set(getattr(item, "fixturenames", ())):
+        return True
+    return item.module.__name__.rsplit(".", 1)[-1] in OWN_POOLS or bool(
+        list(item.iter_markers("pool"))
+    )
+
+
 def pytest_collection_modifyitems(items):
-    """Run the tests on the shared 2-engine pool first, then those on 4 engines, then those
-    with pools of their own: each switch restarts engines (8-16 s), so group, don't alternate."""
+    """Mark every test that needs engines `pool` (`-m "not pool"`: the fast lane, seconds), and
+    run the tests on the shared 2-engine pool first, then those on 4 engines, then those with
+    pools of their own: each switch restarts engines (8-16 s), so group, don't alternate."""
+    for item in items:
+        if needs_pool(item) and not list(item.iter_markers("pool")):
+            item.add_marker(pytest.mark.pool)
 
     def group(item) -> int:
         if "pool4" in getattr(item, "fixturenames", ()):
@@ -75,3 +89,20 @@ def pytest_collection_modifyitems(items):
         return 2 if item.module.__name__.rsplit(".", 1)[-1] in OWN_POOLS else 0
 
     items.sort(key=group)  # stable: file order within a group
+
+
+@pytest.fixture(autouse=True)
+def _unmarked_tests_start_no_pool(request):
+    """A test not marked `pool` must leave the pool as it found it: one that starts engines
+    unmarked would make the fast lane slow (and fail there for want of cores). Mark it."""
+    if request.node.get_closest_marker("pool") is not None:
+        yield
+        return
+    before = cluster.current_pool()
+    yield
+    if cluster.current_pool() is not before or cluster.starting() is not None:
+        pytest.fail(
+            f"{request.node.nodeid} started an engine pool but is not marked pool: use the "
+            "`pool` fixture or decorate it with @pytest.mark.pool (tests/conftest.py)",
+            pytrace=False,
+        )

@@ -1,4 +1,5 @@
-"""Model cells shared by the tests: an nn.Sequential, two small GPTs and a ResNet."""
+"""Model cells shared by the tests: an nn.Sequential, two small GPTs, a ResNet, a map-style
+dataset, a model with nowhere to cut, and transformers' Llama, GPT-2 and BERT from tiny configs."""
 
 from sagenb.examples import gpt_cell
 
@@ -81,3 +82,135 @@ loss_fn = nn.functional.cross_entropy
 def make_optimizer(params):
     return torch.optim.SGD(params, lr=0.05, momentum=0.9)
 """
+
+# A map-style dataset (samples built one by one and collated), an eval set, a scheduler.
+MAP_STYLE_CELL = """
+import torch
+from torch import nn
+
+class Squares(torch.utils.data.Dataset):
+    # a plain map-style dataset: samples are built one by one and collated
+    def __init__(self, n):
+        g = torch.Generator().manual_seed(7)
+        self.x = torch.randn(n, 4, generator=g)
+    def __len__(self):
+        return len(self.x)
+    def __getitem__(self, i):
+        return self.x[i], (self.x[i] ** 2).sum(0, keepdim=True)
+
+model = nn.Sequential(nn.Linear(4, 32), nn.ReLU(), nn.Linear(32, 1))
+dataset = Squares(160)
+eval_dataset = Squares(50)
+loss_fn = nn.MSELoss()
+
+def make_optimizer(params):
+    return torch.optim.SGD(params, lr=0.02, momentum=0.9)
+
+def make_scheduler(optimizer):
+    return torch.optim.lr_scheduler.StepLR(optimizer, step_size=5, gamma=0.5)
+"""
+
+# No nn.Sequential, no list of blocks: a pipeline has nowhere to cut it.
+UNSPLITTABLE_CELL = """
+import torch
+from torch import nn
+
+class Net(nn.Module):  # no nn.Sequential, no list of blocks: nowhere to cut
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.a(x)
+
+model = Net()
+X = torch.randn(64, 4)
+dataset = torch.utils.data.TensorDataset(X, X)
+loss_fn = nn.functional.mse_loss
+"""
+
+# transformers' Llama, GPT-2 and BERT from tiny configs (random initialisation, nothing
+# downloaded), wrapped so that forward(ids) -> logits: the pipeline, data and sharded tests' models.
+LM_DATA = """
+import torch
+import torch.nn.functional as F
+from torch import nn
+import transformers
+
+class LM(nn.Module):  # forward(ids) -> logits, as the batch reaches the model today
+    def __init__(self, llm):
+        super().__init__()
+        self.llm = llm
+
+    def forward(self, ids):
+        return self.llm(input_ids=ids, {use_cache}).logits
+
+model = LM(transformers.{cls}(transformers.{config}))
+ids = torch.randint(0, 64, (96, 8))
+dataset = torch.utils.data.TensorDataset(ids, torch.roll(ids, -1, dims=1))
+loss_fn = lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten())
+"""
+LLAMA = "LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers={n}, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16, tie_word_embeddings={tie})"  # noqa: E501
+GPT2 = "GPT2Config(vocab_size=64, n_embd=32, n_layer=3, n_head=4, n_positions=16, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)"  # noqa: E501
+BERT = "BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, max_position_embeddings=16, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)"  # noqa: E501
+
+
+def lm_cell(cls: str, config: str, use_cache: bool = True) -> str:
+    cache = "use_cache=False" if use_cache else "return_dict=True"
+    return LM_DATA.format(cls=cls, config=config, use_cache=cache)
+
+
+LM_CELLS = {
+    "llama": lm_cell("LlamaForCausalLM", LLAMA.format(n=4, tie=False)),
+    "llama-tied": lm_cell("LlamaForCausalLM", LLAMA.format(n=2, tie=True)),
+    "gpt2-tied": lm_cell("GPT2LMHeadModel", GPT2),
+    "bert": lm_cell("BertForMaskedLM", BERT, use_cache=False),
+}
+
+# A tiny Llama built from a config (random initialisation, nothing downloaded), given as it is:
+# model(**batch) returns a CausalLMOutputWithPast whose loss shifts labels by one. Samples are
+# dicts whose prompts (a random length) and right padding are labelled -100: every piece of a
+# global batch counts a different number of tokens.
+LLAMA_DICT_CELL = """
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                     use_cache=False, tie_word_embeddings={tied})
+model = LlamaForCausalLM(config)
+
+class Prompts(torch.utils.data.Dataset):
+    def __init__(self, n, length=12):
+        g = torch.Generator().manual_seed(3)
+        self.ids = torch.randint(1, 64, (n, length), generator=g)
+        self.prompt = torch.randint(0, 8, (n,), generator=g)
+        self.used = torch.randint(6, length + 1, (n,), generator=g)
+    def __len__(self):
+        return len(self.ids)
+    def __getitem__(self, i):
+        pos = torch.arange(self.ids.shape[1])
+        mask = (pos < self.used[i]).long()
+        labels = self.ids[i].clone()
+        labels[(pos < self.prompt[i]) | (mask == 0)] = -100
+        return {{"input_ids": self.ids[i], "attention_mask": mask, "labels": labels}}
+
+dataset = Prompts(96)
+eval_dataset = Prompts(20)
+{loss}
+def make_optimizer(params):
+    return torch.optim.SGD(params, lr=0.5)
+"""
+
+# The same with a loss_fn of the cell: it receives the output's logits and the labels, and a
+# piece's weight is the count of those labels other than -100 (so a loss_fn must not drop
+# labels itself: the labels the loss uses are the dataset's, aligned with the logits)
+CELL_LOSS = """
+import torch.nn.functional as F
+def loss_fn(logits, labels):
+    return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
+"""
+
+
+def llama_cell(*, tied: bool = False, own_loss: bool = True) -> str:
+    return LLAMA_DICT_CELL.format(tied=tied, loss="" if own_loss else CELL_LOSS)

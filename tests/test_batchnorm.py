@@ -20,9 +20,10 @@ from sagenb.config import TrainConfig
 from sagenb.engine.equivalence import EquivalenceWarning, equivalence_warnings
 from sagenb.engine.rendezvous import bound_store
 
-from .conftest import REGRESSION_CELL, SGD_MOMENTUM, max_param_diff
+from .conftest import REGRESSION_CELL, SGD_MOMENTUM
+from .helpers import check_equal
 from .models import GPT_CELL, RESNET_CELL
-from .reference import namespace, train_reference
+from .reference import namespace
 
 TOL = 1e-5
 
@@ -34,13 +35,6 @@ X = torch.randn(64, 8)
 dataset = torch.utils.data.TensorDataset(X, X.sum(1, keepdim=True))
 loss_fn = nn.functional.mse_loss
 """
-
-
-def check_equal(result, cell, **options):
-    model, losses, _ = train_reference(cell, **options)
-    torch.testing.assert_close(result.losses, losses, rtol=0, atol=TOL)
-    # every entry: parameters, running_mean / running_var and num_batches_tracked
-    assert max_param_diff(result.state_dict(), model) <= TOL
 
 
 @pytest.mark.parametrize("strategy", ["data", "sharded"])

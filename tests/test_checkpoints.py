@@ -23,13 +23,8 @@ from sagenb.engine.checkpoint_reader import CheckpointError, SafePlanner, SafeRe
 from sagenb.failures import EngineDiedError, TrainingError, TrainingInterrupted
 
 from .conftest import REGRESSION_CELL
+from .helpers import LONG, assert_params_equal, fault_cell, interrupt_after
 from .models import GPT_CELL
-from .test_reliability import LONG, fault_cell, interrupt_after
-
-
-def same(a: dict, b: dict) -> float:
-    assert list(a) == list(b)
-    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
 
 
 def killed_once(marker) -> str:
@@ -50,9 +45,9 @@ def test_resume_after_a_killed_engine_equals_an_uninterrupted_run(pool, tmp_path
     assert latest(ckpt).name == "step-00000010"  # the last one before the engine died
     resumed = sagenb.train(cell, checkpoint_dir=str(ckpt), resume=True, **options)
     assert [row["step"] for row in resumed.history] == list(range(11, 21))
-    assert same(resumed.state_dict(), whole.state_dict()) == 0.0
+    assert_params_equal(resumed.state_dict(), whole.state_dict(), tol=0)
     torch.testing.assert_close(resumed.losses, whole.losses[10:], rtol=0, atol=0)
-    assert same(sagenb.load_checkpoint(ckpt), whole.state_dict()) == 0.0
+    assert_params_equal(sagenb.load_checkpoint(ckpt), whole.state_dict(), tol=0)
 
 
 def test_pipeline_resume_and_one_process_load(pool, tmp_path):
@@ -61,9 +56,9 @@ def test_pipeline_resume_and_one_process_load(pool, tmp_path):
     sagenb.train(GPT_CELL, steps=5, checkpoint_dir=str(tmp_path), **options)
     resumed = sagenb.train(GPT_CELL, steps=12, checkpoint_dir=str(tmp_path), resume=True, **options)
     assert resumed.history[0]["step"] == 6
-    assert same(resumed.state_dict(), whole.state_dict()) == 0.0
+    assert_params_equal(resumed.state_dict(), whole.state_dict(), tol=0)
     loaded = sagenb.load_checkpoint(tmp_path)  # both stages' parts, tied names included
-    assert same(loaded, whole.state_dict()) == 0.0
+    assert_params_equal(loaded, whole.state_dict(), tol=0)
     assert torch.equal(loaded["wte.weight"], loaded["head.weight"])
 
 
@@ -101,7 +96,7 @@ def test_interrupt_writes_a_checkpoint(pool, tmp_path):
         sagenb.train(REGRESSION_CELL, checkpoint_dir=str(tmp_path), **LONG)
     steps = len(info.value.result.history)
     assert latest(tmp_path).name == f"step-{steps:08d}"
-    assert same(sagenb.load_checkpoint(tmp_path), info.value.result.state_dict()) == 0.0
+    assert_params_equal(sagenb.load_checkpoint(tmp_path), info.value.result.state_dict(), tol=0)
 
 
 def test_checkpoint_flags_need_a_directory():
@@ -163,7 +158,7 @@ def test_resume_skips_a_newest_checkpoint_that_cannot_be_read(pool, tmp_path, da
     assert "resuming from the older step-00000003" in note and str(tmp_path) in note
     assert note in resumed.warnings
     assert resumed.history[0]["step"] == 4  # from the older checkpoint
-    assert same(resumed.state_dict(), whole.state_dict()) == 0.0
+    assert_params_equal(resumed.state_dict(), whole.state_dict(), tol=0)
 
 
 def test_resume_falls_back_when_the_ranks_cannot_load_the_newest(pool, tmp_path):
@@ -179,7 +174,7 @@ def test_resume_falls_back_when_the_ranks_cannot_load_the_newest(pool, tmp_path)
         REGRESSION_CELL, steps=9, checkpoint_dir=str(tmp_path), resume=True, **SHORT
     )
     assert resumed.history[0]["step"] == 4
-    assert same(resumed.state_dict(), whole.state_dict()) == 0.0
+    assert_params_equal(resumed.state_dict(), whole.state_dict(), tol=0)
 
 
 def test_no_readable_checkpoint_fails_before_training(pool, tmp_path):

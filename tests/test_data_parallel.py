@@ -8,18 +8,12 @@ import torch
 import sagenb
 from sagenb.config import ConfigError
 
-from .conftest import REGRESSION_CELL, SGD_MOMENTUM, max_param_diff
-from .reference import eval_loss, train_reference
+from .conftest import REGRESSION_CELL, SGD_MOMENTUM
+from .helpers import check_equal
+from .models import MAP_STYLE_CELL
+from .reference import eval_loss
 
 TOL = 1e-5
-
-
-def check_equal(result, cell, **options):
-    model, losses, ns = train_reference(cell, **options)
-    assert len(result.history) == len(losses)
-    torch.testing.assert_close(result.losses, losses, rtol=0, atol=TOL)
-    assert max_param_diff(result.state_dict(), model) <= TOL
-    return model, ns
 
 
 def test_sgd_momentum_matches_reference(pool):
@@ -46,33 +40,6 @@ def test_two_epochs_drop_the_incomplete_batch(pool):
     result = sagenb.train(cell, batch_size=40, epochs=2, dashboard=False)
     assert [row["epoch"] for row in result.history] == [0] * 4 + [1] * 4
     check_equal(result, cell, batch_size=40, epochs=2)
-
-
-MAP_STYLE_CELL = """
-import torch
-from torch import nn
-
-class Squares(torch.utils.data.Dataset):
-    # a plain map-style dataset: samples are built one by one and collated
-    def __init__(self, n):
-        g = torch.Generator().manual_seed(7)
-        self.x = torch.randn(n, 4, generator=g)
-    def __len__(self):
-        return len(self.x)
-    def __getitem__(self, i):
-        return self.x[i], (self.x[i] ** 2).sum(0, keepdim=True)
-
-model = nn.Sequential(nn.Linear(4, 32), nn.ReLU(), nn.Linear(32, 1))
-dataset = Squares(160)
-eval_dataset = Squares(50)
-loss_fn = nn.MSELoss()
-
-def make_optimizer(params):
-    return torch.optim.SGD(params, lr=0.02, momentum=0.9)
-
-def make_scheduler(optimizer):
-    return torch.optim.lr_scheduler.StepLR(optimizer, step_size=5, gamma=0.5)
-"""
 
 
 def test_grad_accum_clipping_scheduler_and_eval(pool):
@@ -106,7 +73,6 @@ def test_uneven_split_is_refused_before_training(pool):
 
 def test_callable_job_trains_like_the_cell(pool):
     def job():
-        import torch
         from torch import nn
 
         model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))

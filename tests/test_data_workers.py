@@ -15,9 +15,9 @@ from sagenb.config import ConfigError
 from sagenb.engine import loader
 from sagenb.engine.data import plan_steps
 
-from .conftest import max_param_diff
+from .helpers import assert_params_equal, check_equal
+from .models import llama_cell
 from .reference import train_reference
-from .test_dict_batches import check_one_process, llama_cell
 
 TOL = 1e-5
 
@@ -94,7 +94,7 @@ def test_workers_train_as_the_training_thread_and_one_process(pool, tmp_path):
     assert all(torch.equal(state[k], state0[k]) for k in state0)
     model, losses, _ = train_reference(cell, batch_size=32, grad_accum=2, epochs=2)
     torch.testing.assert_close(with_workers.losses, losses, rtol=0, atol=TOL)
-    assert max_param_diff(state, model) <= TOL
+    assert_params_equal(state, model)
     assert len(losses) == 10 and all("data_wait(s)" in m.values for m in with_workers.metrics)
 
 
@@ -103,7 +103,7 @@ def test_dict_samples_with_workers(pool):
     result = sagenb.train(
         cell, batch_size=16, grad_accum=2, steps=4, data_workers=2, dashboard=False
     )
-    check_one_process(result, cell, steps=4, batch_size=16)
+    check_equal(result, cell, steps=4, batch_size=16)
     assert engine_children(pool) == [[], []]
 
 
@@ -118,7 +118,7 @@ def test_resume_with_workers_starts_after_the_checkpoint(pool, tmp_path):
     assert [row["step"] for row in resumed.history] == [4, 5, 6, 7]
     model, losses, _ = train_reference(cell, batch_size=32, grad_accum=2, epochs=2, steps=7)
     torch.testing.assert_close(resumed.losses, losses[3:], rtol=0, atol=TOL)
-    assert max_param_diff(resumed.state_dict(), model) <= TOL
+    assert_params_equal(resumed.state_dict(), model)
 
 
 def test_a_failing_worker_fails_the_run_and_leaves_no_process(pool, tmp_path):

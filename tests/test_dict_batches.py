@@ -12,74 +12,17 @@ import torch
 
 import sagenb
 
-from .conftest import max_param_diff
-from .reference import batch, namespace, train_reference
+from .helpers import check_equal
+from .models import llama_cell
+from .reference import batch, namespace
 
 TOL = 1e-5
-
-# A tiny Llama built from a config (random initialisation, nothing downloaded), given as it is:
-# model(**batch) returns a CausalLMOutputWithPast whose loss shifts labels by one. Samples are
-# dicts whose prompts (a random length) and right padding are labelled -100: every piece of a
-# global batch counts a different number of tokens.
-LLAMA_DICT_CELL = """
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
-
-config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                     use_cache=False, tie_word_embeddings={tied})
-model = LlamaForCausalLM(config)
-
-class Prompts(torch.utils.data.Dataset):
-    def __init__(self, n, length=12):
-        g = torch.Generator().manual_seed(3)
-        self.ids = torch.randint(1, 64, (n, length), generator=g)
-        self.prompt = torch.randint(0, 8, (n,), generator=g)
-        self.used = torch.randint(6, length + 1, (n,), generator=g)
-    def __len__(self):
-        return len(self.ids)
-    def __getitem__(self, i):
-        pos = torch.arange(self.ids.shape[1])
-        mask = (pos < self.used[i]).long()
-        labels = self.ids[i].clone()
-        labels[(pos < self.prompt[i]) | (mask == 0)] = -100
-        return {{"input_ids": self.ids[i], "attention_mask": mask, "labels": labels}}
-
-dataset = Prompts(96)
-eval_dataset = Prompts(20)
-{loss}
-def make_optimizer(params):
-    return torch.optim.SGD(params, lr=0.5)
-"""
-
-# The same with a loss_fn of the cell: it receives the output's logits and the labels, and a
-# piece's weight is the count of those labels other than -100 (so a loss_fn must not drop
-# labels itself: the labels the loss uses are the dataset's, aligned with the logits)
-CELL_LOSS = """
-import torch.nn.functional as F
-def loss_fn(logits, labels):
-    return F.cross_entropy(logits.flatten(0, 1), labels.flatten())
-"""
-
-
-def llama_cell(*, tied: bool = False, own_loss: bool = True) -> str:
-    return LLAMA_DICT_CELL.format(tied=tied, loss="" if own_loss else CELL_LOSS)
-
-
-def check_one_process(result, cell, *, steps: int, batch_size: int):
-    """Equal to one process over each whole global batch (grad_accum 1 in the reference)."""
-    model, losses, _ = train_reference(cell, batch_size=batch_size, steps=steps)
-    torch.testing.assert_close(result.losses, losses, rtol=0, atol=TOL)
-    assert max_param_diff(result.state_dict(), model) <= TOL
-    assert list(result.state_dict()) == list(model.state_dict())
-    return model
-
 
 @pytest.mark.parametrize("own_loss", [True, False], ids=["own-loss", "loss_fn"])
 def test_data_parallel_dicts_and_padding_equal_one_process(pool, own_loss):
     cell = llama_cell(own_loss=own_loss, tied=not own_loss)  # untied and tied embeddings
     result = sagenb.train(cell, batch_size=16, grad_accum=2, steps=6, dashboard=False)
-    check_one_process(result, cell, steps=6, batch_size=16)
+    check_equal(result, cell, steps=6, batch_size=16)
     # the pieces really counted different numbers of tokens
     counts = {m.values["counted"] for m in result.metrics if "counted" in m.values}
     assert len(counts) > 1
@@ -91,7 +34,7 @@ def test_sharded_dicts_equal_one_process(pool, tied):
     result = sagenb.train(
         cell, strategy="sharded", batch_size=16, grad_accum=2, steps=5, dashboard=False
     )
-    check_one_process(result, cell, steps=5, batch_size=16)
+    check_equal(result, cell, steps=5, batch_size=16)
 
 
 @pytest.mark.parametrize("strategy", ["tensor", "model"])
@@ -104,7 +47,7 @@ def test_transformers_model_as_it_is_in_tensor_and_pipeline(pool, strategy):
     result = sagenb.train(
         cell, strategy=strategy, batch_size=16, grad_accum=2, steps=4, dashboard=False, **options
     )
-    model = check_one_process(result, cell, steps=4, batch_size=16)
+    model, _ = check_equal(result, cell, steps=4, batch_size=16)
     # evaluated in microbatch-sized chunks on the pipeline (export fixes the shapes; the last
     # chunk of 20 samples is filled up), as one forward over the whole eval set in one process
     assert result.history[-1]["eval_loss"] == pytest.approx(one_process_eval(cell, model), abs=TOL)
@@ -122,7 +65,7 @@ def one_process_eval(cell: str, model) -> float:
 def test_eval_loss_is_the_mean_over_counted_tokens(pool):
     cell = llama_cell()
     result = sagenb.train(cell, batch_size=16, steps=3, eval_every=0, dashboard=False)
-    model = check_one_process(result, cell, steps=3, batch_size=16)
+    model, _ = check_equal(result, cell, steps=3, batch_size=16)
     assert result.history[-1]["eval_loss"] == pytest.approx(one_process_eval(cell, model), abs=TOL)
 
 
@@ -174,7 +117,7 @@ def test_keyword_inputs_and_dict_outputs(pool, strategy):
         dashboard=False,
         **options,
     )
-    check_one_process(result, KWARGS_GPT, steps=6, batch_size=16)
+    check_equal(result, KWARGS_GPT, steps=6, batch_size=16)
 
 
 def test_tuple_samples_without_loss_fn_are_refused(pool):

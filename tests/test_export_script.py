@@ -7,10 +7,8 @@ from __future__ import annotations
 import ast
 import json
 import runpy
-import socket
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,10 +20,10 @@ from sagenb.config import ConfigError, TrainConfig
 from sagenb.export_script import ExportError
 
 from .conftest import REGRESSION_CELL
+from .helpers import TORCHRUN, assert_params_equal, run
+from .lab import free_port
 from .models import SEQUENTIAL_CELL
 
-TORCHRUN = Path(sys.executable).parent / "torchrun"
-RUN_TIMEOUT_S = 300  # a cold torchrun on the 2-core CI machine, shared with other tests
 TOL = 1e-6
 
 STRATEGIES = {
@@ -39,23 +37,6 @@ def options_for(strategy: str) -> dict:
     return dict(STRATEGIES[strategy], batch_size=32, steps=6, threads=1, dashboard=False)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def run(command: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    done = subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
-    assert done.returncode == 0, f"{command} failed:\n{done.stdout}\n{done.stderr}"
-    return done
-
-
-def max_diff(a: dict, b: dict) -> float:
-    assert list(a) == list(b)
-    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
-
-
 @pytest.mark.parametrize("strategy", sorted(STRATEGIES))
 def test_torchrun_script_trains_what_the_pool_trains(pool, tmp_path, strategy):
     options = options_for(strategy)
@@ -65,7 +46,7 @@ def test_torchrun_script_trains_what_the_pool_trains(pool, tmp_path, strategy):
     command = [str(TORCHRUN), "--nproc-per-node", "2", "--master-port", str(free_port())]
     run([*command, "train.py", "--metrics-file", "metrics.jsonl"], cwd=tmp_path)
     state = torch.load(tmp_path / "train_state.pt", weights_only=True)  # the default --output
-    assert max_diff(state, result.state_dict()) <= TOL
+    assert_params_equal(state, result.state_dict(), tol=TOL)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [r["step"] for r in result.history]
     torch.testing.assert_close([r["loss"] for r in rows], result.losses, rtol=0, atol=TOL)
@@ -95,8 +76,8 @@ def test_plain_python_trains_on_one_process_with_checkpoints(pool, tmp_path):
     rows = [json.loads(line) for line in done.stdout.splitlines()]  # stdout: JSON lines only
     assert [r["step"] for r in rows] == list(range(1, 7))
     state = torch.load(tmp_path / "out/model.pt", weights_only=True)
-    assert max_diff(state, result.state_dict()) <= 1e-5
-    assert max_diff(sagenb.load_checkpoint(tmp_path / "ck"), state) == 0
+    assert_params_equal(state, result.state_dict())
+    assert_params_equal(sagenb.load_checkpoint(tmp_path / "ck"), state, tol=0)
 
 
 def test_sagemaker_launcher_names_the_instances(tmp_path):

@@ -13,11 +13,10 @@ import torch
 import sagenb
 from sagenb.engine.data import EAGER_MAX, FeistelOrder, epoch_order, plan_steps
 
-from .conftest import max_param_diff
+from .helpers import TORCHRUN, assert_params_equal, run
+from .lab import free_port
 from .reference import feistel_index, train_reference
-from .test_export_script import TORCHRUN, free_port, run
 
-TOL = 1e-5
 #: a behaviour bound, not a speed target: randperm(10**9) took 165 s and 8 GB per engine
 SECONDS = 60
 RSS_MIB = 2048
@@ -81,7 +80,7 @@ def lazy_batch(b: int, *, seed: int, size: int = 64) -> list[int]:
 
 def check_reference(state: dict) -> None:
     model, _, _ = train_reference(HUGE_CELL, **OPTIONS)
-    assert max_param_diff(state, model) <= TOL
+    assert_params_equal(state, model)
 
 
 @pytest.mark.parametrize("workers", [0, 1])

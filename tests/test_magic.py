@@ -12,7 +12,8 @@ from sagenb.config import TrainConfig, flag_name
 from sagenb.magics import parse_train_line, train_parser
 from sagenb.result import TrainResult
 
-from .conftest import REGRESSION_CELL, SGD_MOMENTUM, max_param_diff
+from .conftest import REGRESSION_CELL, SGD_MOMENTUM
+from .helpers import assert_params_equal
 from .reference import train_reference
 
 
@@ -34,7 +35,7 @@ def test_magic_trains_and_stores_the_result(shell, pool):
     assert isinstance(result, TrainResult)
     model, losses, _ = train_reference(cell, batch_size=32, steps=20, epochs=4)
     assert len(result.history) == 20
-    assert max_param_diff(result.state_dict(), model) <= 1e-5
+    assert_params_equal(result.state_dict(), model)
 
 
 def test_default_out_name(shell, pool):
@@ -126,6 +127,7 @@ def test_config_round_trips_through_its_magic_line():
     assert parse_train_line(line) == config
 
 
+@pytest.mark.pool  # starts a pool itself, with no fixture to show it
 def test_cluster_magic_lifecycle(shell, capsys):
     """status / stop / start -n / restart, and %%smp_train starting a pool when none runs."""
     import psutil

@@ -10,12 +10,9 @@ import sagenb
 from sagenb.failures import TrainingError
 from sagenb.job import JobError
 
-from .conftest import max_param_diff
-from .models import SEQUENTIAL_CELL, SPLIT_GPT_CELL
+from .helpers import assert_params_equal, check_equal
+from .models import MAP_STYLE_CELL, SEQUENTIAL_CELL, SPLIT_GPT_CELL, UNSPLITTABLE_CELL
 from .reference import eval_loss, train_reference
-from .test_checkpoints import same
-from .test_data_parallel import MAP_STYLE_CELL
-from .test_model_parallel import UNSPLITTABLE_CELL
 
 TOL = 1e-5
 MODELS = {"mlp": SEQUENTIAL_CELL, "gpt": SPLIT_GPT_CELL}
@@ -27,15 +24,6 @@ X = torch.randn(64, 1, 8)
 dataset = torch.utils.data.TensorDataset(X, X)
 loss_fn = nn.functional.mse_loss
 """
-
-
-def check_equal(result, cell, **options):
-    model, losses, ns = train_reference(cell, **options)
-    torch.testing.assert_close(result.losses, losses, rtol=0, atol=TOL)
-    state = result.state_dict()
-    assert list(state) == list(model.state_dict())  # full, unsharded, the model's own keys
-    assert max_param_diff(state, model) <= TOL
-    return model, ns
 
 
 @pytest.mark.parametrize("strategy", ["sharded", "tensor"])
@@ -147,9 +135,9 @@ def test_sharded_resume_equals_an_uninterrupted_run(pool, tmp_path):
         SPLIT_GPT_CELL, steps=10, checkpoint_dir=str(tmp_path), resume=True, **options
     )
     assert resumed.history[0]["step"] == 5
-    assert same(resumed.state_dict(), whole.state_dict()) == 0.0
+    assert_params_equal(resumed.state_dict(), whole.state_dict(), tol=0)
     loaded = sagenb.load_checkpoint(tmp_path)  # the sharded checkpoint, whole, in one process
-    assert same(loaded, whole.state_dict()) == 0.0
+    assert_params_equal(loaded, whole.state_dict(), tol=0)
 
 
 def test_errors_say_what_to_change(pool):

@@ -10,38 +10,12 @@ from IPython.core.interactiveshell import InteractiveShell
 import sagenb
 from sagenb.config import ConfigError
 
-from .conftest import max_param_diff
-from .models import GPT_CELL, SEQUENTIAL_CELL
-from .reference import eval_loss, train_reference
-from .test_data_parallel import MAP_STYLE_CELL
+from .helpers import check_equal
+from .models import GPT_CELL, MAP_STYLE_CELL, SEQUENTIAL_CELL, UNSPLITTABLE_CELL
+from .reference import eval_loss
 
 TOL = 1e-5
-UNSPLITTABLE_CELL = """
-import torch
-from torch import nn
-
-class Net(nn.Module):  # no nn.Sequential, no list of blocks: nowhere to cut
-    def __init__(self):
-        super().__init__()
-        self.a = nn.Linear(4, 4)
-
-    def forward(self, x):
-        return self.a(x)
-
-model = Net()
-X = torch.randn(64, 4)
-dataset = torch.utils.data.TensorDataset(X, X)
-loss_fn = nn.functional.mse_loss
-"""
 MODELS = {"sequential": SEQUENTIAL_CELL, "gpt": GPT_CELL}
-
-
-def check_equal(result, cell, **options):
-    model, losses, ns = train_reference(cell, **options)
-    torch.testing.assert_close(result.losses, losses, rtol=0, atol=TOL)
-    assert max_param_diff(result.state_dict(), model) <= TOL
-    assert list(result.state_dict()) == list(model.state_dict())  # same keys, same order
-    return model, ns
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])

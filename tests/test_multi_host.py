@@ -19,18 +19,16 @@ import pytest
 import sagenb
 from sagenb import cluster
 
-from .conftest import max_param_diff
+from .helpers import assert_params_equal
 from .models import SEQUENTIAL_CELL
 from .reference import train_reference
-
-TOL = 1e-5
 
 
 def check_both_strategies():
     for options in (dict(strategy="data"), dict(strategy="model", partitions=2)):
         result = sagenb.train(SEQUENTIAL_CELL, batch_size=32, steps=6, dashboard=False, **options)
         model, _, _ = train_reference(SEQUENTIAL_CELL, batch_size=32, steps=6)
-        assert max_param_diff(result.state_dict(), model) <= TOL, options
+        assert_params_equal(result.state_dict(), model, context=str(options))
 
 
 # -- MPI ------------------------------------------------------------------------------------

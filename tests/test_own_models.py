@@ -9,14 +9,14 @@ import pytest
 
 import sagenb
 
-from .test_model_parallel import check_equal
-from .test_pipeline_models import CELLS
+from .helpers import check_equal
+from .models import LM_CELLS
 
 
 @pytest.mark.parametrize("strategy", ["data", "sharded"])
 @pytest.mark.parametrize("name", ["gpt2-tied", "bert"])
 def test_transformers_models_in_data_and_sharded(pool, name, strategy):
-    cell = CELLS[name]
+    cell = LM_CELLS[name]
     options = dict(batch_size=8, steps=6, grad_accum=2)
     result = sagenb.train(cell, strategy=strategy, dashboard=False, **options)
     check_equal(result, cell, **options)

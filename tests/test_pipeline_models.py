@@ -8,43 +8,8 @@ import pytest
 
 import sagenb
 
-from .test_model_parallel import check_equal
-
-LM_DATA = """
-import torch
-import torch.nn.functional as F
-from torch import nn
-import transformers
-
-class LM(nn.Module):  # forward(ids) -> logits, as the batch reaches the model today
-    def __init__(self, llm):
-        super().__init__()
-        self.llm = llm
-
-    def forward(self, ids):
-        return self.llm(input_ids=ids, {use_cache}).logits
-
-model = LM(transformers.{cls}(transformers.{config}))
-ids = torch.randint(0, 64, (96, 8))
-dataset = torch.utils.data.TensorDataset(ids, torch.roll(ids, -1, dims=1))
-loss_fn = lambda out, y: F.cross_entropy(out.flatten(0, 1), y.flatten())
-"""
-LLAMA = "LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers={n}, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16, tie_word_embeddings={tie})"  # noqa: E501
-GPT2 = "GPT2Config(vocab_size=64, n_embd=32, n_layer=3, n_head=4, n_positions=16, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)"  # noqa: E501
-BERT = "BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, max_position_embeddings=16, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)"  # noqa: E501
-
-
-def lm_cell(cls: str, config: str, use_cache: bool = True) -> str:
-    cache = "use_cache=False" if use_cache else "return_dict=True"
-    return LM_DATA.format(cls=cls, config=config, use_cache=cache)
-
-
-CELLS = {
-    "llama": lm_cell("LlamaForCausalLM", LLAMA.format(n=4, tie=False)),
-    "llama-tied": lm_cell("LlamaForCausalLM", LLAMA.format(n=2, tie=True)),
-    "gpt2-tied": lm_cell("GPT2LMHeadModel", GPT2),
-    "bert": lm_cell("BertForMaskedLM", BERT, use_cache=False),
-}
+from .helpers import check_equal
+from .models import LM_CELLS
 
 RESNET_CELL = """
 import torch
@@ -94,7 +59,7 @@ dataset = torch.utils.data.TensorDataset(X, torch.randint(0, 4, (64,)))
 loss_fn = F.cross_entropy
 """
 
-UNSPLITTABLE_CELL = """
+UNTRACEABLE_CELL = """
 import torch
 from torch import nn
 
@@ -117,9 +82,9 @@ loss_fn = nn.functional.mse_loss
 """
 
 
-@pytest.mark.parametrize("name", list(CELLS))
+@pytest.mark.parametrize("name", list(LM_CELLS))
 def test_transformers_models_match_reference(pool, name):
-    cell = CELLS[name]
+    cell = LM_CELLS[name]
     options = dict(batch_size=8, steps=10)
     result = sagenb.train(
         cell, strategy="model", partitions=2, microbatches=2, dashboard=False, **options
@@ -143,7 +108,7 @@ def test_resnet_blocks_span_its_sequentials(pool):
 
 def test_unsplittable_model_names_the_construct(pool):
     with pytest.raises(sagenb.JobError) as info:
-        sagenb.train(UNSPLITTABLE_CELL, strategy="model", partitions=2, batch_size=32)
+        sagenb.train(UNTRACEABLE_CELL, strategy="model", partitions=2, batch_size=32)
     text = str(info.value)
     assert "torch.fx stopped at <smp_train cell>, line 11, in forward" in text, text
     assert "torch.export stopped at <smp_train cell>, line 11, in forward" in text, text
@@ -152,7 +117,9 @@ def test_unsplittable_model_names_the_construct(pool):
 
 def test_planner_profiles_an_exported_model(pool):
     """--partition-by auto's profile runs the export front end's one-piece-per-block split."""
-    plan = sagenb.plan(CELLS["llama"], strategy="model", partitions=2, microbatches=2, batch_size=8)
+    plan = sagenb.plan(
+        LM_CELLS["llama"], strategy="model", partitions=2, microbatches=2, batch_size=8
+    )
     assert [s.blocks[0] for s in plan.stages][0] == "llm.model.layers.0"
     assert sum(len(s.blocks) for s in plan.stages) == 4
     assert all(s.seconds_per_microbatch > 0 for s in plan.stages)

@@ -11,8 +11,9 @@ import subprocess
 import sys
 import time
 
-import psutil
 import pytest
+
+from .helpers import wait_clean
 
 #: a plain Python process that starts a pool, says what it started, then trains for minutes
 SCRIPT = """
@@ -38,27 +39,6 @@ def loss_fn(out, y):
 '''
 sagenb.train(cell % sys.argv[1], batch_size=8, epochs=1000, dashboard=False)
 """
-
-
-def leftovers(pids: list[int], ports: list[int]) -> tuple[list[int], list[int]]:
-    alive = []
-    for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                alive.append(pid)
-        except psutil.NoSuchProcess:
-            pass
-    listening = {
-        c.laddr.port for c in psutil.net_connections("tcp") if c.status == psutil.CONN_LISTEN
-    }
-    return alive, sorted(set(ports) & listening)
-
-
-def wait_clean(pids: list[int], ports: list[int], timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while (found := leftovers(pids, ports)) != ([], []) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert found == ([], []), f"left after {timeout} s: pids {found[0]}, ports {found[1]}"
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["SIGTERM", "SIGKILL"])

@@ -23,7 +23,7 @@ import sagenb.magics  # noqa: F401 - imported here, so %load_ext's time is the s
 from sagenb import cluster
 
 from .conftest import REGRESSION_CELL
-from .test_pool_lifetime import wait_clean
+from .helpers import wait_clean
 
 TRAIN = "--batch-size 32 --steps 2 --no-dashboard --out prewarmed"
 
@@ -124,6 +124,7 @@ time.sleep(300)
 """
 
 
+@pytest.mark.pool  # starts a pool itself, with no fixture to show it
 def test_a_process_killed_during_the_background_start_leaves_nothing(monkeypatch):
     monkeypatch.setenv("SAGENB_PREWARM", "1")
     proc = subprocess.Popen(

@@ -4,10 +4,8 @@ hangs the others, the cell shows what happened within seconds, the pool heals, n
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
-import threading
 import time
 
 import psutil
@@ -23,29 +21,10 @@ from sagenb.failures import (
     TrainingInterrupted,
 )
 
-from .conftest import REGRESSION_CELL, max_param_diff
+from .conftest import REGRESSION_CELL
+from .helpers import LONG, assert_params_equal, fault_cell, interrupt_after
 from .models import SEQUENTIAL_CELL
 from .reference import train_reference
-
-
-def fault_cell(action: str, *, at_call: int = 4, rank: int = 1, others: str = "pass") -> str:
-    """The regression cell whose loss_fn does `action` on `rank` at its at_call-th call (and
-    `others` on the other ranks at that call)."""
-    return (
-        REGRESSION_CELL
-        + f"""
-import os, signal, time
-import torch.distributed as dist
-calls = [0]
-def loss_fn(output, target):
-    calls[0] += 1
-    if calls[0] == {at_call}:
-        if dist.get_rank() == {rank}:
-            {action}
-        {others}
-    return torch.nn.functional.mse_loss(output, target)
-"""
-    )
 
 
 def pids(pool) -> list[int]:
@@ -134,16 +113,6 @@ def test_out_of_memory_is_reported_as_such(pool):
     assert "can't allocate memory" in str(info.value)
 
 
-LONG = dict(batch_size=2, epochs=200, dashboard=False)  # ~19,000 tiny steps: time to interrupt
-
-
-def interrupt_after(seconds: float) -> threading.Timer:
-    """SIGINT to this process, as the notebook's interrupt button sends to the kernel."""
-    timer = threading.Timer(seconds, os.kill, (os.getpid(), signal.SIGINT))
-    timer.start()
-    return timer
-
-
 def test_interrupt_stops_every_rank_and_keeps_the_work(pool):
     interrupt_after(3.0)
     started = time.perf_counter()
@@ -157,7 +126,7 @@ def test_interrupt_stops_every_rank_and_keeps_the_work(pool):
     assert [row["step"] for row in result.history] == list(range(1, steps + 1))
     # the ranks stopped at the same step boundary: the parameters are those of that step
     model, _, _ = train_reference(REGRESSION_CELL, batch_size=2, epochs=200, steps=steps)
-    assert max_param_diff(result.state_dict(), model) <= 1e-5
+    assert_params_equal(result.state_dict(), model)
     assert_healed(pool, pids(pool), replaced=0)
 
 
@@ -175,7 +144,7 @@ def test_interrupt_stops_four_pipeline_ranks_at_one_step(pool4):
     assert [row["step"] for row in result.history] == list(range(1, steps + 1))
     assert all(len(row["rank_losses"]) == 2 for row in result.history)  # both replicas, every step
     model, _, _ = train_reference(cell, batch_size=8, epochs=400, steps=steps)
-    assert max_param_diff(result.state_dict(), model) <= 1e-5
+    assert_params_equal(result.state_dict(), model)
     assert_healed(pool4, pids(pool4), replaced=0)
 
 
@@ -227,6 +196,7 @@ print(" ".join(str(row.pid) for row in pool.status()), flush=True)
 """
 
 
+@pytest.mark.pool  # starts a pool itself, with no fixture to show it
 def test_kernel_exit_leaves_no_engine():
     out = subprocess.run(
         [sys.executable, "-c", KERNEL], capture_output=True, text=True, timeout=120, check=True

@@ -10,9 +10,9 @@ import pytest
 import sagenb
 from sagenb.failures import TrainingError
 
-from .conftest import REGRESSION_CELL, max_param_diff
+from .conftest import REGRESSION_CELL
+from .helpers import assert_params_equal, fault_cell
 from .reference import train_reference
-from .test_reliability import fault_cell
 
 # a separate process that finds the run's store (the port rank 0 is connected to) and sends
 # every stop message of the protocol, as a process on the same machine could (the store has
@@ -45,7 +45,7 @@ def test_stop_messages_from_another_process_are_ignored(pool):
     result = sagenb.train(cell, batch_size=16, epochs=5, dashboard=False)
     assert result.status == "done" and len(result.history) == 60
     model, _, _ = train_reference(REGRESSION_CELL, batch_size=16, epochs=5)
-    assert max_param_diff(result.state_dict(), model) <= 1e-5
+    assert_params_equal(result.state_dict(), model)
 
 
 def test_a_stop_request_the_notebook_did_not_send_is_not_done(pool):
@@ -106,7 +106,7 @@ def test_a_checkpoint_that_cannot_be_written_keeps_the_trained_result(pool, tmp_
     failed = info.value.result
     assert failed.status == "failed" and len(failed.history) == 6
     model, _, _ = train_reference(REGRESSION_CELL, batch_size=16, steps=6)
-    assert max_param_diff(failed.state_dict(), model) <= 1e-5
+    assert_params_equal(failed.state_dict(), model)
     # the ranks all stopped together: the pool trains the next run at once
     assert len(sagenb.train(REGRESSION_CELL, batch_size=16, steps=2, dashboard=False).history) == 2
 

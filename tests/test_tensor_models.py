@@ -13,7 +13,7 @@ from sagenb.engine.tp_plan import derive_plan, plan_for
 from sagenb.failures import TrainingError
 from sagenb.job import JobError
 
-from .test_memory_savers import check_equal
+from .helpers import check_equal
 
 OPTIONS = dict(batch_size=16, steps=8, epochs=2)
 # a transformers model wrapped so that forward(ids) -> logits, as a cell would hold one

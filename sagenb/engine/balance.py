@@ -107,7 +107,7 @@ def static_profile(model: nn.Module) -> BlockProfile:
 
 class _SavedBytes:
     def __init__(self) -> None:
-        self.total, self._seen = 0, set()
+        self.total, self._seen = 0, set[int]()
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         storage = t.untyped_storage()

@@ -129,7 +129,8 @@ def _where(exc: BaseException, limit: int = 240) -> str:
     and sagenb (the code the tracer was running when it gave up), the message cut to its
     first line."""
     skip = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)))
-    frames, cause = [], exc
+    frames: list[traceback.FrameSummary] = []
+    cause: BaseException | None = exc
     while not frames and cause is not None:
         tb = traceback.extract_tb(cause.__traceback__)
         frames = [f for f in tb if not f.filename.startswith(skip)]

@@ -35,6 +35,7 @@ Every plan is checked before the first step (sagenb/engine/tp_check.py).
 from __future__ import annotations
 
 import re
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 from torch import nn
@@ -79,7 +80,7 @@ def plan_for(model: nn.Module, tp: int, hand: dict[str, Any] | None) -> Plan:
 
 
 def derive_plan(
-    model: nn.Module, tp: int, *, skip: set[str] = frozenset(), required: bool = True
+    model: nn.Module, tp: int, *, skip: AbstractSet[str] = frozenset(), required: bool = True
 ) -> dict[str, str]:
     """{module path: "colwise" | "rowwise"} for `model` split `tp` ways, leaving out the
     modules under the paths in `skip`; with `required`, finding nothing is a JobError."""
@@ -139,7 +140,7 @@ def _holds_tied(model: nn.Module, key: str, tied: set[int]) -> bool:
     return any(id(p) in tied for _, m in matches(model, key) for p in m.parameters(recurse=False))
 
 
-def _under(path: str, roots: set[str]) -> bool:
+def _under(path: str, roots: AbstractSet[str]) -> bool:
     return any(r == "" or path == r or path.startswith(r + ".") for r in roots)
 
 
@@ -160,7 +161,7 @@ def check_plan(model: nn.Module, plan: dict[str, Any]) -> None:
 
 
 def split_heads(
-    model: nn.Module, plan: dict[str, Any], tp: int, skip: set[str] = frozenset()
+    model: nn.Module, plan: dict[str, Any], tp: int, skip: AbstractSet[str] = frozenset()
 ) -> None:
     """Divide by `tp` the head count of every module whose q/k/v projections are split
     column-wise: each engine then computes its own heads. Modules under `skip` (transformers

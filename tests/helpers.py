@@ -1,0 +1,128 @@
+"""Helpers shared by several test modules (no test module imports another): cells that fail on
+purpose, the interrupt button, a command run to completion, waiting for processes to go, and
+the one check that a trained model equals another (tests/reference.py's, a checkpoint's)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+import psutil
+import torch
+
+from .conftest import REGRESSION_CELL
+from .reference import train_reference
+
+TOL = 1e-5
+
+# -- failures on purpose -------------------------------------------------------------------------
+
+LONG = dict(batch_size=2, epochs=200, dashboard=False)  # ~19,000 tiny steps: time to interrupt
+
+
+def fault_cell(action: str, *, at_call: int = 4, rank: int = 1, others: str = "pass") -> str:
+    """The regression cell whose loss_fn does `action` on `rank` at its at_call-th call (and
+    `others` on the other ranks at that call)."""
+    return (
+        REGRESSION_CELL
+        + f"""
+import os, signal, time
+import torch.distributed as dist
+calls = [0]
+def loss_fn(output, target):
+    calls[0] += 1
+    if calls[0] == {at_call}:
+        if dist.get_rank() == {rank}:
+            {action}
+        {others}
+    return torch.nn.functional.mse_loss(output, target)
+"""
+    )
+
+
+def interrupt_after(seconds: float) -> threading.Timer:
+    """SIGINT to this process, as the notebook's interrupt button sends to the kernel."""
+    timer = threading.Timer(seconds, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    return timer
+
+
+# -- processes -----------------------------------------------------------------------------------
+
+TORCHRUN = Path(sys.executable).parent / "torchrun"
+RUN_TIMEOUT_S = 300  # a cold torchrun on the 2-core CI machine, shared with other tests
+
+
+def run(command: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    """`command` run to its end in `cwd`; its output shown if it fails."""
+    done = subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
+    assert done.returncode == 0, f"{command} failed:\n{done.stdout}\n{done.stderr}"
+    return done
+
+
+def leftovers(pids: list[int], ports: list[int]) -> tuple[list[int], list[int]]:
+    """The processes of `pids` still alive (zombies count as gone) and `ports` still listened on."""
+    alive = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                alive.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    listening = {
+        c.laddr.port for c in psutil.net_connections("tcp") if c.status == psutil.CONN_LISTEN
+    }
+    return alive, sorted(set(ports) & listening)
+
+
+def wait_clean(pids: list[int], ports: list[int], timeout: float = 10.0) -> None:
+    """Wait up to `timeout` s for `pids` to exit and `ports` to close; fail naming what is left."""
+    deadline = time.monotonic() + timeout
+    while (found := leftovers(pids, ports)) != ([], []) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert found == ([], []), f"left after {timeout} s: pids {found[0]}, ports {found[1]}"
+
+
+# -- trained versus one process ------------------------------------------------------------------
+
+
+def largest_difference(state: Mapping[str, torch.Tensor], reference: Mapping) -> tuple[str, float]:
+    """The entry of `state` (parameters and buffers) farthest from `reference`'s, and by how
+    much (the largest absolute elementwise difference, in float64)."""
+    diffs = {k: (state[k].double() - v.double()).abs().max().item() for k, v in reference.items()}
+    worst = max(diffs, key=diffs.__getitem__)
+    return worst, diffs[worst]
+
+
+def assert_params_equal(
+    state: Mapping[str, torch.Tensor],
+    reference: Mapping | torch.nn.Module,
+    *,
+    tol: float = TOL,
+    context: str = "",
+) -> None:
+    """`state` has `reference`'s entries (a state_dict, or a module's), in its order, each within
+    `tol` (0: bit for bit); the failure names the entry that differs most and by how much."""
+    ref = reference.state_dict() if isinstance(reference, torch.nn.Module) else reference
+    where = f" ({context})" if context else ""
+    missing, extra = sorted(set(ref) - set(state)), sorted(set(state) - set(ref))
+    assert not missing and not extra, f"entries missing: {missing}, unexpected: {extra}{where}"
+    assert list(state) == list(ref), f"entries in another order than the reference's{where}"
+    name, diff = largest_difference(state, ref)
+    assert diff <= tol, f"{name} differs by {diff:.3g} from the reference (tol {tol:g}){where}"
+
+
+def check_equal(result, cell: str, *, tol: float = TOL, **options) -> tuple[torch.nn.Module, dict]:
+    """`result` trained as one process (tests/reference.py) trains `cell` with `options`: the
+    same losses and the same parameters and buffers, up to `tol`. Returns the reference model
+    and the cell's namespace."""
+    model, losses, ns = train_reference(cell, **options)
+    torch.testing.assert_close(result.losses, losses, rtol=0, atol=tol)
+    assert_params_equal(result.state_dict(), model, tol=tol)
+    return model, ns
