@@ -7,7 +7,6 @@ from __future__ import annotations
 import ast
 import json
 import runpy
-import subprocess
 import sys
 
 import pytest
@@ -173,13 +172,3 @@ def test_magic_refuses_a_cell_without_a_model(shell, tmp_path):
     with pytest.raises(UsageError, match="the cell defines no model"):
         shell.run_cell_magic("smp_export", f"{tmp_path / 't.py'}", "x = 1\n")
     assert list(tmp_path.iterdir()) == []
-
-
-def test_the_script_side_imports_no_notebook_libraries():
-    code = (
-        "import sys, sagenb.engine.launch; "
-        "print(sorted(m for m in ('IPython', 'ipywidgets', 'plotly', 'ipyparallel') "
-        "if m in sys.modules))"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]"
