@@ -16,8 +16,9 @@ from typing import Any
 from sagenb import cluster
 from sagenb.config import PIPELINED, ConfigError, TrainConfig
 from sagenb.engine.balance import BlockProfile
+from sagenb.engine.cuts import MEMORY_FACTOR
 from sagenb.engine.planning import plan_on_engine
-from sagenb.engine.strategies.pipeline import MEMORY_FACTOR
+from sagenb.job import JobError
 from sagenb.session import prepare
 
 __all__ = ["Plan", "StagePlan", "plan", "bubble_fraction"]
@@ -54,15 +55,29 @@ class Plan:
     balance: float
     estimated_step_s: float
     alternatives: dict[str, Any]
+    #: False with --delay-init: meta parameters are counted, never run, so the times,
+    #: activations, balance and step estimate are NaN (training cuts by parameters then)
+    measured: bool = True
+
+    @property
+    def cuts(self) -> tuple[int, ...]:
+        """The blocks where stages 1, 2, ... begin, as --cuts spells them (what training
+        reports as its first step's "cuts")."""
+        return self.starts[1:]
 
     def table(self) -> str:
         cfg = self.config
+        timing = (
+            f"balance (slowest/mean stage) {self.balance:.2f}, "
+            f"estimated {self.estimated_step_s * 1e3:.1f} ms per optimizer step"
+            if self.measured
+            else "times not measured (--delay-init: meta parameters are not run)"
+        )
         lines = [
             f"{cfg.partitions} partitions x {cfg.stages // cfg.partitions} chunk(s), "
             f"{cfg.microbatches} microbatches, {cfg.schedule}, partition by {self.method}: "
-            f"cut before blocks {list(self.starts[1:])}",
-            f"bubble {self.bubble:.1%}, balance (slowest/mean stage) {self.balance:.2f}, "
-            f"estimated {self.estimated_step_s * 1e3:.1f} ms per optimizer step",
+            f"cut before blocks {list(self.cuts)}",
+            f"bubble {self.bubble:.1%}, {timing}",
             f"{'stage':>5} {'engine':>6} {'blocks':<24} {'params MiB':>10} {'train MiB':>10} "
             f"{'act/mb MiB':>10} {'ms/mb':>7}",
         ]
@@ -135,15 +150,21 @@ def plan(job: Any, config: TrainConfig | None = None, *, pool=None, **options: A
     task = pool.client[pool.engine_ids[0]].apply_async(
         plan_on_engine, prepared, config, config.replicas(engines), threads
     )
-    raw = task.get(timeout=600)
+    try:
+        raw = task.get(timeout=600)
+    except Exception as exc:  # noqa: BLE001 - a JobError on the engine reads as training's
+        if getattr(exc, "ename", None) == "JobError":
+            raise JobError(exc.evalue) from None
+        raise
     return _assemble(config, raw)
 
 
 def _assemble(config: TrainConfig, raw: dict[str, Any]) -> Plan:
     profile = BlockProfile(**{k: tuple(v) for k, v in raw["profile"].items()})
-    starts = raw["starts"][config.partition_by]
-    if isinstance(starts, str):
-        raise ConfigError("memory_budget", config.memory_budget, starts)
+    if not raw["measured"]:
+        unknown = (float("nan"),) * len(profile.seconds)
+        profile = dataclasses.replace(profile, seconds=unknown, activation_bytes=unknown)
+    starts = raw["starts"]
     sums = profile.stage_sums(starts)
     bounds = [*starts, len(raw["blocks"])]
     stages = tuple(
@@ -163,15 +184,15 @@ def _assemble(config: TrainConfig, raw: dict[str, Any]) -> Plan:
         per_engine[s.engine] += s.seconds_per_microbatch
     virtual = config.stages // config.partitions
     bubble = bubble_fraction(config.partitions, config.microbatches, virtual)
-    slowest = max(per_engine)
-    step = config.grad_accum * config.microbatches * slowest / (1 - bubble)
+    slowest, mean = max(per_engine), sum(per_engine) / len(per_engine)
     return Plan(
         config=config,
-        method=config.partition_by,
+        method=raw["method"],
         starts=tuple(starts),
         stages=stages,
         bubble=bubble,
-        balance=slowest / (sum(per_engine) / len(per_engine)),
-        estimated_step_s=step,
-        alternatives={k: v for k, v in raw["starts"].items() if k != config.partition_by},
+        balance=slowest / mean if raw["measured"] else float("nan"),
+        estimated_step_s=config.grad_accum * config.microbatches * slowest / (1 - bubble),
+        alternatives=raw["alternatives"],
+        measured=raw["measured"],
     )

@@ -1,4 +1,5 @@
-"""The planner's engine side: build the cell's model, profile its blocks, cut it every way."""
+"""The planner's engine side: build the cell's model as training would, profile its blocks and
+cut it every way, with the trainer's own choice of cut points (engine/cuts.py)."""
 
 from __future__ import annotations
 
@@ -7,11 +8,10 @@ from typing import Any
 
 import torch
 
-from sagenb.config import TrainConfig
-from sagenb.engine.balance import choose_starts, profile_blocks
+from sagenb.config import PARTITION_METHODS, TrainConfig
+from sagenb.engine.cuts import check_blocks, choose_cuts, cut_profile, partition_method
 from sagenb.engine.data import fetch
 from sagenb.engine.partition import find_blocks
-from sagenb.engine.strategies.pipeline import MEMORY_FACTOR
 from sagenb.engine.workspace import build_workspace
 from sagenb.job import Job, JobError
 
@@ -19,41 +19,38 @@ __all__ = ["plan_on_engine"]
 
 
 def plan_on_engine(job: Job, config: TrainConfig, replicas: int, threads: int) -> dict[str, Any]:
-    """Cut points of every partition method for `config`, with the measured block profile.
+    """Cut points of `config` and of every other partition method, with the block profile.
 
     Profiled with the thread count training will use: with more threads than the engine will
-    get, timings swing by 4x on a shared machine (measured on 2 cores)."""
+    get, timings swing by 4x on a shared machine (measured on 2 cores). With --delay-init the
+    model is built on the meta device, as training builds it, so nothing is materialised and
+    the profile holds parameter bytes only (`measured` False)."""
     torch.set_num_threads(threads)
-    ws = build_workspace(job, config.seed)
+    ws = build_workspace(job, config.seed, delay_init=config.delay_init)
     blocks = find_blocks(ws.model)
-    if len(blocks) < config.stages:
-        raise JobError(
-            f"the model has {len(blocks)} blocks, fewer than the {config.stages} pipeline "
-            "stages asked for: lower --partitions"
-        )
+    check_blocks(config, len(blocks))  # the trainer's errors, before anything is measured
     mb = config.batch_size // (replicas * config.grad_accum * config.microbatches)
-    batch = fetch(ws.dataset, torch.arange(min(mb, len(ws.dataset))))
-    profile = profile_blocks(ws.model, batch, ws.objective)
-    budget = config.memory_budget * 2**30 if config.memory_budget else None
-    methods = {}
-    for method in ("auto", "parameters", "uniform", "manual"):
-        if method == "manual" and config.partition_by != "manual":
+    example = fetch(ws.dataset, torch.arange(min(mb, len(ws.dataset))))
+    profile = cut_profile(ws.model, config, example, ws.objective)
+
+    def cuts(method: str) -> list[int]:
+        return choose_cuts(ws.model, config, example, ws.objective, method=method, profile=profile)
+
+    alternatives: dict[str, list[int] | str] = {}
+    for method in PARTITION_METHODS:
+        # manual only as the method asked for; auto is parameters under --delay-init
+        if method == "manual" or partition_method(config, method) == partition_method(config):
             continue
         try:
-            methods[method] = choose_starts(
-                method,
-                config.stages,
-                profile,
-                blocks=len(blocks),
-                cuts=config.cuts,
-                memory_budget_bytes=budget,
-                memory_factor=MEMORY_FACTOR,
-            )
-        except ValueError as exc:
-            methods[method] = str(exc)
+            alternatives[method] = cuts(method)
+        except JobError as exc:
+            alternatives[method] = str(exc)
     return {
         "blocks": [blocks.qualified(i) for i in range(len(blocks))],
         "profile": asdict(profile),
-        "starts": methods,
+        "measured": not config.delay_init,
+        "method": partition_method(config),
+        "starts": cuts(config.partition_by),
+        "alternatives": alternatives,
         "microbatch_size": mb,
     }

@@ -34,8 +34,8 @@ from torch.distributed.pipelining import (
 )
 
 from sagenb.config import TrainConfig
-from sagenb.engine.balance import choose_starts, profile_blocks, static_profile
 from sagenb.engine.blocks import find_blocks, tied_groups
+from sagenb.engine.cuts import MEMORY_FACTOR, check_blocks, choose_cuts
 from sagenb.engine.data import fetch, to_device
 from sagenb.engine.delayed import materialize, release_others
 from sagenb.engine.objective import Objective, logits_of, weighted
@@ -45,11 +45,7 @@ from sagenb.engine.tensor_messages import broadcast_ints_or_error, recv_tensors,
 from sagenb.engine.workspace import Workspace
 from sagenb.job import JobError
 
-__all__ = ["Pipeline"]
-
-#: bytes held per parameter byte, for the memory budget: the parameter, its gradient and
-#: AdamW's two moments (an upper bound for SGD with momentum, which keeps one)
-MEMORY_FACTOR = 4.0
+__all__ = ["Pipeline", "MEMORY_FACTOR"]
 
 
 class Pipeline:
@@ -64,6 +60,7 @@ class Pipeline:
         self._step_started = 0.0
         self._scale = 1.0
         self._reported: list[torch.Tensor] = []
+        self._cuts_reported = False
 
     def _groups(self) -> tuple[Any, Any]:
         """Every rank creates every group, in the same order (torch.distributed requires it)."""
@@ -109,50 +106,20 @@ class Pipeline:
         return fetch(ws.dataset, torch.arange(min(mb, len(ws.dataset))))
 
     def _choose_starts(self, ws: Workspace, example: Any) -> list[int]:
-        cfg = self.config
-        n = len(find_blocks(ws.model))
-        if n < self.S:
-            raise JobError(
-                f"the model has {n} blocks, fewer than the {self.S} pipeline stages asked for: "
-                f"lower --partitions{' or --virtual-stages' if self.S > self.P else ''}"
-            )
-        if cfg.partition_by == "manual" and cfg.cuts[-1] >= n:
-            raise JobError(f"--cuts {cfg.cuts}: the model has only {n} blocks (0..{n - 1})")
-        method = cfg.partition_by
-        if cfg.delay_init and method == "auto":  # meta parameters cannot be timed
-            method = "parameters"
-        measured: list[int] | Exception | None = None
-        if self.rank == 0:  # one rank measures; all use its cut points
+        """The cut points of engine/cuts.py, the planner's too: checked on every rank, chosen
+        (and measured, when the method needs it) on rank 0 only, which all ranks then use."""
+        check_blocks(self.config, len(find_blocks(ws.model)))
+        chosen: list[int] | Exception | None = None
+        if self.rank == 0:
             try:
-                measured = self._measure_starts(ws, example, method, n)
+                chosen = choose_cuts(ws.model, self.config, example, ws.objective)
             except JobError as exc:  # e.g. the model cannot be split: every rank raises it
-                measured = exc
+                chosen = exc
         # ints, or the error's text: tensors on the wire, nothing unpickled (tensor_messages.py)
-        starts = broadcast_ints_or_error(measured, src=0, device=self.device)
+        starts = broadcast_ints_or_error(chosen, src=0, device=self.device)
         if isinstance(starts, str):
-            raise measured if isinstance(measured, JobError) else JobError(starts)
+            raise chosen if isinstance(chosen, JobError) else JobError(starts)
         return starts
-
-    def _measure_starts(self, ws: Workspace, example: Any, method: str, n: int):
-        cfg = self.config
-        profile = None
-        if method == "parameters" and cfg.delay_init:
-            profile = static_profile(ws.model)
-        elif method in ("auto", "parameters"):
-            profile = profile_blocks(ws.model, example, ws.objective)
-        budget = cfg.memory_budget * 2**30 if cfg.memory_budget else None
-        try:
-            return choose_starts(
-                method,
-                self.S,
-                profile,
-                blocks=n,
-                cuts=cfg.cuts,
-                memory_budget_bytes=budget,
-                memory_factor=MEMORY_FACTOR,
-            )
-        except ValueError as exc:
-            raise JobError(f"--memory-budget {cfg.memory_budget}: {exc}") from None
 
     def _setup_tied(self, model: nn.Module, stages: list[nn.Module]) -> None:
         """Process groups over the ranks that hold each weight tied across stages.
@@ -299,10 +266,14 @@ class Pipeline:
     def step_metrics(self) -> dict[str, Any]:
         """Busy and idle time of this engine's stages in the last step, and its timeline:
         [F or B, stage, microbatch, start, end] in seconds after `timeline_t0(unix s)` (wall
-        clock, so the engines' timelines line up in one chart)."""
+        clock, so the engines' timelines line up in one chart). The first step's also has
+        the "cuts" the pipeline uses (the blocks where stages 1, 2, ... begin, as --cuts spells
+        them), to compare with the planner's."""
         events, self.events = self.events, []
+        first = {} if self._cuts_reported else {"cuts": list(self.starts[1:])}
+        self._cuts_reported = True
         if not events:
-            return {}
+            return first
         t0 = self._step_started
         busy_f = sum(e[4] - e[3] for e in events if e[0] == "F")
         busy_b = sum(e[4] - e[3] for e in events if e[0] == "B")
@@ -314,6 +285,7 @@ class Pipeline:
             "idle(s)": max(0.0, span - busy_f - busy_b),
             "timeline": [[k, s, c, round(a - t0, 6), round(b - t0, 6)] for k, s, c, a, b in events],
             "timeline_t0(unix s)": t0,
+            **first,
         }
 
     # -- results ---------------------------------------------------------------------------

@@ -1,0 +1,101 @@
+"""Where the pipeline is cut: one choice for the trainer (strategies/pipeline.py) and the
+planner (engine/planning.py), so that `%%smp_plan` shows the cut points `%%smp_train` with the
+same flags will use (sagenb issue 18).
+
+The choice depends on the options only through `--partition-by`, `--cuts`, `--memory-budget`
+and `--delay-init`: with delay-init the parameters are on the meta device, which can be
+counted but not run, so `auto` (measured time) becomes `parameters` and the profile is the
+parameter bytes alone (engine/balance.py static_profile). balance.py holds the methods
+themselves; this module decides which one runs, on what profile, and checks `--cuts` against
+the model's blocks before anything is measured.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from sagenb.config import TrainConfig
+from sagenb.engine.balance import BlockProfile, choose_starts, profile_blocks, static_profile
+from sagenb.engine.blocks import find_blocks
+from sagenb.engine.objective import Objective
+from sagenb.job import JobError
+
+__all__ = ["MEMORY_FACTOR", "check_blocks", "partition_method", "cut_profile", "choose_cuts"]
+
+#: bytes held per parameter byte, for the memory budget: the parameter, its gradient and
+#: AdamW's two moments (an upper bound for SGD with momentum, which keeps one)
+MEMORY_FACTOR = 4.0
+
+#: methods that read a profile (the others need only the number of blocks)
+PROFILED = ("auto", "parameters")
+
+
+def check_blocks(config: TrainConfig, blocks: int) -> None:
+    """The stages and `--cuts` must fit the model's `blocks`: checked on every rank (and by
+    the planner) before any profiling, so a bad value costs no measurement."""
+    stages = config.stages
+    if blocks < stages:
+        raise JobError(
+            f"the model has {blocks} blocks, fewer than the {stages} pipeline stages asked "
+            f"for: lower --partitions{' or --virtual-stages' if stages > config.partitions else ''}"
+        )
+    if config.partition_by == "manual" and config.cuts[-1] >= blocks:
+        raise JobError(
+            f"--cuts {','.join(map(str, config.cuts))}: the model has only {blocks} blocks "
+            f"(0..{blocks - 1}); give {stages - 1} increasing block indices from 1 to "
+            f"{blocks - 1}"
+        )
+
+
+def partition_method(config: TrainConfig, method: str | None = None) -> str:
+    """The method that runs for `method` (default --partition-by): `auto` times the blocks,
+    which meta parameters (--delay-init) cannot do, so it balances parameters instead."""
+    method = method or config.partition_by
+    if config.delay_init and method == "auto":
+        return "parameters"
+    return method
+
+
+def cut_profile(
+    model: nn.Module, config: TrainConfig, example: Any, objective: Objective
+) -> BlockProfile:
+    """The profile the cut choice reads: parameter bytes only with --delay-init (nothing is
+    run, nothing materialised), else each block timed on `example` (balance.profile_blocks)."""
+    if config.delay_init:
+        return static_profile(model)
+    return profile_blocks(model, example, objective)
+
+
+def choose_cuts(
+    model: nn.Module,
+    config: TrainConfig,
+    example: Any,
+    objective: Objective,
+    *,
+    method: str | None = None,
+    profile: BlockProfile | None = None,
+) -> list[int]:
+    """Stage start blocks (starts[0] == 0) for `method` (default --partition-by).
+
+    `profile` is measured here when the method needs one and none is given (the planner
+    passes the one it shows); `example` is one microbatch of the size the schedule runs."""
+    blocks = len(find_blocks(model))
+    check_blocks(config, blocks)
+    method = partition_method(config, method)
+    if profile is None and method in PROFILED:
+        profile = cut_profile(model, config, example, objective)
+    budget = config.memory_budget * 2**30 if config.memory_budget else None
+    try:
+        return choose_starts(
+            method,
+            config.stages,
+            profile,
+            blocks=blocks,
+            cuts=config.cuts,
+            memory_budget_bytes=budget,
+            memory_factor=MEMORY_FACTOR,
+        )
+    except ValueError as exc:
+        raise JobError(f"--memory-budget {config.memory_budget}: {exc}") from None
