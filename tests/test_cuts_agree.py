@@ -12,7 +12,7 @@ import pytest
 import sagenb
 from sagenb.job import JobError
 
-from .test_pipeline_models import CELLS
+from .models import LM_CELLS as CELLS
 
 # Block 1 is slow and light (one small Linear run 40 times), blocks 2-3 are heavy in
 # parameters and quick: measured time cuts after block 1, parameter counts after block 2, so
