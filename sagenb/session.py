@@ -449,7 +449,7 @@ class _Run:
         replaced only when they do not end, as after any failure)."""
         self._notice("stalled")
         running = {r: self.ids[r] for r, ar in enumerate(self.ars) if not ar.ready()}
-        traces = stacks.collect(self.pool, self.store, running, self.store.port)
+        traces = stacks.collect(self.pool, self.store, running)
         steps = self._last_steps()
         stuck, waiting = stacks.culprits(traces, steps)
         self.pool.interrupt(list(running.values()))

@@ -84,11 +84,12 @@ class RankTrace:
 
 
 def collect(
-    pool, store, engine_ids: Mapping[int, int], port: int, *, wait_s: float = DUMP_WAIT_S
+    pool, store, engine_ids: Mapping[int, int], *, wait_s: float = DUMP_WAIT_S
 ) -> dict[int, RankTrace]:
     """Ask each rank in `engine_ids` ({rank: engine id}) where it is, and read the answers;
     whatever has not come within `wait_s` is left out (never raises: the run still has to
     be stopped)."""
+    port = store.port  # the run's store: its port names the ranks' stack files
     for rank, eid in engine_ids.items():
         _quietly(store.set, request_key(rank), "dump")
         pool.send_signal([eid], STACK_SIGNAL)

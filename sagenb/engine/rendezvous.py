@@ -27,6 +27,7 @@ __all__ = [
     "use_interface",
     "host_for_run",
     "locate",
+    "wait_for_key",
 ]
 
 _hosted: dist.TCPStore | None = None  # the store this engine hosts for the current run
@@ -96,3 +97,20 @@ def host_for_run(controller_host: str, world_size: int, timeout_s: float) -> tup
 def locate(controller_host: str) -> tuple[str, str]:
     """(host name, address toward the controller) of this engine: its place in the pool."""
     return socket.gethostname(), reachable_address(controller_host)
+
+
+#: one call's wait in `wait_for_key`; waiting again after it costs nothing (a run may last days)
+_WAIT = timedelta(hours=1)
+
+
+def wait_for_key(store: dist.Store, key: str) -> bool:
+    """Block until `key` is set in `store`: True then, False when the store is gone (the run
+    is over). For the ranks' listening threads (engine/stopping.py, engine/tracing.py), each on
+    a connection of its own: a store client is not shared between threads."""
+    while True:
+        try:
+            store.wait([key], _WAIT)
+            return True
+        except dist.DistStoreError as exc:
+            if "timeout" not in str(exc).lower():
+                return False  # not a timeout: the store is gone

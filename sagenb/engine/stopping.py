@@ -25,14 +25,14 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from sagenb.engine.rendezvous import wait_for_key
+
 __all__ = ["REQUEST_KEY", "StopWatch", "request"]
 
 #: set by the notebook (to the run's token) when the user interrupts
 REQUEST_KEY = "sagenb/stop_requested"
 #: written by the rank itself when its run ends, to release its listening thread
 _END = "end"
-#: how long the listening thread waits in one call before waiting again
-_WAIT = timedelta(hours=1)
 
 
 def _last_step_key(rank: int) -> str:
@@ -87,18 +87,14 @@ class StopWatch:
         return f"{self.token}:{value}"
 
     def _wait(self, listener: dist.TCPStore) -> str | None:
-        """The next message of this run's on this rank's key, its token taken off."""
-        while True:
-            try:
-                listener.wait([self._key], _WAIT)
-                value = _verified(listener, self._key, self.token)
-                if value is not None:
-                    return value
-                self.ignored += 1
-            except dist.DistStoreError as exc:
-                if "timeout" not in str(exc).lower():
-                    return None  # not a timeout: the store is gone
-            # an hour without a request, or one without the token: keep waiting
+        """The next message of this run's on this rank's key, its token taken off (None: the
+        store is gone)."""
+        while wait_for_key(listener, self._key):
+            value = _verified(listener, self._key, self.token)
+            if value is not None:
+                return value
+            self.ignored += 1  # not this run's: keep waiting
+        return None
 
     def should_stop(self, step: int) -> bool:
         """Whether this rank stops after `step`; called at every step boundary but the

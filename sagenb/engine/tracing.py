@@ -27,11 +27,12 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from sagenb.engine.rendezvous import wait_for_key
+
 __all__ = ["STACK_SIGNAL", "Tracer", "stack_path", "request_key", "collectives_key"]
 
 STACK_SIGNAL = signal.SIGUSR1
 _END = "end"
-_WAIT = timedelta(hours=1)  # the listening thread's wait per call (engine/stopping.py)
 _CONNECT = timedelta(seconds=2)  # to release the thread at the end of the run
 
 
@@ -86,13 +87,8 @@ class Tracer:
         try:
             # the thread's own connection: a store client is not shared between threads
             store = dist.TCPStore(addr, port, is_master=False, timeout=timeout)
-            while not self._closed:
-                try:
-                    store.wait([key], _WAIT)
-                    break
-                except dist.DistStoreError as exc:
-                    if "timeout" not in str(exc).lower():
-                        return  # the store is gone: so is the run
+            if not wait_for_key(store, key):
+                return  # the store is gone: so is the run
             if not self._closed and store.get(key).decode() != _END:
                 store.set(collectives_key(self.rank), json.dumps(in_flight(self.started_ns)))
         except Exception:  # noqa: BLE001 - tracing must never fail the rank
