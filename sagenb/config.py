@@ -17,19 +17,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = [
-    "PIPELINED",
-    "STRATEGIES",
-    "AVAILABLE_STRATEGIES",
     "BOOL_FLAGS",
     "ConfigError",
     "TrainConfig",
     "flag_name",
 ]
 
-#: Every strategy of the contract (AVAILABLE_STRATEGIES: all of them run in this version).
-STRATEGIES = ("data", "model", "hybrid", "sharded", "tensor")
-AVAILABLE_STRATEGIES = STRATEGIES
-PIPELINED = ("model", "hybrid")
 PRECISIONS = ("fp32", "bf16", "fp16")
 #: engines a pool starts with when nothing says otherwise
 DEFAULT_ENGINES = 2
@@ -74,11 +67,26 @@ def _opt(default: Any, help: str, **extra: Any) -> Any:
     return field(default=default, metadata={"help": help, **extra})
 
 
+def strategy_names() -> tuple[str, ...]:
+    """Every --strategy value: the strategies describe themselves (engine/strategies/)."""
+    from sagenb.engine.strategies import names
+
+    return names()
+
+
+def describe(name: str) -> Any:
+    """The description of strategy `name` (engine/strategies/description.py); imported here
+    on first use, as the strategy modules import this one."""
+    from sagenb.engine.strategies import describe as _describe
+
+    return _describe(name)
+
+
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
     """Everything `%%smp_train` and `sagenb.train` accept; the magic's flags mirror these fields."""
 
-    strategy: str = _opt("data", "parallelism strategy", choices=STRATEGIES)
+    strategy: str = _opt("data", "parallelism strategy", choices=strategy_names)
     engines: int | None = _opt(
         None, "engines to train on (default: every engine of the running pool, or 2 when none runs)"
     )
@@ -181,7 +189,7 @@ class TrainConfig:
     out: str = _opt("smp_result", "name of the notebook variable that receives the result")
 
     def __post_init__(self) -> None:
-        _check_choice(self, "strategy", STRATEGIES)
+        strategy = describe(self.strategy)  # a ConfigError names the strategies otherwise
         for name in ("batch_size", "epochs", "grad_accum"):
             _check_int(self, name, minimum=1)
         for name in ("steps", "engines"):
@@ -223,15 +231,15 @@ class TrainConfig:
             )
         self._check_checkpoint_dir()
         self._check_pipeline()
-        self._check_memory_savers()
+        _check_choice(self, "precision", PRECISIONS)
+        self._check_own_options(strategy)
         _check_int(self, "checkpoint_every", minimum=0)
         if (self.checkpoint_every or self.resume) and not self.checkpoint_dir:
             name = "resume" if self.resume else "checkpoint_every"
             raise ConfigError(name, getattr(self, name), "needs --checkpoint-dir")
+        strategy.check(self)
         if self.engines is not None:
             self.check_split(self.engines)
-        elif self.strategy == "model":
-            self.check_split(self.partitions)
 
     def _check_checkpoint_dir(self) -> None:
         """A directory, or one that can be made: found out now, not when the finished run
@@ -254,18 +262,11 @@ class TrainConfig:
             )
 
     def engines_to_start(self) -> int:
-        """Engines a pool needs for this config when none runs: --engines, else one per
-        partition (model), two replicas of the pipeline (hybrid), one tensor-parallel group
-        (tensor), else DEFAULT_ENGINES."""
+        """Engines a pool needs for this config when none runs: --engines, else what the
+        strategy needs (one per partition for model, a tensor-parallel group for tensor ...)."""
         if self.engines is not None:
             return self.engines
-        if self.strategy == "model":
-            return self.partitions
-        if self.strategy == "hybrid":
-            return 2 * self.partitions
-        if self.strategy == "tensor" and self.tensor_parallel:
-            return self.tensor_parallel
-        return DEFAULT_ENGINES
+        return describe(self.strategy).engines_to_start(self)
 
     def threads_per_engine(self, engines: int) -> int:
         """--threads, or the machine's cores shared by the engines (at least 1 each), so
@@ -286,111 +287,40 @@ class TrainConfig:
     def replicas(self, engines: int) -> int:
         """Data-parallel replicas on `engines` engines: each a whole pipeline (model, hybrid)
         or a tensor-parallel group (tensor); sharded engines each take their own samples."""
-        if self.strategy in PIPELINED:
-            return engines // self.partitions
-        if self.strategy == "tensor":
-            return engines // (self.tensor_parallel or engines)
-        return engines
+        return describe(self.strategy).replicas(self, engines)
 
-    def _check_memory_savers(self) -> None:
-        _check_choice(self, "precision", PRECISIONS)
-        if not self.reshard_after_forward and self.strategy != "sharded":
-            raise ConfigError(
-                "reshard_after_forward",
-                False,
-                "--no-reshard-after-forward needs --strategy sharded",
-            )
-        if self.tensor_parallel is None:
-            return
-        _check_int(self, "tensor_parallel", minimum=2)
-        if self.strategy != "tensor":
-            raise ConfigError("tensor_parallel", self.tensor_parallel, "needs --strategy tensor")
-        if self.engines is not None and self.engines % self.tensor_parallel:
-            raise ConfigError(
-                "tensor_parallel",
-                self.tensor_parallel,
-                f"must divide --engines ({self.engines}): the engines form groups of "
-                f"--tensor-parallel, with data parallel across the groups",
-            )
+    def _check_own_options(self, strategy: Any) -> None:
+        """An option that only some strategies use must keep its default under the others
+        (--partitions 2 with --strategy data would silently train something else)."""
+        from sagenb.engine.strategies import names
+
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.name in strategy.own_options or value == f.default:
+                continue
+            owners = [n for n in names() if f.name in describe(n).own_options]
+            if owners:
+                negated = f"--no-{f.name.replace('_', '-')} " if value is False else ""
+                needs = f"{negated}needs --strategy {' or '.join(owners)}"
+                raise ConfigError(f.name, value, needs)
 
     def _check_pipeline(self) -> None:
+        """The pipeline options' types and choices, for every strategy; the strategies that
+        run pipelines check the rest (engine/strategies/pipeline.py)."""
         for name in ("partitions", "microbatches", "virtual_stages"):
             _check_int(self, name, minimum=1)
         _check_choice(self, "schedule", SCHEDULES)
         _check_choice(self, "partition_by", PARTITION_METHODS)
         object.__setattr__(self, "cuts", parse_cuts(self.cuts))
+        if self.cuts and self.partition_by != "manual":
+            raise ConfigError("cuts", self.cuts, "is used only with --partition-by manual")
         if self.memory_budget is not None:
             _check_positive(self, "memory_budget")
-        if self.strategy not in PIPELINED:
-            if self.partitions != 1:
-                raise ConfigError("partitions", self.partitions, "needs --strategy model or hybrid")
-            return
-        if self.partitions < 2:
-            raise ConfigError(
-                "partitions", self.partitions, f"--strategy {self.strategy} needs at least 2"
-            )
-        if self.schedule == "1f1b" and self.microbatches < self.partitions:
-            raise ConfigError(
-                "microbatches",
-                self.microbatches,
-                f"1f1b needs at least one microbatch per stage: must be >= --partitions "
-                f"({self.partitions}); raise --microbatches or use --schedule gpipe",
-            )
-        if self.schedule == "interleaved":
-            if self.virtual_stages < 2:
-                raise ConfigError(
-                    "virtual_stages", self.virtual_stages, "interleaved needs at least 2"
-                )
-            rounds = max(1, self.microbatches // self.partitions)
-            if self.microbatches % rounds:
-                raise ConfigError(
-                    "microbatches",
-                    self.microbatches,
-                    f"interleaved needs a multiple of the rounds ({rounds}); try "
-                    f"{rounds * self.partitions}",
-                )
-        self._check_cuts()
-        if self.strategy == "model" and self.engines not in (None, self.partitions):
-            raise ConfigError(
-                "engines",
-                self.engines,
-                f"--strategy model uses one engine per partition: must equal --partitions "
-                f"({self.partitions}); for data parallel across pipelines use --strategy hybrid",
-            )
-        if self.engines is not None and self.engines % self.partitions:
-            raise ConfigError(
-                "engines",
-                self.engines,
-                f"must be a multiple of --partitions ({self.partitions}): each replica is a "
-                f"whole pipeline",
-            )
-
-    def _check_cuts(self) -> None:
-        if self.partition_by != "manual":
-            if self.cuts:
-                raise ConfigError("cuts", self.cuts, "is used only with --partition-by manual")
-            return
-        cuts = self.cuts
-        if len(cuts) != self.stages - 1 or list(cuts) != sorted(set(cuts)) or cuts[0] < 1:
-            raise ConfigError(
-                "cuts",
-                ",".join(map(str, cuts)),
-                f"needs {self.stages - 1} increasing block indices >= 1 (one per stage after "
-                f"the first)",
-            )
 
     def check_split(self, engines: int) -> None:
         """The global batch must split evenly into grad-accum slices across the replicas,
         and (for pipelines) each replica's slice into microbatches."""
-        replicas = self.replicas(engines)
-        pieces = replicas * self.grad_accum
-        what = "engines" if self.strategy in ("data", "sharded") else "replicas"
-        if self.strategy in PIPELINED:
-            pieces *= self.microbatches
-            detail = f"{what} x grad-accum x microbatches = {replicas} x {self.grad_accum} x "
-            detail += f"{self.microbatches}"
-        else:
-            detail = f"{what} x grad-accum = {replicas} x {self.grad_accum}"
+        pieces, detail = describe(self.strategy).split(self, engines)
         if self.batch_size % pieces:
             lower = (self.batch_size // pieces) * pieces or pieces
             raise ConfigError(

@@ -25,7 +25,7 @@ import numpy as np
 import plotly.graph_objects as go
 
 from sagenb import charts
-from sagenb.config import TrainConfig
+from sagenb.config import TrainConfig, describe
 from sagenb.cost import CostMeter
 from sagenb.metrics import History
 
@@ -59,23 +59,7 @@ def _in_kernel() -> bool:
 def layout_text(config: TrainConfig) -> str:
     """'model: 2 partitions x 1 replica, 1f1b, 4 microbatches' and the like, with the memory
     savers in use ('sharded (ZeRO-3) on 2 engines, bf16, activation checkpointing')."""
-    engines = config.engines or 1
-    replicas = config.replicas(engines)
-    plural = "s" * (replicas != 1)
-    if config.strategy in ("model", "hybrid"):
-        chunks = config.stages // config.partitions
-        chunked = f" x {chunks} chunks" if chunks > 1 else ""
-        text = (
-            f"{config.strategy}: {config.partitions} partitions{chunked} x {replicas} "
-            f"replica{plural}, {config.schedule}, {config.microbatches} microbatches"
-        )
-    elif config.strategy == "tensor":
-        text = f"tensor: {engines // replicas}-way layer splits x {replicas} replica{plural}"
-    elif config.strategy == "sharded":
-        zero = "ZeRO-3" if config.reshard_after_forward else "ZeRO-2"
-        text = f"sharded ({zero}) on {engines} engine{'s' * (engines != 1)}"
-    else:
-        text = f"{config.strategy} parallel on {engines} engine{'s' * (engines != 1)}"
+    text = describe(config.strategy).layout(config, config.engines or 1)
     if config.precision != "fp32":
         text += f", {config.precision}"
     if config.activation_checkpointing:

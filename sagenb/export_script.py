@@ -26,7 +26,7 @@ import torch
 
 import sagenb
 from sagenb import cluster
-from sagenb.config import ConfigError, TrainConfig, flag_name
+from sagenb.config import ConfigError, TrainConfig, describe, flag_name
 from sagenb.cost import InstancePrice, meter_for, price_table
 from sagenb.job import Job, JobError
 
@@ -104,14 +104,10 @@ def _script_path(path: str | os.PathLike) -> Path:
 def _engines(config: TrainConfig) -> int:
     """Processes the script is written for: --engines, one per partition with --strategy
     model, else the running pool's size, else what %%smp_train would start."""
-    if config.engines is not None:
-        return config.engines
-    if config.strategy == "model":
-        return config.partitions
     pool = cluster.current_pool()
-    if pool is not None:
-        return pool.size
-    return config.engines_to_start()
+    if pool is None:
+        return config.engines_to_start()
+    return describe(config.strategy).engines_for(config, pool.size)
 
 
 def _write(path: Path, text: str) -> None:

@@ -120,7 +120,8 @@ def _add_config_flags(parser: MagicParser) -> None:
             )
             continue
         kind = f.metadata.get("parse") or _field_type(f)
-        extra = {"choices": f.metadata["choices"]} if "choices" in f.metadata else {}
+        choices = f.metadata.get("choices")
+        extra = {"choices": choices() if callable(choices) else choices} if choices else {}
         parser.add_argument(
             flag_name(f.name),
             dest=f.name,

@@ -18,12 +18,13 @@ import ipywidgets as widgets
 
 from sagenb import cluster
 from sagenb.config import (
-    AVAILABLE_STRATEGIES,
     PARTITION_METHODS,
     PRECISIONS,
     SCHEDULES,
     ConfigError,
     TrainConfig,
+    describe,
+    strategy_names,
 )
 from sagenb.cost import price_table
 
@@ -51,7 +52,7 @@ def _controls(d: TrainConfig) -> dict[str, widgets.Widget]:
     """One widget per option the panel sets, starting from the values of `d`."""
     controls = {
         "engines": widgets.BoundedIntText(d.engines or 2, min=1, max=64),
-        "strategy": widgets.Dropdown(options=AVAILABLE_STRATEGIES, value=d.strategy),
+        "strategy": widgets.Dropdown(options=strategy_names(), value=d.strategy),
         "partitions": widgets.IntSlider(d.partitions, min=1, max=8),
         "microbatches": widgets.IntSlider(d.microbatches, min=1, max=32),
         "schedule": widgets.Dropdown(options=SCHEDULES, value=d.schedule),
@@ -179,7 +180,7 @@ class ControlPanel:
             f"(spot ${meter.spot(meter.price.usd_per_hour):.3f}/h), price as of "
             f"{meter.price.as_of}: ${meter.cost(3600):.2f} per hour of training"
         ]
-        if cfg.strategy in ("model", "hybrid"):
+        if describe(cfg.strategy).pipelined:
             virtual = cfg.stages // cfg.partitions
             bubble = bubble_fraction(cfg.partitions, cfg.microbatches, virtual)
             lines.append(f"pipeline bubble (p-1)/(v m+p-1): {bubble:.1%}")

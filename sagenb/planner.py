@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sagenb import cluster
-from sagenb.config import PIPELINED, ConfigError, TrainConfig
+from sagenb.config import ConfigError, TrainConfig, describe, strategy_names
 from sagenb.engine.balance import BlockProfile
 from sagenb.engine.cuts import MEMORY_FACTOR
 from sagenb.engine.planning import plan_on_engine
@@ -139,12 +139,14 @@ class Plan:
 def plan(job: Any, config: TrainConfig | None = None, *, pool=None, **options: Any) -> Plan:
     """Profile the cell's blocks on one engine and show how `config` would cut the model."""
     config = TrainConfig(**options) if config is None else dataclasses.replace(config, **options)
-    if config.strategy not in PIPELINED:
-        raise ConfigError("strategy", config.strategy, "the planner is for model or hybrid")
+    strategy = describe(config.strategy)
+    if not strategy.pipelined:
+        pipelines = " or ".join(n for n in strategy_names() if describe(n).pipelined)
+        raise ConfigError("strategy", config.strategy, f"the planner is for {pipelines}")
     prepared = prepare(job, config)
     pool = pool or cluster.ensure_pool(config.partitions)
     pool.heal()  # engines lost in a failed run are replaced first (session.train does too)
-    engines = config.partitions if config.strategy == "model" else (config.engines or pool.size)
+    engines = strategy.engines_for(config, pool.size)
     config = config.with_engines(engines)
     threads = config.threads_per_engine(engines)
     task = pool.client[pool.engine_ids[0]].apply_async(

@@ -20,7 +20,7 @@ from torch.distributed import TCPStore
 
 from sagenb import cluster, stacks
 from sagenb.checkpoints import resume_warnings
-from sagenb.config import ConfigError, TrainConfig
+from sagenb.config import ConfigError, TrainConfig, describe
 from sagenb.cost import CostMeter, meter_for
 from sagenb.engine import stopping
 from sagenb.engine.entry import RankResult, RankSpec, merge_states, run_rank
@@ -88,10 +88,7 @@ def train(
 
 
 def _resolve_engines(config: TrainConfig, pool: cluster.EnginePool) -> TrainConfig:
-    if config.strategy == "model":
-        engines = config.partitions
-    else:
-        engines = config.engines if config.engines is not None else pool.size
+    engines = describe(config.strategy).engines_for(config, pool.size)
     if engines > pool.size:
         raise ConfigError(
             "engines",
@@ -132,9 +129,7 @@ class _Run:
         self.cost = meter_for(config, self.engines)
         self.history = History(self.engines, config.batch_size)
         self.dashboard = (
-            _make_dashboard(config, self.cost, self.history, live)
-            if config.dashboard
-            else None
+            _make_dashboard(config, self.cost, self.history, live) if config.dashboard else None
         )
         self.sinks = [self.history, *sinks, *([self.dashboard] if self.dashboard else [])]
         self.first_step_s: float | None = None
@@ -223,7 +218,7 @@ class _Run:
             raise _attach(TrainingError(first.rank, self.ids[first.rank], detail), result)
 
     def _status(self, results: list[RankResult]) -> str:
-        """"done" only when every rank finished the planned steps; a run that ended early is
+        """ "done" only when every rank finished the planned steps; a run that ended early is
         "interrupted" and says who asked (a request this notebook did not send is warned
         about: it carried the run's token, so it came from one of the run's own ranks)."""
         planned = next((r.values["total_steps"] for r in self.history.records), None)

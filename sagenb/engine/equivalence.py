@@ -21,7 +21,7 @@ from typing import Any
 from torch import nn
 from torch.nn.modules.dropout import _DropoutNd
 
-from sagenb.config import PIPELINED, TrainConfig
+from sagenb.config import TrainConfig, describe
 from sagenb.engine.partition import find_blocks
 from sagenb.job import JobError
 
@@ -69,7 +69,8 @@ def equivalence_warnings(model: nn.Module, config: TrainConfig) -> list[str]:
 
 def _batchnorm_warnings(what: str, config: TrainConfig) -> list[str]:
     out = []
-    if config.strategy in PIPELINED and config.microbatches > 1:
+    strategy = describe(config.strategy)
+    if strategy.pipelined and config.microbatches > 1:
         out.append(
             f"{what} normalises each pipeline microbatch on its own (--microbatches "
             f"{config.microbatches}), as in GPipe, so its batch statistics and running stats "
@@ -84,7 +85,7 @@ def _batchnorm_warnings(what: str, config: TrainConfig) -> list[str]:
             f"{config.batch_size} one process would see: use --grad-accum 1, {NORM_FIX}"
         )
     replicas = config.replicas(config.engines) if config.engines is not None else 1
-    if config.strategy in (*PIPELINED, "tensor") and replicas > 1:
+    if not strategy.syncs_norm and replicas > 1:
         out.append(
             f"{what} is not synchronised across the {replicas} replicas of --strategy "
             f"{config.strategy}: each normalises its own share of the batch: use --strategy "

@@ -1,35 +1,57 @@
-"""Parallelism strategies: each wraps the model and says how one engine takes part in a step."""
+"""Parallelism strategies: each module describes one strategy (`Description`) and implements
+how one engine takes part in a step (`Strategy`).
+
+`describe(name)` answers for the strategy called `name`; `names()` lists them. Both find the
+strategies by importing every module of this package and collecting its `DESCRIPTIONS`, so a
+new strategy is one new module (docs/architecture.md).
+"""
 
 from __future__ import annotations
 
+import functools
+import importlib
+import pkgutil
+
 import torch
 
-from sagenb.config import TrainConfig
+from sagenb.config import ConfigError, TrainConfig
 
 from .base import Strategy
-from .data_parallel import DataParallel
-from .pipeline import Pipeline
-from .sharded import Sharded
-from .tensor import TensorParallel
+from .description import Description
 
-__all__ = ["Strategy", "DataParallel", "Pipeline", "Sharded", "TensorParallel", "make_strategy"]
+__all__ = ["Description", "Strategy", "describe", "make_strategy", "names"]
+
+
+@functools.cache
+def _registry() -> dict[str, Description]:
+    found: dict[str, Description] = {}
+    for info in pkgutil.iter_modules(__path__):
+        module = importlib.import_module(f"{__name__}.{info.name}")
+        for description in getattr(module, "DESCRIPTIONS", ()):
+            if description.name in found:
+                raise RuntimeError(
+                    f"strategy {description.name!r} is described twice: in {module.__name__} "
+                    f"and {type(found[description.name]).__module__}"
+                )
+            found[description.name] = description
+    return dict(sorted(found.items(), key=lambda item: (item[1].menu_order, item[0])))
+
+
+def names() -> tuple[str, ...]:
+    """Every --strategy value, the default (data) first."""
+    return tuple(_registry())
+
+
+def describe(name: str) -> Description:
+    """The description of strategy `name`; a ConfigError lists the known ones otherwise."""
+    try:
+        return _registry()[name]
+    except (KeyError, TypeError):
+        raise ConfigError("strategy", name, f"must be one of {', '.join(names())}") from None
 
 
 def make_strategy(
     config: TrainConfig, *, rank: int, world_size: int, device: torch.device
 ) -> Strategy:
-    if config.strategy == "data":
-        return DataParallel(rank=rank, world_size=world_size, device=device, seed=config.seed)
-    if config.strategy in ("model", "hybrid"):
-        return Pipeline(config, rank=rank, world_size=world_size, device=device)
-    if config.strategy == "sharded":
-        return Sharded(
-            rank=rank,
-            world_size=world_size,
-            device=device,
-            seed=config.seed,
-            reshard_after_forward=config.reshard_after_forward,
-        )
-    if config.strategy == "tensor":
-        return TensorParallel(config, rank=rank, world_size=world_size, device=device)
-    raise NotImplementedError(f"strategy {config.strategy!r} has no engine implementation yet")
+    """The engine-side implementation of `config.strategy` for one rank."""
+    return describe(config.strategy).build(config, rank=rank, world_size=world_size, device=device)

@@ -16,13 +16,15 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from sagenb.config import TrainConfig
 from sagenb.engine.data import fetch, to_device
 from sagenb.engine.delayed import materialize
 from sagenb.engine.objective import Objective, piece_loss, weighted
+from sagenb.engine.strategies.description import Description
 from sagenb.engine.sync_batchnorm import sync_batchnorm
 from sagenb.engine.workspace import Workspace
 
-__all__ = ["DataParallel", "eval_sums"]
+__all__ = ["DESCRIPTIONS", "DataParallel", "eval_sums"]
 
 
 class DataParallel:
@@ -109,3 +111,18 @@ def eval_sums(
         total[1] += count
     module.train(was_training)
     return total
+
+
+class DataParallelDescription(Description):
+    name = "data"
+    summary = "data parallel (DDP): the whole model on every engine"
+    menu_order = 0
+    syncs_norm = True
+
+    def build(
+        self, config: TrainConfig, *, rank: int, world_size: int, device: torch.device
+    ) -> DataParallel:
+        return DataParallel(rank=rank, world_size=world_size, device=device, seed=config.seed)
+
+
+DESCRIPTIONS = (DataParallelDescription(),)

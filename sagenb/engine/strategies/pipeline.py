@@ -33,7 +33,7 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
 )
 
-from sagenb.config import TrainConfig
+from sagenb.config import ConfigError, TrainConfig
 from sagenb.engine.blocks import find_blocks, tied_groups
 from sagenb.engine.cuts import MEMORY_FACTOR, check_blocks, choose_cuts
 from sagenb.engine.data import fetch, to_device
@@ -41,11 +41,12 @@ from sagenb.engine.delayed import materialize, release_others
 from sagenb.engine.objective import Objective, logits_of, weighted
 from sagenb.engine.partition import split_model
 from sagenb.engine.prefetch_schedule import PrefetchingSchedule
+from sagenb.engine.strategies.description import Description, plural
 from sagenb.engine.tensor_messages import broadcast_ints_or_error, recv_tensors, send_tensors
 from sagenb.engine.workspace import Workspace
 from sagenb.job import JobError
 
-__all__ = ["Pipeline", "MEMORY_FACTOR"]
+__all__ = ["DESCRIPTIONS", "Pipeline", "MEMORY_FACTOR"]
 
 
 class Pipeline:
@@ -393,3 +394,123 @@ class _LogitsOut(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return logits_of(self.stage(*args, **kwargs))
+
+
+class PipelineDescription(Description):
+    """Pipelines: `model` (one pipeline) and `hybrid` (data parallel across pipelines)."""
+
+    pipelined = True
+    own_options = ("partitions",)
+
+    def check(self, config: TrainConfig) -> None:
+        P = config.partitions
+        if P < 2:
+            raise ConfigError("partitions", P, f"--strategy {self.name} needs at least 2")
+        if config.schedule == "1f1b" and config.microbatches < P:
+            raise ConfigError(
+                "microbatches",
+                config.microbatches,
+                f"1f1b needs at least one microbatch per stage: must be >= --partitions ({P}); "
+                f"raise --microbatches or use --schedule gpipe",
+            )
+        if config.schedule == "interleaved":
+            _check_interleaved(config)
+        _check_cuts(config)
+        self.check_engines(config)
+
+    def check_engines(self, config: TrainConfig) -> None:
+        """--engines, when given, must be whole pipelines."""
+        P = config.partitions
+        if config.engines is not None and config.engines % P:
+            raise ConfigError(
+                "engines",
+                config.engines,
+                f"must be a multiple of --partitions ({P}): each replica is a whole pipeline",
+            )
+
+    def replicas(self, config: TrainConfig, engines: int) -> int:
+        return engines // config.partitions
+
+    def split(self, config: TrainConfig, engines: int) -> tuple[int, str]:
+        replicas = self.replicas(config, engines)
+        pieces = replicas * config.grad_accum * config.microbatches
+        product = f"{replicas} x {config.grad_accum} x {config.microbatches}"
+        return pieces, f"replicas x grad-accum x microbatches = {product}"
+
+    def layout(self, config: TrainConfig, engines: int) -> str:
+        chunks = config.stages // config.partitions
+        chunked = f" x {chunks} chunks" if chunks > 1 else ""
+        replicas = plural(self.replicas(config, engines), "replica")
+        return (
+            f"{self.name}: {config.partitions} partitions{chunked} x {replicas}, "
+            f"{config.schedule}, {config.microbatches} microbatches"
+        )
+
+    def build(
+        self, config: TrainConfig, *, rank: int, world_size: int, device: torch.device
+    ) -> Pipeline:
+        return Pipeline(config, rank=rank, world_size=world_size, device=device)
+
+
+class ModelParallelDescription(PipelineDescription):
+    name = "model"
+    summary = "pipeline model parallel: one pipeline, an engine per partition"
+    menu_order = 10
+
+    def check_engines(self, config: TrainConfig) -> None:
+        if config.engines not in (None, config.partitions):
+            raise ConfigError(
+                "engines",
+                config.engines,
+                f"--strategy model uses one engine per partition: must equal --partitions "
+                f"({config.partitions}); for data parallel across pipelines use --strategy "
+                f"hybrid",
+            )
+        if config.engines is None:
+            config.check_split(config.partitions)
+
+    def engines_to_start(self, config: TrainConfig) -> int:
+        return config.partitions
+
+    def engines_for(self, config: TrainConfig, available: int) -> int:
+        return config.partitions
+
+
+class HybridDescription(PipelineDescription):
+    name = "hybrid"
+    summary = "data parallel across pipeline replicas"
+    menu_order = 20
+
+    def engines_to_start(self, config: TrainConfig) -> int:
+        return 2 * config.partitions
+
+
+def _check_interleaved(config: TrainConfig) -> None:
+    if config.virtual_stages < 2:
+        raise ConfigError("virtual_stages", config.virtual_stages, "interleaved needs at least 2")
+    rounds = max(1, config.microbatches // config.partitions)
+    if config.microbatches % rounds:
+        raise ConfigError(
+            "microbatches",
+            config.microbatches,
+            f"interleaved needs a multiple of the rounds ({rounds}); try "
+            f"{rounds * config.partitions}",
+        )
+
+
+def _check_cuts(config: TrainConfig) -> None:
+    """--cuts: one increasing block index >= 1 per stage after the first (the model's block
+    count is checked on the engines, engine/cuts.py check_blocks)."""
+    cuts = config.cuts
+    if config.partition_by != "manual":
+        return
+    if len(cuts) != config.stages - 1 or list(cuts) != sorted(set(cuts)) or cuts[0] < 1:
+        raise ConfigError(
+            "cuts",
+            ",".join(map(str, cuts)),
+            f"needs {config.stages - 1} increasing block indices >= 1 (one per stage after the "
+            f"first)",
+        )
+
+
+DESCRIPTIONS = (ModelParallelDescription(), HybridDescription())

@@ -17,15 +17,17 @@ import torch
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
+from sagenb.config import TrainConfig
 from sagenb.engine.delayed import materialize
 from sagenb.engine.objective import Objective, piece_loss
 from sagenb.engine.partition import find_blocks
+from sagenb.engine.strategies.description import Description, plural
 from sagenb.engine.strategies.split_params import SplitParameters
 from sagenb.engine.sync_batchnorm import sync_batchnorm
 from sagenb.engine.workspace import Workspace
 from sagenb.job import JobError
 
-__all__ = ["Sharded"]
+__all__ = ["DESCRIPTIONS", "Sharded"]
 
 
 class Sharded(SplitParameters):
@@ -76,3 +78,29 @@ def _blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
         return []
     modules = [model.get_submodule(blocks.qualified(i)) for i in range(len(blocks))]
     return [m for m in modules if any(True for _ in m.parameters())]  # Tanh has nothing to shard
+
+
+class ShardedDescription(Description):
+    name = "sharded"
+    summary = "sharded data parallel (FSDP2, ZeRO-3 or ZeRO-2)"
+    menu_order = 30
+    syncs_norm = True
+    own_options = ("reshard_after_forward",)
+
+    def layout(self, config: TrainConfig, engines: int) -> str:
+        zero = "ZeRO-3" if config.reshard_after_forward else "ZeRO-2"
+        return f"sharded ({zero}) on {plural(engines, 'engine')}"
+
+    def build(
+        self, config: TrainConfig, *, rank: int, world_size: int, device: torch.device
+    ) -> Sharded:
+        return Sharded(
+            rank=rank,
+            world_size=world_size,
+            device=device,
+            seed=config.seed,
+            reshard_after_forward=config.reshard_after_forward,
+        )
+
+
+DESCRIPTIONS = (ShardedDescription(),)

@@ -21,17 +21,18 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import parallelize_module
 
-from sagenb.config import TrainConfig
+from sagenb.config import DEFAULT_ENGINES, ConfigError, TrainConfig
 from sagenb.engine import dtensors
 from sagenb.engine.delayed import materialize
 from sagenb.engine.objective import Objective, piece_loss
+from sagenb.engine.strategies.description import Description, plural
 from sagenb.engine.strategies.split_params import SplitParameters
 from sagenb.engine.tp_check import trial_forward
 from sagenb.engine.tp_plan import plan_for, split_heads
 from sagenb.engine.workspace import Workspace
 from sagenb.job import JobError
 
-__all__ = ["TensorParallel"]
+__all__ = ["DESCRIPTIONS", "TensorParallel"]
 
 
 class TensorParallel(SplitParameters):
@@ -82,3 +83,42 @@ class TensorParallel(SplitParameters):
         for g in grads:
             g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
+
+
+class TensorDescription(Description):
+    name = "tensor"
+    summary = "tensor parallel: Linear layers split across --tensor-parallel engines"
+    menu_order = 40
+    own_options = ("tensor_parallel",)
+
+    def check(self, config: TrainConfig) -> None:
+        tp = config.tensor_parallel
+        if tp is None:
+            return
+        if isinstance(tp, bool) or not isinstance(tp, int) or tp < 2:
+            raise ConfigError("tensor_parallel", tp, "must be an integer >= 2")
+        if config.engines is not None and config.engines % tp:
+            raise ConfigError(
+                "tensor_parallel",
+                tp,
+                f"must divide --engines ({config.engines}): the engines form groups of "
+                f"--tensor-parallel, with data parallel across the groups",
+            )
+
+    def engines_to_start(self, config: TrainConfig) -> int:
+        return config.tensor_parallel or DEFAULT_ENGINES
+
+    def replicas(self, config: TrainConfig, engines: int) -> int:
+        return engines // (config.tensor_parallel or engines)
+
+    def layout(self, config: TrainConfig, engines: int) -> str:
+        replicas = self.replicas(config, engines)
+        return f"tensor: {engines // replicas}-way layer splits x {plural(replicas, 'replica')}"
+
+    def build(
+        self, config: TrainConfig, *, rank: int, world_size: int, device: torch.device
+    ) -> TensorParallel:
+        return TensorParallel(config, rank=rank, world_size=world_size, device=device)
+
+
+DESCRIPTIONS = (TensorDescription(),)

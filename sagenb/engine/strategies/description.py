@@ -1,0 +1,101 @@
+"""What sagenb asks of a strategy, answered by the strategy itself.
+
+Each strategy module (data_parallel.py, pipeline.py, sharded.py, tensor.py) defines a
+`Description` subclass next to its engine-side implementation and lists its instances in a
+module-level `DESCRIPTIONS`; the package finds them (strategies/__init__.py `describe`). The
+rest of sagenb asks the description instead of comparing strategy names:
+
+- the config: which options the strategy accepts and their checks (`own_options`, `check`),
+  how the global batch splits (`split`), engines to start and replicas;
+- the notebook: the layout line of the dashboard (`layout`), whether the schedule panel and
+  the planner apply (`pipelined`), the engines a run or an export uses (`engines_for`);
+- the engines: the implementation that trains (`build`);
+- the checks of equivalence with one process (`syncs_norm`).
+
+torchtitan keeps the same kind of answers in one object (`ParallelDims`, torchtitan
+`distributed/parallel_dims.py`). Adding a strategy is one new module here; docs/architecture.md
+shows one.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from sagenb.config import DEFAULT_ENGINES
+
+if TYPE_CHECKING:
+    import torch
+
+    from sagenb.config import TrainConfig
+    from sagenb.engine.strategies.base import Strategy
+
+__all__ = ["DEFAULT_ENGINES", "Description", "plural"]
+
+
+def plural(count: int, word: str) -> str:
+    """'1 engine', '2 engines'."""
+    return f"{count} {word}{'s' * (count != 1)}"
+
+
+class Description:
+    """One strategy as the rest of sagenb sees it. Subclasses set the class attributes and
+    override what differs from plain data parallel."""
+
+    #: the value of --strategy
+    name: ClassVar[str]
+    #: a few words for --strategy's help and the docs
+    summary: ClassVar[str]
+    #: where it comes in --strategy's list (data parallel, the default, first)
+    menu_order: ClassVar[int] = 100
+    #: the model is split into pipeline stages: --partitions, --microbatches, --schedule and
+    #: the cut options apply, `%%smp_plan` plans it, the dashboard draws the schedule
+    pipelined: ClassVar[bool] = False
+    #: BatchNorm statistics are synchronised across every engine that takes its own samples,
+    #: so a BatchNorm model trains as in one process (engine/sync_batchnorm.py)
+    syncs_norm: ClassVar[bool] = False
+    #: options only this strategy (and others listing them) accepts; any other strategy
+    #: refuses a value other than the default
+    own_options: ClassVar[tuple[str, ...]] = ()
+
+    def check(self, config: TrainConfig) -> None:
+        """Refuse option values this strategy cannot run (ConfigError), before any engine
+        starts. `config.engines` may be None (resolved later from the pool)."""
+
+    def engines_to_start(self, config: TrainConfig) -> int:
+        """Engines a pool needs for `config` when none runs and --engines is not given."""
+        return DEFAULT_ENGINES
+
+    def engines_for(self, config: TrainConfig, available: int) -> int:
+        """Engines a run uses on a pool of `available`: --engines, else all of them."""
+        return config.engines if config.engines is not None else available
+
+    def replicas(self, config: TrainConfig, engines: int) -> int:
+        """Groups of engines that each take their own share of a global batch."""
+        return engines
+
+    def split(self, config: TrainConfig, engines: int) -> tuple[int, str]:
+        """How many equal pieces a global batch is cut into, and the product that says so
+        (for the error when --batch-size does not divide)."""
+        replicas = self.replicas(config, engines)
+        word = "engines" if replicas == engines else "replicas"
+        product = f"{replicas} x {config.grad_accum}"
+        return replicas * config.grad_accum, f"{word} x grad-accum = {product}"
+
+    def layout(self, config: TrainConfig, engines: int) -> str:
+        """The dashboard's one-line layout, without the memory savers ('data parallel on 2
+        engines')."""
+        return f"{self.name} parallel on {plural(engines, 'engine')}"
+
+    def build(
+        self, config: TrainConfig, *, rank: int, world_size: int, device: torch.device
+    ) -> Strategy:
+        """The engine-side implementation for one rank."""
+        raise NotImplementedError(f"strategy {self.name!r} has no engine implementation")
+
+    def __repr__(self) -> str:
+        return f"<strategy {self.name}>"
+
+    def __reduce__(self) -> Any:  # one instance per strategy, also after pickling
+        from sagenb.engine.strategies import describe
+
+        return describe, (self.name,)
