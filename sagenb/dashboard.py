@@ -25,6 +25,7 @@ import numpy as np
 import plotly.graph_objects as go
 
 from sagenb import charts
+from sagenb import metric_keys as keys
 from sagenb.config import TrainConfig, describe
 from sagenb.cost import CostMeter
 from sagenb.metrics import History
@@ -97,13 +98,13 @@ class Dashboard:
         self.timelines: dict[int, tuple[float, list]] = {}  # rank -> (t0, events), last step
         self.cost_points: list[tuple[float, float]] = []
         self.total_steps: int | None = None
-        self.rate_key = "throughput(samples/s)"
+        self.rate_key = keys.THROUGHPUT
         self.status, self.elapsed = "starting", 0.0
         self.warnings: list[str] = []  # why the run cannot equal one process's (equivalence.py)
         self._dirty, self._last_draw, self._last_header = True, 0.0, 0.0
         self.redraws = 0
         self._widget = self._figure_widget = self._header = None
-        self._sent: dict[int, dict[str, Any]] = {}  # trace index -> the data it was last given
+        self._sent: dict[str, dict[str, Any]] = {}  # trace name -> the data it was last given
         self._display = None
         if live if live is not None else _in_kernel():
             self._show()
@@ -111,15 +112,15 @@ class Dashboard:
     # -- sink interface -------------------------------------------------------------------
     def log(self, metrics: Mapping[str, Any], step: int, rank: int) -> None:
         self.status = "training"
-        self.total_steps = metrics.get("total_steps", self.total_steps)
+        self.total_steps = metrics.get(keys.TOTAL_STEPS, self.total_steps)
         if self._owns_history:
             self.history.log(metrics, step, rank)
         self.memory[rank] = metrics
-        self.warnings += [w for w in metrics.get("warnings", ()) if w not in self.warnings]
-        if "timeline" in metrics:
-            self.timelines[rank] = (metrics["timeline_t0(unix s)"], metrics["timeline"])
-        if "tokens" in metrics:  # token-id inputs: the history has tokens/s
-            self.rate_key = "throughput(tokens/s)"
+        self.warnings += [w for w in metrics.get(keys.WARNINGS, ()) if w not in self.warnings]
+        if keys.TIMELINE in metrics:
+            self.timelines[rank] = (metrics[keys.TIMELINE_T0], metrics[keys.TIMELINE])
+        if keys.TOKENS in metrics:  # token-id inputs: the history has tokens/s
+            self.rate_key = keys.TOKEN_THROUGHPUT
         self._dirty = True
 
     def tick(self, elapsed: float) -> None:
@@ -157,23 +158,23 @@ class Dashboard:
             [] for _ in range(self.config.replicas(self.engines))
         ]
         for row in self.history.steps:
-            for i, loss in enumerate(row["rank_losses"]):
-                series[i].append((row["step"], loss))
+            for i, loss in enumerate(row[keys.RANK_LOSSES]):
+                series[i].append((row[keys.STEP], loss))
         return series
 
     def step_split(self) -> tuple[list[float], list[float]]:
         """Per step: compute and idle seconds (pipelines measure both; else all is compute)."""
         busy, idle = [], []
         for row in self.history.steps:
-            busy.append(row.get("busy(s)", row["step_time(s)"]))
-            idle.append(row.get("idle(s)", 0.0))
+            busy.append(row.get(keys.BUSY, row[keys.STEP_TIME]))
+            idle.append(row.get(keys.IDLE, 0.0))
         return busy, idle
 
     def progress(self) -> tuple[int, int]:
         """(steps done in this run, steps this run has to do). A resumed run starts after
         its checkpoint's step, so its first row is not step 1."""
         rows = self.history.steps
-        before = rows[0]["step"] - 1 if rows else 0
+        before = rows[0][keys.STEP] - 1 if rows else 0
         return len(rows), (self.total_steps or 0) - before
 
     def projected_cost(self) -> float:
@@ -184,8 +185,8 @@ class Dashboard:
 
     def header_text(self) -> str:
         rows, total = self.history.steps, self.total_steps
-        step = rows[-1]["step"] if rows else 0
-        epoch = rows[-1]["epoch"] + 1 if rows else 0
+        step = rows[-1][keys.STEP] if rows else 0
+        epoch = rows[-1][keys.EPOCH] + 1 if rows else 0
         done, todo = self.progress()
         left = ""
         if total and done and self.status == "training":
@@ -212,7 +213,7 @@ class Dashboard:
     # -- live display ---------------------------------------------------------------------
     def _header_html(self) -> str:
         rows, total = self.history.steps, self.total_steps or 1
-        done = rows[-1]["step"] if rows else 0
+        done = rows[-1][keys.STEP] if rows else 0
         return (
             f"<div class='smp-header'><b>sagenb</b> &middot; "
             f"{html.escape(self.header_text())}<br><progress value='{done}' max='{total}' "
@@ -250,13 +251,14 @@ class Dashboard:
             return
         self._dirty = False
         self.redraws += 1
+        # each trace by its name (charts keeps it in `meta`), from the list the figure was
+        # built from: never by position
+        shown = {trace.meta: trace for trace in self._figure_widget.data}
         with self._figure_widget.batch_update():
-            for i, (trace, data) in enumerate(
-                zip(self._figure_widget.data, charts.trace_data(self))
-            ):
-                if not _same(data, self._sent.get(i)):  # plotly's update costs ~0.3 ms a trace
-                    trace.update(data)
-                    self._sent[i] = data
+            for name, data in charts.trace_data(self).items():
+                if not _same(data, self._sent.get(name)):  # plotly's update costs ~0.3 ms a trace
+                    shown[name].update(data)
+                    self._sent[name] = data
 
     def _leave_static_copy(self) -> None:
         """The finished dashboard also as static HTML in the same output: the widget where a

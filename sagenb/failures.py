@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from sagenb import metric_keys as keys
+
 __all__ = [
     "TrainingError",
     "OutOfMemoryError",
@@ -47,7 +49,9 @@ class OutOfMemoryError(TrainingError):
 
     def __init__(self, rank: int, engine_id: int, detail: str, memory: Mapping[str, float]):
         self.memory = dict(memory)
-        shown = ", ".join(f"{k.removeprefix('memory/')} {v:.1f}" for k, v in self.memory.items())
+        shown = ", ".join(
+            f"{k.removeprefix(keys.MEMORY_PREFIX)} {v:.1f}" for k, v in self.memory.items()
+        )
         super().__init__(rank, engine_id, detail)
         self.args = (
             f"rank {rank} (engine {engine_id}) ran out of memory; its last step held: "

@@ -11,7 +11,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from sagenb import metric_keys as keys
+
 __all__ = ["StepMetrics", "MetricSink", "RankStream", "History"]
+
+# rank 0's values a history row keeps as they are, when the step has them
+COPIED = (keys.GRAD_NORM, keys.EVAL_LOSS, keys.LOSS_SCALE, keys.SKIPPED_STEP, keys.WARNINGS)
 
 
 @dataclass(frozen=True)
@@ -37,7 +42,7 @@ class RankStream:
         data = self._ar.data
         out = []
         while (values := data.get(str(self.received))) is not None:
-            out.append(StepMetrics(step=values["step"], rank=self.rank, values=values))
+            out.append(StepMetrics(step=values[keys.STEP], rank=self.rank, values=values))
             self.received += 1
         return out
 
@@ -64,31 +69,31 @@ class History:
 
     def _combine(self, step: int, ranks: dict[int, Mapping[str, Any]]) -> dict[str, Any]:
         first = ranks[0]
-        slowest = max(m["step_time(s)"] for m in ranks.values())
+        slowest = max(m[keys.STEP_TIME] for m in ranks.values())
         # every data-parallel rank reports a loss; in a pipeline, only each replica's last stage
-        reporting = [ranks[r] for r in sorted(ranks) if "loss" in ranks[r]]
-        losses = [m["loss"] for m in reporting]
+        reporting = [ranks[r] for r in sorted(ranks) if keys.LOSS in ranks[r]]
+        losses = [m[keys.LOSS] for m in reporting]
         row: dict[str, Any] = {
-            "step": step,
-            "epoch": first["epoch"],
-            "loss": _global_loss(reporting),
-            "rank_losses": losses,
-            "lr": first["lr"],
-            "step_time(s)": slowest,
-            "throughput(samples/s)": self.batch_size / slowest,
+            keys.STEP: step,
+            keys.EPOCH: first[keys.EPOCH],
+            keys.LOSS: _global_loss(reporting),
+            keys.RANK_LOSSES: losses,
+            keys.LR: first[keys.LR],
+            keys.STEP_TIME: slowest,
+            keys.THROUGHPUT: self.batch_size / slowest,
         }
-        for key in ("grad_norm", "eval_loss", "loss_scale", "skipped_step", "warnings"):
+        for key in COPIED:
             if key in first:
                 row[key] = first[key]
-        if "tokens" in first:  # token-id inputs: tokens per sample x global samples per second
-            row["throughput(tokens/s)"] = row["throughput(samples/s)"] * (
-                first["tokens"] / first["samples"]
+        if keys.TOKENS in first:  # token-id inputs: tokens per sample x global samples per second
+            row[keys.TOKEN_THROUGHPUT] = row[keys.THROUGHPUT] * (
+                first[keys.TOKENS] / first[keys.SAMPLES]
             )
-        if "idle(s)" in first:  # pipelines: mean busy and idle time of the engines
-            row["busy(s)"] = sum(
-                m["busy/forward(s)"] + m["busy/backward(s)"] for m in ranks.values()
+        if keys.IDLE in first:  # pipelines: mean busy and idle time of the engines
+            row[keys.BUSY] = sum(
+                m[keys.BUSY_FORWARD] + m[keys.BUSY_BACKWARD] for m in ranks.values()
             ) / len(ranks)
-            row["idle(s)"] = sum(m["idle(s)"] for m in ranks.values()) / len(ranks)
+            row[keys.IDLE] = sum(m[keys.IDLE] for m in ranks.values()) / len(ranks)
         return row
 
     def close(self) -> None:
@@ -98,8 +103,8 @@ class History:
 def _global_loss(reporting: list[Mapping[str, Any]]) -> float:
     """The loss over the whole global batch: each reporting rank's mean weighted by the targets
     it counted (equal shares of samples count alike unless integer targets hold -100)."""
-    counts = [m.get("counted", 1.0) for m in reporting]
+    counts = [m.get(keys.COUNTED, 1.0) for m in reporting]
     total = sum(counts)
     if not total:
-        return sum(m["loss"] for m in reporting) / len(reporting)
-    return sum(m["loss"] * c for m, c in zip(reporting, counts)) / total
+        return sum(m[keys.LOSS] for m in reporting) / len(reporting)
+    return sum(m[keys.LOSS] * c for m, c in zip(reporting, counts)) / total

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from sagenb import metric_keys as keys
 from sagenb.config import TrainConfig
 from sagenb.metrics import StepMetrics
 
@@ -59,15 +60,17 @@ class TrainResult:
 
     @property
     def losses(self) -> list[float]:
-        return [row["loss"] for row in self.history]
+        return [row[keys.LOSS] for row in self.history]
 
     @property
     def eval_losses(self) -> list[tuple[int, float]]:
-        return [(row["step"], row["eval_loss"]) for row in self.history if "eval_loss" in row]
+        return [
+            (row[keys.STEP], row[keys.EVAL_LOSS]) for row in self.history if keys.EVAL_LOSS in row
+        ]
 
     def summary(self) -> str:
         last = self.history[-1] if self.history else {}
-        loss = f"final loss {last['loss']:.4g}" if last else "no steps"
+        loss = f"final loss {last[keys.LOSS]:.4g}" if last else "no steps"
         status = "" if self.status == "done" else f"{self.status}: "
         if self.stopped_by:
             status = f"{self.status} by {self.stopped_by}: "

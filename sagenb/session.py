@@ -19,6 +19,7 @@ from ipyparallel.error import EngineError
 from torch.distributed import TCPStore
 
 from sagenb import cluster, stacks
+from sagenb import metric_keys as keys
 from sagenb.checkpoints import resume_warnings
 from sagenb.config import ConfigError, TrainConfig, describe
 from sagenb.cost import CostMeter, meter_for
@@ -221,7 +222,7 @@ class _Run:
         """ "done" only when every rank finished the planned steps; a run that ended early is
         "interrupted" and says who asked (a request this notebook did not send is warned
         about: it carried the run's token, so it came from one of the run's own ranks)."""
-        planned = next((r.values["total_steps"] for r in self.history.records), None)
+        planned = next((r.values[keys.TOTAL_STEPS] for r in self.history.records), None)
         last = min(r.steps for r in results)
         if planned is None or last >= planned:
             return "done"
@@ -302,7 +303,7 @@ class _Run:
                 self.last_progress = time.monotonic()
                 if self.first_step_s is None:
                     self.first_step_s = time.perf_counter() - self.started
-                self._warn(rec.values.get("warnings", ()))
+                self._warn(rec.values.get(keys.WARNINGS, ()))
                 self._check_finite(rec)
                 for sink in self.sinks:
                     sink.log(rec.values, rec.step, rec.rank)
@@ -320,7 +321,7 @@ class _Run:
     def _check_finite(self, rec: Any) -> None:
         """The first NaN or infinite loss is warned about (and, with --stop-on-nonfinite, ends
         the run at a step boundary through the same stop request as an interrupt)."""
-        loss = rec.values.get("loss")
+        loss = rec.values.get(keys.LOSS)
         if self.nonfinite_step is not None or loss is None or math.isfinite(loss):
             return
         self.nonfinite_step = rec.step
@@ -434,7 +435,7 @@ class _Run:
         """The rank's memory telemetry from the last step it reported."""
         for rec in reversed(self.history.records):
             if rec.rank == rank:
-                return {k: v for k, v in rec.values.items() if k.startswith("memory/")}
+                return {k: v for k, v in rec.values.items() if k.startswith(keys.MEMORY_PREFIX)}
         return {}
 
     def _stall(self) -> None:

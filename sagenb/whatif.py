@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from sagenb import metric_keys as keys
 from sagenb.cost import CostMeter, instance_price
 from sagenb.result import TrainResult
 
@@ -43,7 +44,7 @@ class Scaling:
 
 
 def _median_throughput(result: TrainResult) -> float:
-    rates = sorted(row["throughput(samples/s)"] for row in result.history[2:] or result.history)
+    rates = sorted(row[keys.THROUGHPUT] for row in result.history[2:] or result.history)
     return rates[len(rates) // 2]
 
 

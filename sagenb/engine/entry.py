@@ -18,6 +18,7 @@ from datetime import timedelta
 
 import torch
 
+from sagenb import metric_keys as keys
 from sagenb.config import ConfigError, TrainConfig
 from sagenb.engine import process_group
 from sagenb.engine.equivalence import EquivalenceWarning, equivalence_warnings
@@ -167,7 +168,7 @@ def _first_step_with(notes: list[str], publish: Publisher) -> Callable[[dict], N
     def send(metrics: dict) -> None:
         nonlocal pending
         if pending:
-            metrics, pending = {**metrics, "warnings": pending}, []
+            metrics, pending = {**metrics, keys.WARNINGS: pending}, []
         publish(metrics)
 
     return send

@@ -26,6 +26,7 @@ from typing import Any, TextIO
 import torch
 import torch.distributed as dist
 
+from sagenb import metric_keys as keys
 from sagenb.config import ConfigError, TrainConfig
 from sagenb.engine import process_group
 from sagenb.engine.entry import RankResult, RankSpec, merge_states, train_rank
@@ -236,8 +237,8 @@ class _StepWriter:
     def _write(self, ranks: list[dict[str, Any]]) -> None:
         history = History(self.env.world_size, self.batch_size)
         for rank, metrics in enumerate(ranks):
-            history.log(metrics, metrics["step"], rank)
-        row = {**history.steps[0], "total_steps": ranks[0]["total_steps"]}
+            history.log(metrics, metrics[keys.STEP], rank)
+        row = {**history.steps[0], keys.TOTAL_STEPS: ranks[0][keys.TOTAL_STEPS]}
         self.out.write(json.dumps(row, default=str) + "\n")
         self.out.flush()
 

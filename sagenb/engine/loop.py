@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from sagenb import metric_keys as keys
 from sagenb.config import TrainConfig
 from sagenb.engine import checkpoint
 from sagenb.engine.data import plan_steps, total_steps
@@ -104,18 +105,22 @@ def _step(ws, strategy, config, data, total, optimizer, scheduler, meter, device
     loss_scale = scaler.scale if scaler is not None else 1.0
     with autocast(config.precision, device):
         loss, counted, samples, tokens = _accumulate(ws, strategy, meter, data.batches, loss_scale)
-    metrics: dict[str, Any] = {"step": step.number, "total_steps": total, "epoch": step.epoch}
+    metrics: dict[str, Any] = {
+        keys.STEP: step.number,
+        keys.TOTAL_STEPS: total,
+        keys.EPOCH: step.epoch,
+    }
     if loss is not None:
-        metrics["loss"] = loss  # the mean over this engine's counted targets
-        metrics["counted"] = counted
+        metrics[keys.LOSS] = loss  # the mean over this engine's counted targets
+        metrics[keys.COUNTED] = counted
     finite = True
     if scaler is not None:
-        metrics["loss_scale"] = loss_scale
+        metrics[keys.LOSS_SCALE] = loss_scale
         finite = scaler.unscale(strategy.parameters())
-        metrics["skipped_step"] = int(not finite)
+        metrics[keys.SKIPPED_STEP] = int(not finite)
     if config.clip_grad_norm is not None and finite:
-        metrics["grad_norm"] = strategy.clip_grad_norm(config.clip_grad_norm)
-    metrics["lr"] = optimizer.param_groups[0]["lr"]
+        metrics[keys.GRAD_NORM] = strategy.clip_grad_norm(config.clip_grad_norm)
+    metrics[keys.LR] = optimizer.param_groups[0]["lr"]
     if finite:
         optimizer.step()
     if scheduler is not None:
@@ -123,15 +128,17 @@ def _step(ws, strategy, config, data, total, optimizer, scheduler, meter, device
     metrics.update(meter.snapshot())
     optimizer.zero_grad(set_to_none=True)
     if _eval_due(ws, config, step.number, total):
-        metrics["eval_loss"] = strategy.evaluate(ws.eval_dataset, ws.objective, config.batch_size)
+        metrics[keys.EVAL_LOSS] = strategy.evaluate(
+            ws.eval_dataset, ws.objective, config.batch_size
+        )
     elapsed = time.perf_counter() - started
-    metrics["step_time(s)"] = elapsed
-    metrics["data_wait(s)"] = data.wait_s
-    metrics["samples"] = samples
+    metrics[keys.STEP_TIME] = elapsed
+    metrics[keys.DATA_WAIT] = data.wait_s
+    metrics[keys.SAMPLES] = samples
     if tokens:
-        metrics["tokens"] = tokens
-    metrics["throughput(samples/s)"] = samples / elapsed
-    metrics["time(unix s)"] = time.time()  # when the step ended, for rates across steps
+        metrics[keys.TOKENS] = tokens
+    metrics[keys.THROUGHPUT] = samples / elapsed
+    metrics[keys.TIME] = time.time()  # when the step ended, for rates across steps
     metrics.update(strategy.step_metrics())
     return metrics
 

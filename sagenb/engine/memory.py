@@ -21,6 +21,7 @@ from contextlib import AbstractContextManager, nullcontext
 import torch
 from torch import nn
 
+from sagenb import metric_keys as keys
 from sagenb.engine.dtensors import local
 
 __all__ = ["MemoryMeter"]
@@ -119,19 +120,19 @@ class MemoryMeter:
         """MiB per kind, taken after backward and before gradients are cleared."""
         state = (v for s in self.optimizer.state.values() for v in s.values() if torch.is_tensor(v))
         out = {
-            "memory/params(MiB)": _tensor_bytes(self._params) / MIB,
-            "memory/grads(MiB)": _tensor_bytes(p.grad for p in self._params) / MIB,
-            "memory/optimizer(MiB)": _tensor_bytes(state) / MIB,
-            "memory/activations(MiB)": self.peak_activations / MIB,
+            keys.MEMORY_PARAMS: _tensor_bytes(self._params) / MIB,
+            keys.MEMORY_GRADS: _tensor_bytes(p.grad for p in self._params) / MIB,
+            keys.MEMORY_OPTIMIZER: _tensor_bytes(state) / MIB,
+            keys.MEMORY_ACTIVATIONS: self.peak_activations / MIB,
         }
         if self._process is not None:
             now = time.monotonic()
             if now - self._rss_read >= RSS_EVERY_S:
                 self._rss_mib, self._rss_read = self._process.memory_info().rss / MIB, now
-            out["memory/rss(MiB)"] = self._rss_mib
+            out[keys.MEMORY_RSS] = self._rss_mib
         if self.device.type == "cuda":
-            out["memory/device_peak(MiB)"] = torch.cuda.max_memory_allocated(self.device) / MIB
-            out["memory/device_capacity(MiB)"] = (
+            out[keys.MEMORY_DEVICE_PEAK] = torch.cuda.max_memory_allocated(self.device) / MIB
+            out[keys.MEMORY_DEVICE_CAPACITY] = (
                 torch.cuda.get_device_properties(self.device).total_memory / MIB
             )
         return out

@@ -33,6 +33,7 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
 )
 
+from sagenb import metric_keys as keys
 from sagenb.config import ConfigError, TrainConfig
 from sagenb.engine.blocks import find_blocks, tied_groups
 from sagenb.engine.cuts import MEMORY_FACTOR, check_blocks, choose_cuts
@@ -271,7 +272,7 @@ class Pipeline:
         the "cuts" the pipeline uses (the blocks where stages 1, 2, ... begin, as --cuts spells
         them), to compare with the planner's."""
         events, self.events = self.events, []
-        first = {} if self._cuts_reported else {"cuts": list(self.starts[1:])}
+        first = {} if self._cuts_reported else {keys.CUTS: list(self.starts[1:])}
         self._cuts_reported = True
         if not events:
             return first
@@ -280,12 +281,14 @@ class Pipeline:
         busy_b = sum(e[4] - e[3] for e in events if e[0] == "B")
         span = max(e[4] for e in events) - t0
         return {
-            "stages": self.stage_ids,
-            "busy/forward(s)": busy_f,
-            "busy/backward(s)": busy_b,
-            "idle(s)": max(0.0, span - busy_f - busy_b),
-            "timeline": [[k, s, c, round(a - t0, 6), round(b - t0, 6)] for k, s, c, a, b in events],
-            "timeline_t0(unix s)": t0,
+            keys.STAGES: self.stage_ids,
+            keys.BUSY_FORWARD: busy_f,
+            keys.BUSY_BACKWARD: busy_b,
+            keys.IDLE: max(0.0, span - busy_f - busy_b),
+            keys.TIMELINE: [
+                [k, s, c, round(a - t0, 6), round(b - t0, 6)] for k, s, c, a, b in events
+            ],
+            keys.TIMELINE_T0: t0,
             **first,
         }
 

@@ -1,0 +1,165 @@
+"""The dashboard's declarative chart spec (issue 18): the figure and every live redraw come from
+one list of traces, each found by its name, never by its position; the metric keys are one
+typed module. Pool-free: the dashboard is fed the metric dicts the engines publish."""
+
+from __future__ import annotations
+
+import collections
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from sagenb import charts
+from sagenb import metric_keys as keys
+from sagenb.config import TrainConfig
+from sagenb.cost import CostMeter, instance_price
+from sagenb.dashboard import Dashboard
+
+STEPS = 12
+KINDS = dict(zip(keys.MEMORY_KINDS, (1.0, 2.0, 3.0, 4.0)))  # MiB per kind on rank 0; +rank
+
+
+def step_metrics(step: int, rank: int, reports: bool, pipeline: bool) -> dict:
+    """What `rank` publishes after `step` (engine/loop.py, memory.py, the pipeline strategy):
+    every value derived from (step, rank), so each trace's expected data is known here."""
+    metrics = {
+        keys.STEP: step,
+        keys.TOTAL_STEPS: STEPS,
+        keys.EPOCH: 0,
+        keys.LR: 0.1,
+        keys.STEP_TIME: 0.01 * step + 0.001 * rank,
+        **{keys.memory(kind): mib + rank for kind, mib in KINDS.items()},
+    }
+    if reports:  # one rank per replica reports its loss (a pipeline's last stage, ...)
+        metrics[keys.LOSS] = 1.0 / step + 0.1 * rank
+    if step % 3 == 0 and rank == 0:
+        metrics[keys.EVAL_LOSS] = 2.0 / step
+    if pipeline:
+        metrics[keys.BUSY_FORWARD], metrics[keys.BUSY_BACKWARD], metrics[keys.IDLE] = 1, 2, 3
+        stage = rank % 2
+        events = [[k, stage, m, 0.001 * m, 0.001 * m + 0.0005] for k in "FB" for m in range(2)]
+        metrics[keys.TIMELINE], metrics[keys.TIMELINE_T0] = events, 100.0
+    return metrics
+
+
+def run(board: Dashboard, steps: range, pipeline: bool = False) -> None:
+    replicas = board.config.replicas(board.engines)
+    for step in steps:
+        for rank in range(board.engines):
+            board.log(step_metrics(step, rank, rank < replicas, pipeline), step, rank)
+        board.cost_points.append((float(step), board.cost.cost(float(step))))
+
+
+def new_board(config: TrainConfig, live: bool = False) -> Dashboard:
+    engines = config.engines or 1
+    return Dashboard(config, CostMeter(instance_price(config.instance), engines), live=live)
+
+
+CONFIGS = {
+    "data": TrainConfig(engines=2, batch_size=8),
+    "sharded": TrainConfig(engines=2, batch_size=8, strategy="sharded"),
+    "tensor": TrainConfig(engines=2, batch_size=8, strategy="tensor"),
+    "model": TrainConfig(engines=2, batch_size=8, strategy="model", partitions=2),
+    "hybrid": TrainConfig(engines=4, batch_size=8, strategy="hybrid", partitions=2),
+}
+
+
+@pytest.mark.parametrize("strategy", sorted(CONFIGS))
+def test_the_figure_draws_every_trace_of_the_spec_once_in_its_panel(strategy):
+    config = CONFIGS[strategy]
+    board = new_board(config)
+    run(board, range(1, STEPS + 1), pipeline=charts.pipelined(board))
+    fig = board.to_figure()
+    spec = charts.traces(board)
+    assert collections.Counter(t.meta for t in fig.data) == collections.Counter(
+        t.name for t in spec
+    )
+    assert len({t.name for t in spec}) == len(spec)  # names are identities: no two alike
+    replicas = [t for t in fig.data if t.meta.startswith("replica")]
+    assert len(replicas) == config.replicas(config.engines)
+    drawn = {t.meta: t for t in fig.data}
+    data = charts.trace_data(board)
+    for trace in spec:
+        shown = drawn[trace.name]
+        panel = fig.get_subplot(trace.panel.row, trace.panel.col)
+        assert (shown.xaxis, shown.yaxis) == (
+            panel.xaxis.plotly_name.replace("axis", ""),
+            panel.yaxis.plotly_name.replace("axis", ""),
+        ), trace.name
+        assert shown.name == (trace.label(board) if trace.label else trace.name)
+        for key, values in data[trace.name].items():
+            assert list(getattr(shown, key)) == list(values), (trace.name, key)
+    bars = drawn["forward"]
+    if charts.pipelined(board):  # each engine's two microbatches, in the schedule panel
+        assert sorted(bars.y) == ["stage 0"] * config.engines + ["stage 1"] * config.engines
+    else:
+        assert len(bars.y) == 0 and drawn["idle / bubble (s)"].visible is False
+
+
+def expected(board: Dashboard) -> dict[str, dict[str, list]]:
+    """Each trace's data worked out from what `run` logged, independently of charts.py."""
+    steps = list(range(1, STEPS + 1))
+    smoothed, value = [], None
+    for step in steps:  # the global loss: the mean of the two ranks' 1/step and 1/step + 0.1
+        loss = 1.0 / step + 0.05
+        value = loss if value is None else 0.9 * value + 0.1 * loss
+        smoothed.append(value)
+    slowest = [0.01 * s + 0.001 for s in steps]
+    costs = board.cost_points
+    out = {
+        "loss (smoothed)": {"x": steps, "y": smoothed},
+        "replica 0 loss": {"x": steps, "y": [1.0 / s for s in steps]},
+        "replica 1 loss": {"x": steps, "y": [1.0 / s + 0.1 for s in steps]},
+        "eval loss": {"x": [3, 6, 9, 12], "y": [2.0 / s for s in (3, 6, 9, 12)]},
+        "throughput": {"x": steps, "y": [8 / t for t in slowest]},
+        "compute (s)": {"x": steps, "y": slowest},
+        "idle / bubble (s)": {"x": steps, "y": [0.0] * STEPS},
+        "on-demand": {"x": [t for t, _ in costs], "y": [c for _, c in costs]},
+        "spot": {"x": [t for t, _ in costs], "y": [board.cost.spot(c) for _, c in costs]},
+    }
+    for kind, mib in KINDS.items():
+        out[kind] = {"x": ["engine 0", "engine 1"], "y": [mib, mib + 1]}
+    return out
+
+
+def test_a_redraw_updates_each_trace_by_its_name(monkeypatch):
+    board = new_board(CONFIGS["data"], live=True)  # the widget, built from the spec's order
+    run(board, range(1, 4))
+    board.tick(3.0)  # the first redraw is due at once
+    # the spec in another order from here on: a redraw that went by position would now
+    # give every trace another's data
+    monkeypatch.setattr(charts, "TRACES", tuple(reversed(charts.TRACES)))
+    run(board, range(4, STEPS + 1))
+    board.finish(float(STEPS), status="done")
+    widget = {t.meta: t for t in board._figure_widget.data}
+    assert len(widget) == len(board._figure_widget.data) == len(charts.traces(board))
+    for name, data in expected(board).items():
+        for key, values in data.items():
+            got = list(getattr(widget[name], key))
+            if isinstance(values[0], str):
+                assert got == values, (name, key)
+            else:
+                np.testing.assert_allclose(got, values, rtol=1e-12, err_msg=f"{name}.{key}")
+
+
+def test_metric_keys_import_nothing_and_keep_their_values():
+    code = (
+        "import sys, json; import sagenb.metric_keys as k; "
+        "heavy = [m for m in ('torch', 'plotly', 'IPython', 'ipywidgets') if m in sys.modules]; "
+        "print(json.dumps([heavy, {n: v for n, v in vars(k).items() if n.isupper()}]))"
+    )
+    heavy, values = json.loads(subprocess.check_output([sys.executable, "-c", code], text=True))
+    assert heavy == []
+    # results, checkpoints and the torchrun script's JSON lines carry these names: they stay
+    assert values["LOSS"] == "loss" and values["STEP_TIME"] == "step_time(s)"
+    assert values["THROUGHPUT"] == "throughput(samples/s)"
+    assert values["MEMORY_PARAMS"] == "memory/params(MiB)"
+    assert values["TIMELINE_T0"] == "timeline_t0(unix s)"
+    names = [v for v in values.values() if isinstance(v, str)]
+    assert len(names) == len(set(names))  # no two constants for one key
+    assert keys.unit(keys.TOKEN_THROUGHPUT) == "tokens/s"
+    with pytest.raises(ValueError, match="'loss' names no unit"):
+        keys.unit(keys.LOSS)
