@@ -130,6 +130,7 @@ def main(
     started = time.perf_counter()
     result, state = _run(job, config, env, args)
     if env.rank == 0:
+        assert state is not None  # _gather_state gives rank 0 the whole state_dict
         output = Path(args.output)
         output.parent.mkdir(parents=True, exist_ok=True)
         torch.save(state, output)
@@ -231,15 +232,15 @@ class _StepWriter:
             gathered: list[Any] | None = [None] * self.env.world_size if self.out else None
             dist.gather_object(metrics, gathered, dst=0)
             if self.out is not None and gathered is not None:
-                self._write(gathered)
+                self._write(self.out, gathered)
 
-    def _write(self, ranks: list[dict[str, Any]]) -> None:
+    def _write(self, out: TextIO, ranks: list[dict[str, Any]]) -> None:
         history = History(self.env.world_size, self.batch_size)
         for rank, metrics in enumerate(ranks):
             history.log(metrics, metrics["step"], rank)
         row = {**history.steps[0], "total_steps": ranks[0]["total_steps"]}
-        self.out.write(json.dumps(row, default=str) + "\n")
-        self.out.flush()
+        out.write(json.dumps(row, default=str) + "\n")
+        out.flush()
 
     def close(self) -> None:
         if self.out is not None and self.out is not sys.stdout:
