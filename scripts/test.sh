@@ -16,5 +16,5 @@ if [ ${#missing[@]} -gt 0 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/nu
     echo "could not install ${missing[*]}: the tests that need them will be skipped"
 fi
 .venv/bin/python -m ruff check sagenb tests
-.venv/bin/python -m mypy sagenb  # [tool.mypy] in pyproject.toml; about 75 s cold, 3 s cached
+.venv/bin/python -m mypy sagenb  # [tool.mypy] in pyproject.toml; about 1 min cold, 3 s cached
 exec .venv/bin/python -m pytest "$@"
