@@ -188,8 +188,8 @@ class EnginePool:
         try:
             cluster = ipp.Cluster.from_file(**where)
         except FileNotFoundError:
-            where = f"profile {profile or 'default'!r}, cluster id {cluster_id!r}"
-            raise ValueError(f"no running ipyparallel cluster found for {where}") from None
+            named = f"profile {profile or 'default'!r}, cluster id {cluster_id!r}"
+            raise ValueError(f"no running ipyparallel cluster found for {named}") from None
         client = cluster.connect_client_sync()
         deadline = time.monotonic() + timeout
         while not client.ids and time.monotonic() < deadline:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard
 
 __all__ = ["InstancePrice", "CostMeter", "price_table", "instance_price", "meter_for"]
 
@@ -76,7 +76,8 @@ def _check_table(raw: Any) -> None:
             raise ValueError(f"instances[{name!r}].accelerators must be an integer >= 0")
 
 
-def _number(value: Any) -> bool:
+def _number(value: Any) -> TypeGuard[float]:
+    """A finite int or float, not a bool (a TypeGuard, so that `price < 0` after it checks)."""
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 

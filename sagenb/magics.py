@@ -244,11 +244,19 @@ def _config(options: dict[str, Any], prog: str) -> TrainConfig:
 
 @magics_class
 class SmpMagics(Magics):
+    @property
+    def _user_ns(self) -> dict[str, Any]:
+        """The kernel's namespace. Magics types its shell as optional; register_magics, which
+        load_ipython_extension calls with the class, makes the instance with its shell."""
+        assert self.shell is not None, "SmpMagics made without a shell"
+        return self.shell.user_ns
+
     @line_magic
     def smp_cluster(self, line: str) -> Any:
         args = parse_cluster_line(line)
         if args is None:
             return None
+        pool: cluster.EnginePool | None  # None only while nothing runs (the status branch)
         if args.action == "start" and (args.profile is not None or args.cluster_id is not None):
             pool = _guard(
                 cluster.attach_pool, profile=args.profile, cluster_id=args.cluster_id or ""
@@ -293,7 +301,7 @@ class SmpMagics(Magics):
             if isinstance(exc, (ConfigError, JobError)):
                 raise UsageError(f"%%smp_train: {exc}") from None
             raise
-        self.shell.user_ns[config.out] = result
+        self._user_ns[config.out] = result
         print(f"{result.summary()}\nresult in `{config.out}`")
 
     def _keep_failed(self, exc: BaseException, out: str) -> None:
@@ -301,7 +309,7 @@ class SmpMagics(Magics):
         history so far, parameters when they could be collected), not the previous run."""
         failed = getattr(exc, "result", None)
         if isinstance(failed, TrainResult):
-            self.shell.user_ns[out] = failed
+            self._user_ns[out] = failed
             print(f"{failed.summary()}\nwhat was done is in `{out}`")
 
     @cell_magic
@@ -319,7 +327,7 @@ class SmpMagics(Magics):
         except (ConfigError, JobError) as exc:
             raise UsageError(f"%%smp_plan: {exc}") from None
         name = config.out if config.out != "smp_result" else "smp_plan_result"
-        self.shell.user_ns[name] = result
+        self._user_ns[name] = result
         _show_plan(result)
 
     @cell_magic

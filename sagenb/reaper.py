@@ -82,6 +82,8 @@ def _send(message: dict[str, Any]) -> None:
             text=True,
             start_new_session=True,  # a signal to this process's group must not reach it
         )
+        # Popen sets .stdin to a file exactly when stdin=PIPE, as here
+        assert watcher.stdin is not None, "Popen(stdin=PIPE) gives no stdin"
         _pipe = watcher.stdin
         atexit.register(_pipe.close)  # a normal exit closes it too; the watcher then ends
     try:

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Quick start, command 2: set up, lint, then run the whole test suite on real engine pools.
+# Quick start, command 2: set up, lint and type-check, then run the whole test suite on real
+# engine pools.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -15,4 +16,5 @@ if [ ${#missing[@]} -gt 0 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/nu
     echo "could not install ${missing[*]}: the tests that need them will be skipped"
 fi
 .venv/bin/python -m ruff check sagenb tests
+.venv/bin/python -m mypy sagenb  # [tool.mypy] in pyproject.toml; about 1 min cold, 3 s cached
 exec .venv/bin/python -m pytest "$@"

@@ -102,9 +102,10 @@ class SafeReader(FileSystemReader):
         if kwargs.get("rank") is not None:  # per-rank metadata: sagenb's saves never write it
             raise CheckpointError(f"{self.path}: per-rank metadata is not supported")
         metadata = read_metadata(self.path)
-        if getattr(metadata, "storage_meta", None) is None:  # as FileSystemReader does
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
+        storage_meta: StorageMeta | None = getattr(metadata, "storage_meta", None)
+        if storage_meta is None:  # as FileSystemReader does
+            storage_meta = metadata.storage_meta = StorageMeta()
+        storage_meta.load_id = self.load_id
         return metadata
 
 

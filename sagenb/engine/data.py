@@ -154,6 +154,7 @@ def plan_steps(
         epoch, b = divmod(number - 1, per_epoch)
         if epoch != built:
             order, built = epoch_order(n, seed, epoch), epoch
+        assert order is not None  # built at the first step: its epoch (>= 0) is not -1
         yield Step(number, epoch, order[b * batch_size : (b + 1) * batch_size])
 
 

@@ -35,11 +35,12 @@ def meta_parameters() -> Iterator[None]:
             param = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
         original(self, name, param)
 
-    nn.Module.register_parameter = register
+    # a patch of the class for the duration of the block, on purpose
+    nn.Module.register_parameter = register  # type: ignore[method-assign]
     try:
         yield
     finally:
-        nn.Module.register_parameter = original
+        nn.Module.register_parameter = original  # type: ignore[method-assign]
 
 
 def materialize(
@@ -84,8 +85,10 @@ def _initialise(owner: nn.Module, name: str, seed: int) -> None:
         for p in owner._parameters.values():
             if p is not None and not p.is_meta:
                 nn.init.normal_(p, std=0.02)
-        if hasattr(owner, "reset_parameters"):
-            owner.reset_parameters()
+        # getattr: nn.Module.__getattr__ is typed Tensor | Module, which mypy cannot call
+        reset = getattr(owner, "reset_parameters", None)
+        if reset is not None:
+            reset()
 
 
 def release_others(model: nn.Module, parts: Sequence[nn.Module]) -> None:

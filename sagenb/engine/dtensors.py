@@ -9,6 +9,7 @@ helpers give each.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TypeGuard
 
 import torch
 import torch.distributed as dist
@@ -22,7 +23,9 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-def is_sharded(tensor: torch.Tensor) -> bool:
+def is_sharded(tensor: torch.Tensor) -> TypeGuard[DTensor]:
+    """A DTensor with at least one Shard placement (a TypeGuard: callers then read its
+    placements and device_mesh)."""
     return isinstance(tensor, DTensor) and any(p.is_shard() for p in tensor.placements)
 
 
@@ -47,7 +50,7 @@ def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float) -> flo
         return 0.0
     device = local(grads[0]).device  # sums stay on the device: one host sync, at the end
     zero = torch.zeros((), dtype=torch.float64, device=device)
-    squares: dict[object, torch.Tensor] = {}  # process group of the shards -> sum of squares
+    squares: dict[dist.ProcessGroup, torch.Tensor] = {}  # the shards' group -> sum of squares
     replicated = zero.clone()
     for g in grads:
         part = local(g).detach().double().pow(2).sum()

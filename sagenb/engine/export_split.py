@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch import fx, nn
@@ -61,7 +62,7 @@ def export_stages(
     return stages
 
 
-def _relay(pipe: Pipe) -> list[fx.GraphModule]:
+def _relay(pipe: Pipe) -> list[nn.Module]:
     """Stage modules that take only the previous stage's outputs and pass on, after their own
     outputs, every earlier value a later stage reads."""
     top = list(pipe.split_gm.graph.nodes)
@@ -76,13 +77,15 @@ def _relay(pipe: Pipe) -> list[fx.GraphModule]:
     needs = [[source(a) for a in call.args] for call in calls]
     last_use = {v: k for k, vs in enumerate(needs) for v in vs}
     carried = [("input", n.name) for n in top if n.op == "placeholder"]
-    stages = []
+    stages: list[nn.Module] = []  # GraphModules, typed as split_model gives them
     for k in range(len(calls)):
         module = pipe.get_stage_module(k)
+        assert isinstance(module, fx.GraphModule)  # split_gm's submodules: the split graphs
         graph = fx.Graph()
         # the first stage takes the model's inputs under their own names (keyword inputs:
-        # model(**batch)); later ones take what the stage before them sends, in order
-        env = {
+        # model(**batch)); later ones take what the stage before them sends, in order.
+        # Values: fx Arguments (placeholders, and what graph_copy returns for the outputs)
+        env: dict[tuple[Any, Any], Any] = {
             v: graph.placeholder(v[1] if k == 0 else f"in_{i}") for i, v in enumerate(carried)
         }
         inner = {p: env[v] for p, v in zip(_placeholders(module), needs[k])}
@@ -90,13 +93,10 @@ def _relay(pipe: Pipe) -> list[fx.GraphModule]:
         if k == len(calls) - 1:
             graph.output(result)
         else:
-            made = (
-                [(k, None)]
-                if not isinstance(result, (tuple, list))
-                else [(k, j) for j in range(len(result))]
-            )
-            for v in made:
-                env[v] = result if v[1] is None else result[v[1]]
+            if isinstance(result, (tuple, list)):  # the stage's outputs, one key each
+                env.update({(k, j): out for j, out in enumerate(result)})
+            else:
+                env[(k, None)] = result
             carried = [v for v in env if last_use.get(v, -1) > k]
             outs = tuple(env[v] for v in carried)
             graph.output(outs[0] if len(outs) == 1 else outs)

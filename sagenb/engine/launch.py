@@ -131,6 +131,7 @@ def main(
     started = time.perf_counter()
     result, state = _run(job, config, env, args)
     if env.rank == 0:
+        assert state is not None  # _gather_state gives rank 0 the whole state_dict
         output = Path(args.output)
         output.parent.mkdir(parents=True, exist_ok=True)
         torch.save(state, output)
@@ -232,15 +233,15 @@ class _StepWriter:
             gathered: list[Any] | None = [None] * self.env.world_size if self.out else None
             dist.gather_object(metrics, gathered, dst=0)
             if self.out is not None and gathered is not None:
-                self._write(gathered)
+                self._write(self.out, gathered)
 
-    def _write(self, ranks: list[dict[str, Any]]) -> None:
+    def _write(self, out: TextIO, ranks: list[dict[str, Any]]) -> None:
         history = History(self.env.world_size, self.batch_size)
         for rank, metrics in enumerate(ranks):
             history.log(metrics, metrics[keys.STEP], rank)
         row = {**history.steps[0], keys.TOTAL_STEPS: ranks[0][keys.TOTAL_STEPS]}
-        self.out.write(json.dumps(row, default=str) + "\n")
-        self.out.flush()
+        out.write(json.dumps(row, default=str) + "\n")
+        out.flush()
 
     def close(self) -> None:
         if self.out is not None and self.out is not sys.stdout:

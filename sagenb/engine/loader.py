@@ -102,7 +102,9 @@ def batches_of(
     try:
         yield _from_workers(steps, grad_accum, loaded, device)
     finally:
-        loaded._shutdown_workers()  # now, not when a traceback frees the iterator
+        # now, not when a traceback frees the iterator; private to the workers' iterator,
+        # which iter() of a DataLoader with num_workers > 0 is (torch types it as the base)
+        loaded._shutdown_workers()  # type: ignore[attr-defined]
 
 
 def _pieces(strategy: Any, step: Step, grad_accum: int) -> list[list[int]]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 import torch.distributed as dist
@@ -29,6 +29,15 @@ from sagenb.engine.strategies import Strategy
 from sagenb.engine.workspace import Workspace
 
 __all__ = ["train_loop", "make_optimizer"]
+
+
+class _Saved(TypedDict):
+    """What checkpoint.save writes and checkpoint.load restores, as keyword arguments."""
+
+    strategy: Strategy
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    rank: int
 
 
 def make_optimizer(ws: Workspace, strategy: Strategy, lr: float) -> torch.optim.Optimizer:
@@ -54,8 +63,8 @@ def train_loop(
     not (checkpoint.save; the run then fails keeping the parameters it trained, session.py)."""
     optimizer = make_optimizer(ws, strategy, config.lr)
     scheduler = ws.make_scheduler(optimizer) if ws.make_scheduler is not None else None
-    objects = dict(strategy=strategy, optimizer=optimizer, scheduler=scheduler, rank=rank)
-    start = checkpoint.load(config.checkpoint_dir, **objects) if config.resume else 0
+    objects = _Saved(strategy=strategy, optimizer=optimizer, scheduler=scheduler, rank=rank)
+    start = _resume(config, objects)
     meter = MemoryMeter(strategy.module, optimizer, device)
     scaler = LossScaler(device=device) if config.precision == "fp16" else None
     n = len(ws.dataset)
@@ -94,6 +103,14 @@ def train_loop(
             if stop or unsaved is not None:
                 break
     return last, unsaved
+
+
+def _resume(config: TrainConfig, objects: _Saved) -> int:
+    """The step to continue after: with --resume, the newest checkpoint's; else 0."""
+    if not config.resume:
+        return 0
+    assert config.checkpoint_dir, "TrainConfig refuses --resume without --checkpoint-dir"
+    return checkpoint.load(config.checkpoint_dir, **objects)
 
 
 def _step(ws, strategy, config, data, total, optimizer, scheduler, meter, device, scaler) -> dict:

@@ -91,12 +91,12 @@ class MemoryMeter:
         return _Saved(tensor, key)
 
     def _unpack(self, saved: _Saved) -> torch.Tensor:
-        entry = self._live.get(saved.key) if saved.key is not None else None
-        if entry is not None:
+        key = saved.key
+        if key is not None and (entry := self._live.get(key)) is not None:
             entry[1] -= 1
             if entry[1] == 0:
                 self._current -= entry[0]
-                del self._live[saved.key]
+                del self._live[key]
         return saved.tensor
 
     def track(self) -> AbstractContextManager:

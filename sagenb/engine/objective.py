@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -199,6 +199,9 @@ def _hf_loss(hf: nn.Module) -> Callable[[torch.Tensor, torch.Tensor], torch.Tens
     vocab = getattr(hf.config, "vocab_size", None)
 
     def own_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return hf.loss_function(logits=logits, labels=labels, vocab_size=vocab)
+        # nn.Module.__getattr__ is typed Tensor | Module; transformers' PreTrainedModel gives
+        # loss_function as a property that returns its loss callable
+        loss_function = cast("Callable[..., torch.Tensor]", hf.loss_function)
+        return loss_function(logits=logits, labels=labels, vocab_size=vocab)
 
     return own_loss

@@ -147,11 +147,11 @@ def _where(exc: BaseException, limit: int = 240) -> str:
     return text
 
 
-def _fx_stages(gm: fx.GraphModule, blocks: Blocks, starts: list[int]) -> list[fx.GraphModule]:
+def _fx_stages(gm: fx.GraphModule, blocks: Blocks, starts: list[int]) -> list[nn.Module]:
     where = stage_of_pieces(gm, blocks, starts)
     nodes = list(gm.graph.nodes)
     last_use = {n: max((where[u] for u in n.users), default=where[n]) for n in nodes}
-    stages = []
+    stages: list[nn.Module] = []  # GraphModules, typed as split_model gives them
     carried: list[fx.Node] = [n for n in nodes if n.op == "placeholder"]
     for s in range(len(starts)):
         graph, env = fx.Graph(), {}
@@ -181,6 +181,7 @@ def _lookup(env: dict, node: fx.Node, graph: fx.Graph) -> fx.Node:
     if node not in env:
         if node.op != "get_attr":
             raise JobError(f"the split model uses {node.name} before it is computed")
+        assert isinstance(node.target, str)  # a get_attr node's target is the attribute's name
         env[node] = graph.get_attr(node.target)
     return env[node]
 

@@ -57,14 +57,15 @@ def compute_order(kind: str, stages: int, microbatches: int, stage: int) -> list
     return order
 
 
-def action_lists(kind: str, stages: int, microbatches: int) -> dict[int, list[_Action]]:
+def action_lists(kind: str, stages: int, microbatches: int) -> dict[int, list[_Action | None]]:
     """Every stage's actions (one stage per rank): its receives, then its compute order with a
     send after each forward (not on the last stage) and each backward (not on the first), then
-    the gradient reduction."""
+    the gradient reduction. Typed as torch's _prepare_schedule_with_comms takes them, where None
+    is an idle slot; these lists have none."""
     out = {}
     for s in range(stages):
         first, last = s == 0, s == stages - 1
-        actions = []
+        actions: list[_Action | None] = []
         if not first:
             actions += [_Action(s, RECV_F, i) for i in range(microbatches)]
         if not last:

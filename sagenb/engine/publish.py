@@ -30,7 +30,9 @@ class Publisher:
         self, send: Callable[[dict[str, Any]], None] | None = None, interval: float = INTERVAL_S
     ) -> None:
         if send is None:  # imported here: ipyparallel.datapub pulls IPython into the process
-            from ipyparallel.datapub import publish_data as send
+            from ipyparallel.datapub import publish_data
+
+            send = publish_data
         self._send, self.interval = send, interval
         self.count = 0
         self._pending: dict[str, Any] = {}

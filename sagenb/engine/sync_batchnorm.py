@@ -29,7 +29,7 @@ across ranks, and a collective there would wait forever.
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 import torch.distributed as dist
@@ -62,16 +62,18 @@ def sync_batchnorm(model: nn.Module, *, device: torch.device, group: Any = None)
 
 def _make_global(module: _BatchNorm, group: Any) -> None:
     wrapped = module.__dict__.get("forward")  # e.g. recompute.checkpoint_blocks' wrapper
-    module.__class__ = _global_class(type(module))
+    # a class is hashable; mypy says no when it defines __hash__ (python/mypy#11470)
+    module.__class__ = _global_class(type(module))  # type: ignore[arg-type]
     module.process_group = group
     if _wraps_own_forward(wrapped, module):  # it calls the old class's forward: rewrap
         new_forward = type(module).forward.__get__(module)
-        module.forward = functools.partial(
+        # an instance attribute over the class's forward, where the replaced wrapper was
+        module.forward = functools.partial(  # type: ignore[method-assign]
             wrapped.func, new_forward, *wrapped.args[1:], **wrapped.keywords
         )
 
 
-def _wraps_own_forward(wrapped: Any, module: nn.Module) -> bool:
+def _wraps_own_forward(wrapped: Any, module: nn.Module) -> TypeGuard[functools.partial[Any]]:
     return (
         isinstance(wrapped, functools.partial)
         and bool(wrapped.args)
@@ -97,11 +99,14 @@ class GlobalBatchNorm(_BatchNorm):
             return super().forward(input)
         factor = 0.0 if self.momentum is None else self.momentum
         if self.track_running_stats:  # as _BatchNorm.forward counts and averages
+            # _BatchNorm registers these buffers (else None) exactly when track_running_stats
+            assert self.num_batches_tracked is not None
             self.num_batches_tracked.add_(1)
             if self.momentum is None:
                 factor = 1.0 / float(self.num_batches_tracked)
         mean, var, count = _global_stats(input, self.process_group)
         if self.track_running_stats:
+            assert self.running_mean is not None and self.running_var is not None
             with torch.no_grad():
                 unbiased = var * (count / (count - 1))
                 self.running_mean.lerp_(mean.to(self.running_mean.dtype), factor)

@@ -73,9 +73,9 @@ def broadcast_ints_or_error(
     """Rank `src`'s list of ints on every rank; or, when `src` has an exception, its message
     (UTF-8 bytes, as ints) for the receivers to raise in their turn: returned as a str."""
     if dist.get_rank() == src:
-        is_error = isinstance(value, Exception)
-        payload = list(str(value).encode()) if is_error else list(value or [])
-        header = torch.tensor([int(is_error), len(payload)], dtype=torch.int64, device=device)
+        error = isinstance(value, Exception)
+        payload = list(str(value).encode()) if isinstance(value, Exception) else list(value or [])
+        header = torch.tensor([int(error), len(payload)], dtype=torch.int64, device=device)
     else:
         header = torch.zeros(2, dtype=torch.int64, device=device)
     dist.broadcast(header, src=src)

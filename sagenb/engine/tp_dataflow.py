@@ -27,6 +27,7 @@ from __future__ import annotations
 import operator
 import sys
 import warnings
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -59,8 +60,9 @@ def is_splittable(module: nn.Module) -> bool:
 
 def features(module: nn.Module) -> tuple[int, int]:
     """(in, out) features of a Linear or Conv1D."""
-    if is_conv1d(module):
-        return module.nx, module.nf
+    if is_conv1d(module):  # ints; nn.Module's __getattr__ types them Tensor | Module
+        return cast(int, module.nx), cast(int, module.nf)
+    assert isinstance(module, nn.Linear)  # callers pass only what is_splittable accepts
     return module.in_features, module.out_features
 
 
@@ -113,10 +115,10 @@ def _pairs(graph, modules, tp, tied, skip, prefix) -> dict[str, str]:
     def layer(node: fx.Node) -> nn.Module | None:
         if node.op != "call_module":
             return None
-        m = modules.get(node.target)
+        m = modules.get(_path(node))
         if m is None or not is_splittable(m):
             return None
-        whole = id(m.weight) in tied or _under(prefix + node.target, skip)
+        whole = id(m.weight) in tied or _under(prefix + _path(node), skip)
         return None if whole else m
 
     found: dict[str, str] = {}
@@ -128,11 +130,22 @@ def _pairs(graph, modules, tp, tied, skip, prefix) -> dict[str, str]:
         if not sources or any(s.target in found for s in sources):
             continue
         width = features(consumer)[0]
-        if width % tp or any(features(layer(s))[1] != width for s in sources):
+        if width % tp or any(_out_features(layer(s)) != width for s in sources):
             continue
-        found.update({s.target: "colwise" for s in sources})
-        found[node.target] = "rowwise"
+        found.update({_path(s): "colwise" for s in sources})
+        found[_path(node)] = "rowwise"
     return found
+
+
+def _path(node: fx.Node) -> str:
+    """A call_module node's target: the module's qualified name, a str (torch.fx docs)."""
+    assert isinstance(node.target, str), node.target
+    return node.target
+
+
+def _out_features(module: nn.Module | None) -> int:
+    assert module is not None  # _sources keeps only the nodes that layer() maps to a layer
+    return features(module)[1]
 
 
 def _sources(consumer: fx.Node, layer, modules) -> list[fx.Node] | None:
@@ -168,7 +181,7 @@ def _elementwise(node: fx.Node, modules: dict[str, nn.Module]) -> bool:
     if node.op == "call_method":
         return node.target in _METHODS
     if node.op == "call_module":
-        return isinstance(modules.get(node.target), _MODULES)
+        return isinstance(modules.get(_path(node)), _MODULES)
     return False
 
 

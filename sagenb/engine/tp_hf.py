@@ -20,6 +20,7 @@ would get part of a head: refused here, naming config.num_key_value_heads.
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 from torch import nn
 
@@ -65,7 +66,8 @@ def _plan_of(model: nn.Module) -> dict[str, str]:
 
 
 def _check_heads(model: nn.Module, path: str, tp: int) -> None:
-    config = model.config
+    # transformers' PretrainedConfig (nn.Module's __getattr__ types it Tensor | Module)
+    config: Any = model.config
     if hasattr(config, "get_text_config"):
         config = config.get_text_config()
     heads = getattr(config, "num_attention_heads", None)

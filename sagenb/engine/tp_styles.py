@@ -16,12 +16,13 @@ same layout and are refused by name.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 from typing import Any
 
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from sagenb.job import JobError
 
@@ -83,7 +84,7 @@ class Rowwise(RowwiseParallel):
 
 
 # name -> factory; transformers' names as its ALL_PARALLEL_STYLES registers them
-STYLES = {
+STYLES: dict[str, Callable[[], ParallelStyle]] = {
     "colwise": Colwise,
     "rowwise": Rowwise,
     "colwise_gather_output": lambda: Colwise(output_layouts=Replicate()),

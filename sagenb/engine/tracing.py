@@ -122,7 +122,8 @@ def in_flight(since_ns: int = 0) -> list[dict]:
     retired, oldest first, from torch's flight recorder (empty when it records nothing or this
     torch has none)."""
     try:
-        from torch._C._distributed_c10d import _dump_fr_trace_json
+        # private, absent from torch's stubs (torch/_C/_distributed_c10d.pyi)
+        from torch._C._distributed_c10d import _dump_fr_trace_json  # type: ignore[attr-defined]
 
         trace = json.loads(_dump_fr_trace_json(True, False))
     except Exception:  # noqa: BLE001 - a private API: absent, or changed, in other versions

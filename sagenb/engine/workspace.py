@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -31,8 +31,9 @@ class Workspace:
     make_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None
     eval_dataset: Any = None
     tp_plan: dict[str, Any] | None = None
-    #: how batches reach the model and become a loss (set by build_workspace)
-    objective: Objective | None = None
+    #: how batches reach the model and become a loss: set by build_workspace, the one place
+    #: a Workspace is made, once the cell's names are checked (not an __init__ argument)
+    objective: Objective = field(init=False)
 
 
 def seed_everything(seed: int) -> None:
