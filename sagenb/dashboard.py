@@ -229,14 +229,14 @@ class Dashboard:
         import ipywidgets as widgets
         from IPython.display import display
 
-        self._header = widgets.HTML(self._header_html())
-        self._figure_widget = go.FigureWidget(self.to_figure())
+        self._header = header = widgets.HTML(self._header_html())
+        self._figure_widget = figure = go.FigureWidget(self.to_figure())
         # a FigureWidget does not follow its output's width (plotly/plotly.py#2062): at plotly's
         # default 700 px the subplot titles overlapped; 1000 px fits JupyterLab's output area
-        self._figure_widget.update_layout(title=None, width=LIVE_WIDTH_PX)
-        self._widget = widgets.VBox([self._header, self._figure_widget])
-        self._widget.add_class("smp-dashboard")
-        self._display = display(self._widget, display_id=True)
+        figure.update_layout(title=None, width=LIVE_WIDTH_PX)
+        self._widget = widget = widgets.VBox([header, figure])
+        widget.add_class("smp-dashboard")
+        self._display = display(widget, display_id=True)
 
     def _redraw_header(self) -> None:
         if self._header is not None:

@@ -270,7 +270,7 @@ def _export_sagemaker(script: Path, text: str, config: TrainConfig, command: str
 def _sagemaker_layout(config: TrainConfig) -> tuple[InstancePrice, int, int]:
     """The instance type, how many instances, and how many processes SageMaker's torchrun
     starts on them (one per GPU), refusing what SageMaker or the split cannot run."""
-    meter = meter_for(config, config.engines)
+    meter = meter_for(config, _engines(config))
     price = meter.price
     if price.accelerators < 1 or not price.name.startswith(("ml.p", "ml.g")):
         gpus = sorted(

@@ -156,7 +156,7 @@ def plan(job: Any, config: TrainConfig | None = None, *, pool=None, **options: A
         raw = task.get(timeout=600)
     except Exception as exc:  # noqa: BLE001 - a JobError on the engine reads as training's
         if getattr(exc, "ename", None) == "JobError":
-            raise JobError(exc.evalue) from None
+            raise JobError(str(getattr(exc, "evalue", exc))) from None
         raise
     return _assemble(config, raw)
 
@@ -165,7 +165,12 @@ def _assemble(config: TrainConfig, raw: dict[str, Any]) -> Plan:
     profile = BlockProfile(**{k: tuple(v) for k, v in raw["profile"].items()})
     if not raw["measured"]:
         unknown = (float("nan"),) * len(profile.seconds)
-        profile = dataclasses.replace(profile, seconds=unknown, activation_bytes=unknown)
+        # NaN stands for "not measured" in the byte counts too
+        profile = dataclasses.replace(
+            profile,
+            seconds=unknown,
+            activation_bytes=unknown,  # type: ignore[arg-type]
+        )
     starts = raw["starts"]
     sums = profile.stage_sums(starts)
     bounds = [*starts, len(raw["blocks"])]

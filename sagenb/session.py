@@ -456,16 +456,17 @@ class _Run:
         self._contain()
         replaced = [r for r, eid in running.items() if eid not in self.pool.client.ids]
         what = "their engines replaced" if replaced else "their engines kept"
+        source = self.job.source or ""  # a callable job has no cell source to point into
         raise StalledError(
             stuck[0],
             self.ids[stuck[0]],
             f"no rank reported progress for {self.config.timeout:.0f} s (--timeout): "
             f"{stacks.summary(traces, stuck, waiting, steps)}. Last step reported per rank: "
             f"{steps}. The running ranks were stopped and {what}. Raise --timeout if a step "
-            f"really takes this long.\n{stacks.describe(traces, stuck, self.ids, self.job.source)}",
+            f"really takes this long.\n{stacks.describe(traces, stuck, self.ids, source)}",
             stuck_ranks=stuck,
             waiting_ranks=waiting,
-            stacks={r: t.stack(self.job.source) for r, t in traces.items()},
+            stacks={r: t.stack(source) for r, t in traces.items()},
             collectives={r: t.collective() for r, t in traces.items()},
         )
 
@@ -509,6 +510,7 @@ class _Run:
 
     def _close_sinks(self, *, status: str) -> None:
         self._mark_end()
+        assert self.ended is not None  # _mark_end just set it
         self.wall_s = self.ended - self.started
         if self.dashboard is not None:
             self.dashboard.finish(self.wall_s, status=status)

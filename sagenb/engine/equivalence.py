@@ -14,7 +14,6 @@ strategies that do not synchronise it.
 
 from __future__ import annotations
 
-import numbers
 import warnings
 from typing import Any
 
@@ -143,7 +142,7 @@ def _config_dropout(config: Any) -> list[str]:
         f"config.{k}={v}"
         for k, v in config.to_dict().items()
         if k in FUNCTIONAL_DROPOUT
-        and isinstance(v, numbers.Real)
+        and isinstance(v, (int, float))
         and not isinstance(v, bool)
         and v > 0
     ]

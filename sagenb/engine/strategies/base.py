@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any, Protocol
 
 import torch
 from torch import nn
+
+from sagenb.engine.objective import Objective
 
 __all__ = ["Strategy"]
 
@@ -14,8 +16,10 @@ __all__ = ["Strategy"]
 class Strategy(Protocol):
     """One engine's part in a step: data parallel, pipeline, sharded and tensor implement it."""
 
-    #: the module whose parameters this engine holds (for the optimizer and memory accounting)
-    module: nn.Module
+    @property
+    def module(self) -> nn.Module:
+        """The module whose parameters this engine holds (for the optimizer and memory
+        accounting); read-only here, so a strategy may hold a more specific kind."""
 
     #: the keys of the unsplit model's state_dict, in order
     key_order: list[str]
@@ -40,7 +44,7 @@ class Strategy(Protocol):
         """Which samples of one slice of the global batch this engine loads."""
 
     def forward_backward(
-        self, batch: Any, loss_fn: Callable[..., torch.Tensor], *, scale: float, sync: bool
+        self, batch: Any, objective: Objective, *, scale: float, sync: bool
     ) -> torch.Tensor | None:
         """Run forward and backward on this engine's samples; `sync=False` defers gradient
         communication (all slices but the last of an accumulated step). Returns the detached
@@ -57,7 +61,5 @@ class Strategy(Protocol):
         """This engine's part of the full state_dict (keys of model.state_dict()), or None;
         the notebook merges the parts of every rank."""
 
-    def evaluate(
-        self, dataset: Any, loss_fn: Callable[..., torch.Tensor], batch_size: int
-    ) -> float:
+    def evaluate(self, dataset: Any, objective: Objective, batch_size: int) -> float:
         """Mean loss over the whole dataset, in order (every rank returns the same value)."""

@@ -56,7 +56,7 @@ class DataParallel:
 
     def forward_backward(
         self, batch: Any, objective: Objective, *, scale: float, sync: bool
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | None:
         with nullcontext() if sync else self._ddp.no_sync():
             return piece_loss(objective, self._ddp, batch, scale)
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Iterator
+from types import FrameType
 from typing import Any
 
 import torch
@@ -42,6 +43,7 @@ from sagenb.engine.delayed import materialize, release_others
 from sagenb.engine.objective import Objective, logits_of, weighted
 from sagenb.engine.partition import split_model
 from sagenb.engine.prefetch_schedule import PrefetchingSchedule
+from sagenb.engine.strategies.base import Strategy
 from sagenb.engine.strategies.description import Description, plural
 from sagenb.engine.tensor_messages import broadcast_ints_or_error, recv_tensors, send_tensors
 from sagenb.engine.workspace import Workspace
@@ -163,7 +165,7 @@ class Pipeline:
 
         kind, M = self.config.schedule, self.config.microbatches
         if kind == "interleaved":
-            return ScheduleInterleaved1F1B(stages, M, loss_fn=scaled, scale_grads=False)
+            return ScheduleInterleaved1F1B(list(stages), M, loss_fn=scaled, scale_grads=False)
         if dist.get_backend(self.pp_group) == "gloo":  # receives posted ahead (see the module)
             return PrefetchingSchedule(stages[0], M, kind, loss_fn=scaled)
         cls = ScheduleGPipe if kind == "gpipe" else Schedule1F1B
@@ -185,7 +187,9 @@ class Pipeline:
             self.events.append(("B", stage.stage_index, chunk, t0, time.time()))
             return out
 
-        stage.forward_one_chunk, stage.backward_one_chunk = timed_forward, timed_backward
+        # wrapped per instance, so the timeline records what the schedule runs
+        stage.forward_one_chunk = timed_forward  # type: ignore[method-assign,assignment]
+        stage.backward_one_chunk = timed_backward  # type: ignore[method-assign,assignment]
 
     # -- a step ----------------------------------------------------------------------------
     def parameters(self) -> Iterator[nn.Parameter]:
@@ -364,7 +368,7 @@ def _keep_buffers_through_inference(module: nn.Module) -> None:
     saved: list[dict[str, torch.Tensor]] = []
 
     def inferring() -> bool:
-        frame = sys._getframe(2)
+        frame: FrameType | None = sys._getframe(2)
         while frame is not None:
             if frame.f_code.co_name == "_forward_metadata_inference":
                 return True
@@ -451,7 +455,7 @@ class PipelineDescription(Description):
 
     def build(
         self, config: TrainConfig, *, rank: int, world_size: int, device: torch.device
-    ) -> Pipeline:
+    ) -> Strategy:
         return Pipeline(config, rank=rank, world_size=world_size, device=device)
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
@@ -57,7 +58,9 @@ class Sharded(SplitParameters):
             fully_shard(block.to(self.device), mesh=mesh, **self._options())
         if delayed:
             materialize(model, [model], seed=self.seed, device=self.device)
-        self.module = fully_shard(model.to(self.device), mesh=mesh, **self._options())
+        root = fully_shard(model.to(self.device), mesh=mesh, **self._options())
+        assert isinstance(root, nn.Module)  # fully_shard returns the module it was given
+        self.module = root
 
     def _options(self) -> dict[str, Any]:
         return {"reshard_after_forward": self.reshard_after_forward}
