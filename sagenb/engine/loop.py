@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from sagenb.config import TrainConfig
+from sagenb.config import EngineConfig
 from sagenb.engine import checkpoint
 from sagenb.engine.data import plan_steps, total_steps
 from sagenb.engine.loader import batches_of
@@ -40,7 +40,7 @@ def make_optimizer(ws: Workspace, strategy: Strategy, lr: float) -> torch.optim.
 def train_loop(
     ws: Workspace,
     strategy: Strategy,
-    config: TrainConfig,
+    config: EngineConfig,
     *,
     device: torch.device,
     publish: Callable[[dict[str, Any]], None],
@@ -183,7 +183,7 @@ def _counts(objective, target, counted, strategy) -> tuple[float, float]:
     return local, float(everywhere) * strategy.replicas / dist.get_world_size()
 
 
-def _eval_due(ws: Workspace, config: TrainConfig, step: int, total: int) -> bool:
+def _eval_due(ws: Workspace, config: EngineConfig, step: int, total: int) -> bool:
     if ws.eval_dataset is None:
         return False
     if config.eval_every:
