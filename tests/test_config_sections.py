@@ -113,3 +113,13 @@ def test_the_engines_get_no_notebook_only_option(pool, tmp_path):
     assert kind == "EngineConfig"
     assert names == [f.name for f in dataclasses.fields(EngineConfig)]
     assert not NOTEBOOK_ONLY & set(names)
+
+
+def test_engine_code_knows_only_the_engine_config():
+    """sagenb/engine/** annotates and imports EngineConfig: the notebook's options cannot be
+    read there, as they are never sent."""
+    from pathlib import Path
+
+    engine = Path(sagenb.__file__).parent / "engine"
+    named = [str(p) for p in engine.rglob("*.py") if "TrainConfig" in p.read_text()]
+    assert named == []

@@ -152,8 +152,8 @@ def main(
 def _for_this_run(config: EngineConfig, args: argparse.Namespace, env: TorchrunEnv) -> EngineConfig:
     """The exported config with the command line's checkpoint options and torchrun's world
     size (validated again, so an impossible split is refused before any rank trains). Only
-    the engine options are kept: a script exported before the config had sections passes a
-    TrainConfig."""
+    the engine options are kept: a script exported before the config had sections passes
+    the notebook's options too."""
     config = config.for_engines()
     overrides = {
         "checkpoint_dir": args.checkpoint_dir,
