@@ -1,33 +1,47 @@
-"""Training configuration: plain, picklable, keyword-only dataclasses.
+"""Training configuration: plain, picklable, keyword-only dataclasses, in sections.
 
-One source of truth for every option. The magic builds its argparse flags from these fields
-(`--batch-size` for `batch_size`), the control panel will set the same fields, and a script
-passes them as keyword arguments. Validation that needs nothing but the values happens in
-`__post_init__`, so an impossible config never reaches an engine.
+One source of truth for every option. Each field says its section (`SECTIONS`), its help
+text and, where a flag needs it, how to parse the flag's text; from that alone come the
+magic's argparse flags (`--batch-size` for `batch_size`), `to_flags`, the export's script and
+the flag reference (`flag_reference`, docs/flags.md). A script passes them as keyword
+arguments.
+
+The sections split the config in two. `EngineConfig` holds what the engines need (training,
+parallelism, memory savers, checkpoints); `TrainConfig` adds what only the notebook uses (the
+dashboard, the cost estimate, the result's name), and `for_engines()` is all that is sent to
+an engine, the planner or an exported script. Validation that needs nothing but the values
+happens in `__post_init__`, so an impossible config never reaches an engine; checks that read
+a file (the price table) happen where the file is used (cost.check_price), still before any
+engine starts.
 """
 
 from __future__ import annotations
 
+import argparse
 import builtins
 import dataclasses
 import keyword
 import math
 import os
+import types
+import typing
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple, TypeVar
 
 __all__ = [
-    "BOOL_FLAGS",
     "ConfigError",
+    "EngineConfig",
+    "SECTIONS",
+    "Section",
     "TrainConfig",
+    "flag_arguments",
     "flag_name",
+    "flag_reference",
 ]
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 #: engines a pool starts with when nothing says otherwise
 DEFAULT_ENGINES = 2
-#: options that are off unless their flag is given (`--resume`)
-BOOL_FLAGS = ("delay_init", "activation_checkpointing", "resume", "stop_on_nonfinite")
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 #: numpy seeds take 32 bits (the cell's RNGs are all seeded with --seed)
 MAX_SEED = 2**32 - 1
@@ -36,6 +50,32 @@ MAX_TIMEOUT_S = 7 * 24 * 3600.0
 #: torch threads per engine: more than any machine's cores only makes its thread pool fail
 MAX_THREADS = 1024
 PARTITION_METHODS = ("auto", "parameters", "uniform", "manual")
+_Config = TypeVar("_Config", bound="EngineConfig")
+
+
+class Section(NamedTuple):
+    title: str
+    #: whether its options travel to the engines (EngineConfig) or stay in the notebook
+    engines: bool
+    #: one line for the flag reference
+    about: str
+
+
+#: the config's sections in the order the flags are listed (the strategy first, as a
+#: `%%smp_train` line reads); the engine sections are EngineConfig's fields
+SECTIONS: dict[str, Section] = {
+    "parallelism": Section(
+        "Parallelism", True, "How the model and each batch are spread over the engines"
+    ),
+    "training": Section("Training", True, "What one run trains, and when it stops"),
+    "memory": Section(
+        "Memory savers", True, "Less memory per engine for more compute or communication"
+    ),
+    "checkpoints": Section("Checkpoints", True, "Saving a run and continuing it"),
+    "display": Section("Display", False, "What the notebook shows while a run trains"),
+    "cost": Section("Cost", False, "The cost estimate of the dashboard and the result"),
+    "output": Section("Output", False, "Where the notebook puts the result"),
+}
 
 
 def parse_cuts(text: str | tuple[int, ...]) -> tuple[int, ...]:
@@ -63,8 +103,12 @@ def flag_name(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def _opt(default: Any, help: str, **extra: Any) -> Any:
-    return field(default=default, metadata={"help": help, **extra})
+def _opt(section: str, default: Any, help: str, **extra: Any) -> Any:
+    """A field of `section` (SECTIONS). `extra`: `choices` (a tuple, or a function that
+    returns one), `parse` (the flag's text -> the value), `shown` (the default as the flag
+    reference words it, where the value alone would not say what it means)."""
+    assert section in SECTIONS, section
+    return field(default=default, metadata={"section": section, "help": help, **extra})
 
 
 def strategy_names() -> tuple[str, ...]:
@@ -83,110 +127,156 @@ def describe(name: str) -> Any:
 
 
 @dataclass(frozen=True, kw_only=True)
-class TrainConfig:
-    """Everything `%%smp_train` and `sagenb.train` accept; the magic's flags mirror these fields."""
+class EngineConfig:
+    """The options the engines train with: the engine sections of SECTIONS. This is what a
+    rank, the planner's engine and an exported script get (TrainConfig.for_engines())."""
 
-    strategy: str = _opt("data", "parallelism strategy", choices=strategy_names)
+    # -- parallelism --
+    strategy: str = _opt("parallelism", "data", "parallelism strategy", choices=strategy_names)
     engines: int | None = _opt(
-        None, "engines to train on (default: every engine of the running pool, or 2 when none runs)"
+        "parallelism",
+        None,
+        "engines to train on (default: every engine of the running pool, or what the strategy "
+        "needs when none runs: 2, one per partition for model)",
+        shown="pool size",
     )
-    batch_size: int = _opt(32, "global batch size per optimizer step, split evenly across engines")
-    epochs: int = _opt(1, "passes over the dataset")
-    steps: int | None = _opt(
-        None, "stop after this many optimizer steps in total (default: run every epoch)"
-    )
-    lr: float = _opt(1e-3, "learning rate of the default AdamW optimizer")
-    seed: int = _opt(0, "seed of torch's RNG before the cell runs, and of the sample order")
-    grad_accum: int = _opt(1, "slices of the global batch accumulated per optimizer step")
-    clip_grad_norm: float | None = _opt(
-        None, "clip the global gradient norm (over every engine) to this value"
-    )
-    eval_every: int = _opt(
-        0, "evaluate eval_dataset every N optimizer steps (0: once, after training)"
-    )
-    instance: str = _opt("ml.p4d.24xlarge", "instance type whose price the cost estimate uses")
-    price_per_hour: float | None = _opt(
-        None, "your own USD per instance-hour for --instance, instead of the table's"
-    )
-    price_table: str | None = _opt(
-        None, "a JSON price table of your own (the shape of sagenb/data/prices.json)"
-    )
-    spot_discount: float = _opt(0.7, "spot price's saving against on-demand, 0 to 0.95")
     threads: int | None = _opt(
-        None, "torch threads per engine (default: the machine's cores / engines, at least 1)"
+        "parallelism",
+        None,
+        "torch threads per engine (default: the machine's cores / engines, at least 1, so "
+        "engines do not oversubscribe the cores)",
+        shown="cores / engines",
     )
-    data_workers: int = _opt(
-        0, "processes per engine that load the next batches while a step trains (0: none)"
+    partitions: int = _opt(
+        "parallelism", 1, "pipeline stages the model is split into (model, hybrid)"
     )
-    timeout: float = _opt(
-        300.0,
-        "seconds without progress (no rank finishing a step) before the run is stopped as "
-        "stalled and its engines replaced",
+    microbatches: int = _opt(
+        "parallelism", 4, "microbatches each pipeline splits its slice of a batch into"
     )
-    partitions: int = _opt(1, "pipeline stages the model is split into (model, hybrid)")
-    microbatches: int = _opt(4, "microbatches each pipeline splits a batch slice into")
     schedule: str = _opt(
+        "parallelism",
         "1f1b",
         "pipeline schedule: gpipe (all forwards, then all backwards), 1f1b (backwards as early "
         "as possible), interleaved (1F1B over --virtual-stages chunks per engine)",
         choices=SCHEDULES,
     )
-    virtual_stages: int = _opt(2, "model chunks per engine with --schedule interleaved")
+    virtual_stages: int = _opt(
+        "parallelism", 2, "model chunks per engine with --schedule interleaved"
+    )
     partition_by: str = _opt(
+        "parallelism",
         "auto",
         "how cut points are chosen: auto (balance measured time within --memory-budget), "
         "parameters (balance parameter counts), uniform (equal block counts), manual (--cuts)",
         choices=PARTITION_METHODS,
     )
     cuts: tuple[int, ...] = _opt(
+        "parallelism",
         (),
         "blocks where stages 2, 3, ... begin, e.g. 2,4 (with --partition-by manual)",
         parse=parse_cuts,
+        shown="none",
     )
     memory_budget: float | None = _opt(
-        None, "GiB one engine may hold (auto partitioning keeps every stage within it)"
-    )
-    delay_init: bool = _opt(
-        False,
-        "build the model's parameters on the meta device and materialise only each engine's "
-        "own stage (a model larger than one engine); initial values as documented",
+        "parallelism",
+        None,
+        "GiB one engine may hold (auto partitioning keeps every stage within it)",
+        shown="none",
     )
     tensor_parallel: int | None = _opt(
+        "parallelism",
         None,
         "engines each Linear layer is split across (--strategy tensor; default: every engine); "
         "data parallel across the rest",
+        shown="all engines",
     )
-    reshard_after_forward: bool = _opt(
-        True,
-        "--strategy sharded: free each block's gathered parameters after its forward and "
-        "gather them again for backward (ZeRO-3); --no-reshard-after-forward keeps them "
-        "(ZeRO-2: more memory, less communication)",
+    # -- training --
+    batch_size: int = _opt(
+        "training", 32, "global batch size per optimizer step, split evenly across engines"
     )
-    activation_checkpointing: bool = _opt(
+    epochs: int = _opt("training", 1, "passes over the dataset")
+    steps: int | None = _opt(
+        "training",
+        None,
+        "stop after this many optimizer steps in total (default: run every epoch)",
+        shown="all",
+    )
+    lr: float = _opt("training", 1e-3, "learning rate of the default AdamW optimizer")
+    seed: int = _opt(
+        "training", 0, "seed of torch's RNG before the cell runs, and of the sample order"
+    )
+    grad_accum: int = _opt(
+        "training", 1, "slices of the global batch accumulated per optimizer step"
+    )
+    clip_grad_norm: float | None = _opt(
+        "training",
+        None,
+        "clip the global gradient norm (over every engine) to this value",
+        shown="off",
+    )
+    eval_every: int = _opt(
+        "training", 0, "evaluate eval_dataset every N optimizer steps (0: once, after training)"
+    )
+    data_workers: int = _opt(
+        "training",
+        0,
+        "processes per engine that load the next batches while a step trains (torch "
+        "DataLoader; 0: none, batches load in the training thread)",
+    )
+    timeout: float = _opt(
+        "training",
+        300.0,
+        "seconds without progress (no rank finishing a step) before the run is stopped as "
+        "stalled and its engines replaced",
+    )
+    stop_on_nonfinite: bool = _opt(
+        "training",
         False,
-        "recompute each repeated block's activations in backward instead of keeping them "
-        "(less memory, about a third more compute)",
+        "end the run cleanly, history kept, after the first step whose loss is NaN or infinite "
+        "(without it the run goes on, with a warning)",
     )
+    # -- memory savers --
     precision: str = _opt(
+        "memory",
         "fp32",
         "compute precision: fp32, bf16 (autocast) or fp16 (autocast with a dynamic loss "
         "scaler); parameters and optimizer state stay fp32",
         choices=PRECISIONS,
     )
+    activation_checkpointing: bool = _opt(
+        "memory",
+        False,
+        "recompute each repeated block's activations in backward instead of keeping them "
+        "(less memory, about a third more compute)",
+    )
+    delay_init: bool = _opt(
+        "memory",
+        False,
+        "build the model's parameters on the meta device and materialise only each engine's "
+        "own stage (a model larger than one engine); initial values as documented",
+    )
+    reshard_after_forward: bool = _opt(
+        "memory",
+        True,
+        "--strategy sharded: free each block's gathered parameters after its forward and "
+        "gather them again for backward (ZeRO-3); --no-reshard-after-forward keeps them "
+        "(ZeRO-2: more memory, less communication)",
+    )
+    # -- checkpoints --
     checkpoint_dir: str | None = _opt(
-        None, "directory for checkpoints (model, optimizer, scheduler, step, RNG)"
+        "checkpoints",
+        None,
+        "directory for checkpoints (model, optimizer, scheduler, step, RNG)",
+        shown="none",
     )
     checkpoint_every: int = _opt(
-        0, "write a checkpoint every N steps (0: only at the end, or when interrupted)"
+        "checkpoints",
+        0,
+        "write a checkpoint every N steps (0: only at the end, or when interrupted)",
     )
-    resume: bool = _opt(False, "continue from the newest checkpoint in --checkpoint-dir")
-    stop_on_nonfinite: bool = _opt(
-        False,
-        "end the run cleanly, history kept, after the first step whose loss is NaN or infinite "
-        "(without it the run goes on, with a warning)",
+    resume: bool = _opt(
+        "checkpoints", False, "continue from the newest checkpoint in --checkpoint-dir"
     )
-    dashboard: bool = _opt(True, "show the live dashboard under the cell", flag="--no-dashboard")
-    out: str = _opt("smp_result", "name of the notebook variable that receives the result")
 
     def __post_init__(self) -> None:
         strategy = describe(self.strategy)  # a ConfigError names the strategies otherwise
@@ -204,31 +294,6 @@ class TrainConfig:
         _check_positive(self, "timeout", maximum=MAX_TIMEOUT_S)
         if self.clip_grad_norm is not None:
             _check_positive(self, "clip_grad_norm")
-        from sagenb.cost import price_table  # local: the table is read on first use
-
-        try:
-            table = price_table(self.price_table)
-        except (OSError, ValueError, KeyError) as exc:
-            raise ConfigError("price_table", self.price_table, f"cannot be read: {exc}") from None
-        if self.instance not in table:
-            known = ", ".join(sorted(table))
-            raise ConfigError("instance", self.instance, f"must be one of {known}")
-        if self.price_per_hour is not None:
-            _check_positive(self, "price_per_hour")
-        if not (isinstance(self.spot_discount, (int, float)) and 0 <= self.spot_discount <= 0.95):
-            raise ConfigError("spot_discount", self.spot_discount, "must be between 0 and 0.95")
-        if (
-            not isinstance(self.out, str)
-            or not self.out.isidentifier()
-            or keyword.iskeyword(self.out)
-            or hasattr(builtins, self.out)
-        ):
-            raise ConfigError(
-                "out",
-                self.out,
-                "must be a Python identifier that is neither a keyword nor a builtin's name "
-                "(the result would shadow it in the notebook)",
-            )
         self._check_checkpoint_dir()
         self._check_pipeline()
         _check_choice(self, "precision", PRECISIONS)
@@ -240,6 +305,12 @@ class TrainConfig:
         strategy.check(self)
         if self.engines is not None:
             self.check_split(self.engines)
+
+    def for_engines(self) -> EngineConfig:
+        """Only the engine sections' options: what is sent to the engines (validated again)."""
+        if type(self) is EngineConfig:
+            return self
+        return EngineConfig(**{f.name: getattr(self, f.name) for f in _fields(EngineConfig)})
 
     def _check_checkpoint_dir(self) -> None:
         """A directory, or one that can be made: found out now, not when the finished run
@@ -287,20 +358,20 @@ class TrainConfig:
     def replicas(self, engines: int) -> int:
         """Data-parallel replicas on `engines` engines: each a whole pipeline (model, hybrid)
         or a tensor-parallel group (tensor); sharded engines each take their own samples."""
-        return describe(self.strategy).replicas(self, engines)
+        return int(describe(self.strategy).replicas(self, engines))
 
     def _check_own_options(self, strategy: Any) -> None:
         """An option that only some strategies use must keep its default under the others
         (--partitions 2 with --strategy data would silently train something else)."""
         from sagenb.engine.strategies import names
 
-        for f in dataclasses.fields(self):
+        for f in _fields(self):
             value = getattr(self, f.name)
             if f.name in strategy.own_options or value == f.default:
                 continue
             owners = [n for n in names() if f.name in describe(n).own_options]
             if owners:
-                negated = f"--no-{f.name.replace('_', '-')} " if value is False else ""
+                negated = f"{_flag_for(f, value)} " if value is False else ""
                 needs = f"{negated}needs --strategy {' or '.join(owners)}"
                 raise ConfigError(f.name, value, needs)
 
@@ -329,37 +400,192 @@ class TrainConfig:
                 f"must be divisible by {detail} = {pieces}; try {lower} or {lower + pieces}",
             )
 
-    def with_engines(self, engines: int) -> TrainConfig:
+    def with_engines(self: _Config, engines: int) -> _Config:
         """This config with `engines` resolved (validated again)."""
         return dataclasses.replace(self, engines=engines)
 
     def to_flags(self) -> str:
         """The `%%smp_train` line that gives this config (defaults left out)."""
-        parts = []
-        for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if value == f.default:
-                continue
-            if f.name == "dashboard":
-                parts.append("--no-dashboard")
-            elif f.name == "reshard_after_forward":
-                parts.append("--no-reshard-after-forward")
-            elif f.name in BOOL_FLAGS:
-                parts.append(flag_name(f.name))
-            elif f.name == "cuts":
-                parts.append(f"--cuts {','.join(map(str, value))}")
-            else:
-                parts.append(f"{flag_name(f.name)} {value}")
+        parts = [
+            _flag_for(f, getattr(self, f.name))
+            for f in _fields(self)
+            if getattr(self, f.name) != f.default
+        ]
         return " ".join(["%%smp_train", *parts])
 
 
-def _check_choice(cfg: TrainConfig, name: str, choices: tuple[str, ...]) -> None:
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig(EngineConfig):
+    """Everything `%%smp_train` and `sagenb.train` accept: the engines' options and those
+    only the notebook uses (display, cost, output), which `for_engines()` leaves behind."""
+
+    # -- display --
+    dashboard: bool = _opt("display", True, "show the live dashboard under the cell")
+    # -- cost --
+    instance: str = _opt(
+        "cost", "ml.p4d.24xlarge", "instance type whose price the cost estimate uses"
+    )
+    price_per_hour: float | None = _opt(
+        "cost",
+        None,
+        "your own USD per instance-hour for --instance, instead of the table's",
+        shown="table's",
+    )
+    price_table: str | None = _opt(
+        "cost",
+        None,
+        "a JSON price table of your own (the shape of sagenb/data/prices.json)",
+        shown="package's",
+    )
+    spot_discount: float = _opt(
+        "cost",
+        0.7,
+        "spot price's saving against on-demand, 0 to 0.95 (an assumption: AWS quotes "
+        '"up to 90%%")',
+    )
+    # -- output --
+    out: str = _opt(
+        "output", "smp_result", "name of the notebook variable that receives the result"
+    )
+
+    def __post_init__(self) -> None:
+        """The engine options' checks, then the notebook's. --instance and --price-table
+        are checked where the price table is read (cost.check_price), before any engine
+        starts: validation reads no file."""
+        super().__post_init__()
+        if self.price_per_hour is not None:
+            _check_positive(self, "price_per_hour")
+        if not (isinstance(self.spot_discount, (int, float)) and 0 <= self.spot_discount <= 0.95):
+            raise ConfigError("spot_discount", self.spot_discount, "must be between 0 and 0.95")
+        if not isinstance(self.instance, str) or not self.instance:
+            raise ConfigError("instance", self.instance, "must be an instance type's name")
+        if self.price_table is not None and not isinstance(self.price_table, str):
+            raise ConfigError("price_table", self.price_table, "must be a JSON file's path")
+        if (
+            not isinstance(self.out, str)
+            or not self.out.isidentifier()
+            or keyword.iskeyword(self.out)
+            or hasattr(builtins, self.out)
+        ):
+            raise ConfigError(
+                "out",
+                self.out,
+                "must be a Python identifier that is neither a keyword nor a builtin's name "
+                "(the result would shadow it in the notebook)",
+            )
+
+
+def _fields(config: Any) -> tuple[dataclasses.Field, ...]:
+    return dataclasses.fields(config)
+
+
+# -- flags: one spelling per field, from its type and default ------------------------------
+
+
+def _field_type(f: dataclasses.Field) -> Any:
+    """The type a flag's text converts to: `int` for `int | None`."""
+    hint = typing.get_type_hints(TrainConfig)[f.name]
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        return args[0]
+    return hint
+
+
+def _is_switch(f: dataclasses.Field) -> bool:
+    return isinstance(f.default, bool)
+
+
+def flag_arguments(f: dataclasses.Field) -> tuple[tuple[str, ...], dict[str, Any]]:
+    """argparse's option strings and keywords for field `f`: a bool that is off by default is
+    a `--x` switch, one that is on is `--x/--no-x` (argparse.BooleanOptionalAction); any
+    other field takes a value, converted by its `parse` metadata or its type."""
+    help_text = f.metadata["help"]
+    if _is_switch(f):
+        action: Any = "store_true" if f.default is False else argparse.BooleanOptionalAction
+        return (flag_name(f.name),), dict(
+            dest=f.name, action=action, default=f.default, help=help_text
+        )
+    choices = f.metadata.get("choices")
+    extra = {"choices": choices() if callable(choices) else choices} if choices else {}
+    return (flag_name(f.name),), dict(
+        dest=f.name,
+        type=f.metadata.get("parse") or _field_type(f),
+        default=f.default,
+        help=help_text,
+        metavar=f.name.upper(),
+        **extra,
+    )
+
+
+def _flag_for(f: dataclasses.Field, value: Any) -> str:
+    """The flag that sets field `f` to `value`: `--resume`, `--no-dashboard`, `--cuts 2,4`."""
+    if _is_switch(f):
+        return flag_name(f.name) if value else "--no-" + flag_name(f.name)[2:]
+    if isinstance(value, tuple):
+        value = ",".join(map(str, value))
+    return f"{flag_name(f.name)} {value}"
+
+
+def notebook_only_flags() -> list[str]:
+    """The flags of the notebook-only sections (display, cost, output), spelled as given
+    when they change something: what an exported script leaves out."""
+    return [
+        _flag_for(f, not f.default) if _is_switch(f) else flag_name(f.name)
+        for f in _fields(TrainConfig)
+        if not SECTIONS[f.metadata["section"]].engines
+    ]
+
+
+# -- the flag reference (docs/flags.md) ----------------------------------------------------
+
+
+def flag_reference() -> str:
+    """Markdown tables of every flag, one per section in SECTIONS order: flag, default and
+    meaning, from the fields themselves (docs/flags.md holds this; a test keeps it so)."""
+    out = []
+    for name, section in SECTIONS.items():
+        where = "sent to the engines" if section.engines else "the notebook's own"
+        out += [f"## {section.title}", "", f"{section.about} ({where}).", ""]
+        out += ["| flag | default | meaning |", "|---|---|---|"]
+        for f in _fields(TrainConfig):
+            if f.metadata["section"] == name:
+                out.append(f"| {_reference_flags(f)} | {_shown(f)} | {_meaning(f)} |")
+        out.append("")
+    return "\n".join(out)
+
+
+def _reference_flags(f: dataclasses.Field) -> str:
+    if _is_switch(f) and f.default is True:
+        return f"`{flag_name(f.name)}`, `--no-{flag_name(f.name)[2:]}`"
+    return f"`{flag_name(f.name)}`"
+
+
+def _shown(f: dataclasses.Field) -> str:
+    if "shown" in f.metadata:
+        return str(f.metadata["shown"])
+    if _is_switch(f):
+        return "on" if f.default else "off"
+    if isinstance(f.default, str):
+        return f"`{f.default}`"
+    return f"{f.default:g}" if isinstance(f.default, float) else str(f.default)
+
+
+def _meaning(f: dataclasses.Field) -> str:
+    text = str(f.metadata["help"]).replace("%%", "%").replace("|", "\\|")
+    choices = f.metadata.get("choices")
+    values = choices() if callable(choices) else choices or ()
+    if values and not all(v in text for v in values):
+        text += ": " + ", ".join(f"`{v}`" for v in values)
+    return text
+
+
+def _check_choice(cfg: EngineConfig, name: str, choices: tuple[str, ...]) -> None:
     value = getattr(cfg, name)
     if value not in choices:
         raise ConfigError(name, value, f"must be one of {', '.join(choices)}")
 
 
-def _check_int(cfg: TrainConfig, name: str, *, minimum: int, maximum: int | None = None) -> None:
+def _check_int(cfg: EngineConfig, name: str, *, minimum: int, maximum: int | None = None) -> None:
     value = getattr(cfg, name)
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         bound = f"from {minimum} to {maximum}" if maximum is not None else f">= {minimum}"
@@ -369,7 +595,7 @@ def _check_int(cfg: TrainConfig, name: str, *, minimum: int, maximum: int | None
 
 
 def _check_positive(
-    cfg: TrainConfig, name: str, *, allow_zero: bool = False, maximum: float | None = None
+    cfg: EngineConfig, name: str, *, allow_zero: bool = False, maximum: float | None = None
 ) -> None:
     value = getattr(cfg, name)
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

@@ -17,7 +17,14 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, TypeGuard
 
-__all__ = ["InstancePrice", "CostMeter", "price_table", "instance_price", "meter_for"]
+__all__ = [
+    "InstancePrice",
+    "CostMeter",
+    "check_price",
+    "price_table",
+    "instance_price",
+    "meter_for",
+]
 
 
 @dataclass(frozen=True)
@@ -59,8 +66,9 @@ def price_table(path: str | None = None) -> dict[str, InstancePrice]:
 
 
 def _check_table(raw: Any) -> None:
-    """The table's shape, checked when the config is built: a bad row must not surface as a
-    TypeError at the first dashboard tick, or after the run, discarding its result."""
+    """The table's shape, checked before any engine starts (check_price): a bad row must not
+    surface as a TypeError at the first dashboard tick, or after the run, discarding its
+    result."""
     instances = raw.get("instances") if isinstance(raw, dict) else None
     if not isinstance(instances, dict) or not instances:
         raise ValueError(
@@ -134,9 +142,26 @@ class CostMeter:
         )
 
 
-def meter_for(config, engines: int) -> CostMeter:
-    """The cost meter a run with `config` on `engines` engines uses."""
-    price = instance_price(
+def check_price(config: Any) -> InstancePrice:
+    """The price of `config.instance` (--price-table's row, or --price-per-hour), or a
+    ConfigError naming the option, its value and what is allowed. This reads the table, so
+    it is not part of the config's validation (which reads no file): `sagenb.train`,
+    `sagenb.plan`, the export and the control panel call it before any engine starts."""
+    from sagenb.config import ConfigError
+
+    try:
+        table = price_table(config.price_table)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ConfigError("price_table", config.price_table, f"cannot be read: {exc}") from None
+    if config.instance not in table:
+        known = ", ".join(sorted(table))
+        raise ConfigError("instance", config.instance, f"must be one of {known}")
+    return instance_price(
         config.instance, table=config.price_table, usd_per_hour=config.price_per_hour
     )
-    return CostMeter(price, engines, spot_discount=config.spot_discount)
+
+
+def meter_for(config: Any, engines: int) -> CostMeter:
+    """The cost meter a run with `config` on `engines` engines uses (ConfigError for an
+    instance or price table it cannot use, as check_price)."""
+    return CostMeter(check_price(config), engines, spot_discount=config.spot_discount)

@@ -1,7 +1,8 @@
 """`%%smp_export` and `sagenb.export`: a cell and its options as a standalone training script.
 
-The script embeds the cell's source and the resolved options (a TrainConfig built from keyword
-arguments) and runs sagenb's own engine code under torchrun (sagenb/engine/launch.py), so
+The script embeds the cell's source and the resolved engine options (an EngineConfig built from
+keyword arguments: the notebook-only sections, display, cost and output, stay behind) and
+runs sagenb's own engine code under torchrun (sagenb/engine/launch.py), so
 `torchrun --nproc-per-node N train.py` trains the model `%%smp_train` would, with the same
 sample order, steps and final parameters, without a notebook or ipyparallel.
 
@@ -26,16 +27,13 @@ import torch
 
 import sagenb
 from sagenb import cluster
-from sagenb.config import ConfigError, TrainConfig, describe, flag_name
-from sagenb.cost import InstancePrice, meter_for, price_table
+from sagenb.config import ConfigError, EngineConfig, TrainConfig, describe, notebook_only_flags
+from sagenb.cost import InstancePrice, check_price, meter_for, price_table
 from sagenb.job import Job, JobError
 
 __all__ = ["TARGETS", "Exported", "ExportError", "export", "render_script", "render_sagemaker"]
 
 TARGETS = ("torchrun", "sagemaker")
-#: options that change what the notebook shows or what the cost estimate says, not training:
-#: left out of the script (a --price-table file would not exist where the script runs)
-NOT_TRAINING = ("instance", "price_per_hour", "price_table", "spot_discount", "dashboard", "out")
 #: marks a sagenb/ folder or requirements.txt as written by an export (so it may be replaced)
 MARK = "written by sagenb's %%smp_export"
 SAGEMAKER_MODEL_DIR = "/opt/ml/model"  # uploaded to S3 when the job ends
@@ -83,6 +81,7 @@ def export(
     if not isinstance(cell, str):
         raise JobError(f"export needs the cell's source (a str), not {type(cell).__name__}")
     Job.from_cell(cell)
+    check_price(config)  # the sagemaker launcher's instance; the price table is read here
     config = config.with_engines(_engines(config))
     text = render_script(cell, config, name=script.name)
     command = f"torchrun --nproc-per-node {config.engines} {script}"
@@ -133,15 +132,15 @@ loss, learning rate, step time, throughput) to stdout as JSON lines, or to --met
 saves the trained model's full state_dict with torch.save to --output.
 """
 
-from sagenb.config import TrainConfig
+from sagenb.config import EngineConfig
 from sagenb.engine.launch import main
 
 # the cell, run on every process after torch.manual_seed(CONFIG.seed)
 CELL = {cell}
 
-# the resolved options; those that change only the notebook's display or cost estimate are
-# left out ({left_out})
-CONFIG = TrainConfig(
+# the resolved options the engines train with; the notebook's own (display, cost estimate,
+# result's name) are left out: {left_out}
+CONFIG = EngineConfig(
 {fields}
 )
 
@@ -150,11 +149,9 @@ if __name__ == "__main__":
 '''
 
 
-def render_script(cell: str, config: TrainConfig, *, name: str = "train.py") -> str:
+def render_script(cell: str, config: EngineConfig, *, name: str = "train.py") -> str:
     """The script's text: the cell and the config, readable, and checked to compile."""
-    left_out = ", ".join(
-        "--no-dashboard" if f == "dashboard" else flag_name(f) for f in NOT_TRAINING
-    )
+    left_out = ", ".join(notebook_only_flags())
     text = SCRIPT.format(
         version=sagenb.__version__,
         flags=" ".join(config.to_flags().splitlines()),
@@ -169,14 +166,12 @@ def render_script(cell: str, config: TrainConfig, *, name: str = "train.py") -> 
     return text
 
 
-def _config_fields(config: TrainConfig) -> str:
-    """`    name=value,` for the strategy, the engines and every other option that differs
-    from its default, each value a Python literal that reads back equal."""
+def _config_fields(config: EngineConfig) -> str:
+    """`    name=value,` for the strategy, the engines and every other engine option that
+    differs from its default, each value a Python literal that reads back equal."""
     lines = []
-    for f in dataclasses.fields(config):
+    for f in dataclasses.fields(EngineConfig):
         value = getattr(config, f.name)
-        if f.name in NOT_TRAINING:
-            continue
         if value == f.default and f.name not in ("strategy", "engines"):
             continue
         literal = _q(value) if isinstance(value, str) else repr(value)

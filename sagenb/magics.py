@@ -1,8 +1,9 @@
 """`%smp_cluster`, `%%smp_train`, `%%smp_plan`, `%%smp_export`: thin adapters from a magic
 line to the plain Python API.
 
-The flags are generated from TrainConfig's fields, so the magic, the Python call and the help
-text (`%%smp_train?`) cannot drift apart. Bad input raises UsageError before any engine runs.
+The flags are generated from TrainConfig's fields (config.flag_arguments), so the magic, the
+Python call and the help text (`%%smp_train?`) cannot drift apart. Bad input raises UsageError
+before any engine runs.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ import argparse
 import ast
 import dataclasses
 import shlex
-import types
 import typing
 from typing import Any
 
@@ -19,7 +19,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 
 from sagenb import cluster
-from sagenb.config import BOOL_FLAGS, ConfigError, TrainConfig, flag_name
+from sagenb.config import ConfigError, TrainConfig, flag_arguments
 from sagenb.export_script import TARGETS, ExportError, export
 from sagenb.job import JobError
 from sagenb.result import TrainResult
@@ -35,14 +35,6 @@ __all__ = [
     "export_parser",
     "parse_export_line",
 ]
-
-
-def _field_type(f: dataclasses.Field) -> type:
-    hint = typing.get_type_hints(TrainConfig)[f.name]
-    args = [a for a in typing.get_args(hint) if a is not type(None)]
-    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
-        return args[0]
-    return hint
 
 
 class _HelpShown(Exception):
@@ -97,40 +89,10 @@ def export_parser() -> MagicParser:
 
 
 def _add_config_flags(parser: MagicParser) -> None:
-    """One flag per TrainConfig field, with its help text and default."""
+    """One flag per TrainConfig field, spelled as its type and default say (config.py)."""
     for f in dataclasses.fields(TrainConfig):
-        help_text = f.metadata["help"]
-        if f.name == "dashboard":
-            parser.add_argument(
-                "--no-dashboard",
-                dest="dashboard",
-                action="store_false",
-                help="do not show the live dashboard under the cell (it is shown by default)",
-            )
-            continue
-        if f.name in BOOL_FLAGS:
-            parser.add_argument(flag_name(f.name), action="store_true", help=help_text)
-            continue
-        if f.name == "reshard_after_forward":
-            parser.add_argument(
-                flag_name(f.name),
-                action=argparse.BooleanOptionalAction,
-                default=True,
-                help=help_text,
-            )
-            continue
-        kind = f.metadata.get("parse") or _field_type(f)
-        choices = f.metadata.get("choices")
-        extra = {"choices": choices() if callable(choices) else choices} if choices else {}
-        parser.add_argument(
-            flag_name(f.name),
-            dest=f.name,
-            type=kind,
-            default=f.default,
-            help=help_text,
-            metavar=f.name.upper(),
-            **extra,
-        )
+        names, keywords = flag_arguments(f)
+        parser.add_argument(*names, **keywords)
 
 
 def cluster_parser() -> MagicParser:

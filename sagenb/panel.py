@@ -26,7 +26,7 @@ from sagenb.config import (
     describe,
     strategy_names,
 )
-from sagenb.cost import price_table
+from sagenb.cost import check_price, price_table
 
 __all__ = ["ControlPanel", "current_panel"]
 
@@ -135,6 +135,7 @@ class ControlPanel:
     def _update(self, change: Any = None) -> None:
         try:
             self.config = TrainConfig(**self.values())
+            check_price(self.config)  # the price table is read here, not in validation
         except ConfigError as exc:
             self.config, self.error = None, str(exc)
             self.message.value = f"<span style='color:#c0392b'>{html.escape(str(exc))}</span>"

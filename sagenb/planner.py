@@ -15,6 +15,7 @@ from typing import Any
 
 from sagenb import cluster
 from sagenb.config import ConfigError, TrainConfig, describe, strategy_names
+from sagenb.cost import check_price
 from sagenb.engine.balance import BlockProfile
 from sagenb.engine.cuts import MEMORY_FACTOR
 from sagenb.engine.planning import plan_on_engine
@@ -143,6 +144,7 @@ def plan(job: Any, config: TrainConfig | None = None, *, pool=None, **options: A
     if not strategy.pipelined:
         pipelines = " or ".join(n for n in strategy_names() if describe(n).pipelined)
         raise ConfigError("strategy", config.strategy, f"the planner is for {pipelines}")
+    check_price(config)  # as sagenb.train: the same line must be refused the same way
     prepared = prepare(job, config)
     pool = pool or cluster.ensure_pool(config.partitions)
     pool.heal()  # engines lost in a failed run are replaced first (session.train does too)
@@ -150,7 +152,7 @@ def plan(job: Any, config: TrainConfig | None = None, *, pool=None, **options: A
     config = config.with_engines(engines)
     threads = config.threads_per_engine(engines)
     task = pool.client[pool.engine_ids[0]].apply_async(
-        plan_on_engine, prepared, config, config.replicas(engines), threads
+        plan_on_engine, prepared, config.for_engines(), config.replicas(engines), threads
     )
     try:
         raw = task.get(timeout=600)

@@ -22,7 +22,7 @@ from sagenb import cluster, stacks
 from sagenb import metric_keys as keys
 from sagenb.checkpoints import resume_warnings
 from sagenb.config import ConfigError, TrainConfig, describe
-from sagenb.cost import CostMeter, meter_for
+from sagenb.cost import CostMeter, check_price, meter_for
 from sagenb.engine import stopping
 from sagenb.engine.entry import RankResult, RankSpec, merge_states, run_rank
 from sagenb.engine.equivalence import EquivalenceWarning
@@ -80,6 +80,7 @@ def train(
         config = TrainConfig(**options)
     elif options:
         config = dataclasses.replace(config, **options)
+    check_price(config)  # reads the price table: not the config's validation, yet before engines
     prepared = prepare(job, config)
     if pool is None:
         pool = cluster.ensure_pool(config.engines_to_start())
@@ -146,6 +147,7 @@ class _Run:
         self.token = secrets.token_hex(16)  # never written to the store before a stop request
         self.warnings += resume_warnings(self.config)  # --resume: before any engine works
         self.store = _rendezvous(self.pool, self.engines, self.config.collective_timeout)
+        for_engines = self.config.for_engines()  # the notebook's own options stay here
         specs = [
             (
                 RankSpec(
@@ -155,7 +157,7 @@ class _Run:
                     self.store.port,
                     # the host's cores shared by its engines (counted on this machine)
                     self.config.threads_per_engine(local_size),
-                    self.config,
+                    for_engines,
                     self.job,
                     local_rank=local_rank,
                     local_size=local_size,

@@ -83,3 +83,21 @@ def test_sphinx_builds_without_warnings(tmp_path):
     assert out.returncode == 0, f"sphinx failed:\n{out.stdout}\n{out.stderr}"
     assert (tmp_path / "html" / "index.html").exists()
     assert time.monotonic() - start < 60, "the docs build should take seconds, not minutes"
+
+
+def test_the_flag_reference_is_generated_from_the_config():
+    """docs/flags.md holds exactly the tables sagenb.config.flag_reference() writes from the
+    fields (regenerate: replace the tables with its output), and so documents every flag the
+    magic takes, in the config's sections."""
+    from sagenb.config import flag_reference
+    from sagenb.magics import train_parser
+
+    page = (ROOT / "docs" / "flags.md").read_text()
+    reference = flag_reference()
+    assert reference in page, "docs/flags.md is out of date: paste flag_reference()'s output"
+    rows = [line for line in page.splitlines() if line.startswith("|")]
+    assert rows == [line for line in reference.splitlines() if line.startswith("|")]
+    for action in train_parser()._actions:
+        for flag in action.option_strings:
+            if flag.startswith("--") and flag != "--help":
+                assert f"`{flag}`" in reference, flag

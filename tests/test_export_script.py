@@ -15,7 +15,7 @@ from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell
 
 import sagenb
-from sagenb.config import ConfigError, TrainConfig
+from sagenb.config import ConfigError, EngineConfig, TrainConfig
 from sagenb.export_script import ExportError
 
 from .conftest import REGRESSION_CELL
@@ -60,7 +60,7 @@ def test_script_reads_back_the_cell_and_the_options(tmp_path):
     assert "instance=" not in text and "out=" not in text  # they change nothing in training
     names = runpy.run_path(str(tmp_path / "job.py"), run_name="not_main")
     assert names["CELL"] == cell
-    assert names["CONFIG"] == config
+    assert names["CONFIG"] == config.for_engines()  # the engine options, and only those
 
 
 def test_plain_python_trains_on_one_process_with_checkpoints(pool, tmp_path):
@@ -145,7 +145,7 @@ def test_magic_writes_the_script(shell, tmp_path, capsys):
     )
     assert f"torchrun --nproc-per-node 2 {path}" in capsys.readouterr().out
     names = runpy.run_path(str(path), run_name="not_main")
-    assert names["CONFIG"] == TrainConfig(strategy="data", engines=2, steps=4)
+    assert names["CONFIG"] == EngineConfig(strategy="data", engines=2, steps=4)
     assert "--to {torchrun,sagemaker}" in shell.find_cell_magic("smp_export").__doc__
 
 

@@ -153,10 +153,13 @@ def test_own_price_table_and_price(tmp_path):
     assert meter.spot(4.0) == pytest.approx(2.0) and meter.price.as_of == "2026-11-01"
     own = meter_for(TrainConfig(instance="ml.g5.xlarge", price_per_hour=1.0), 1)
     assert own.cost(3600) == pytest.approx(1.0) and own.price.source == "--price-per-hour"
+    # the table is read where the meter is built, not in the config's validation
+    elsewhere = TrainConfig(instance="ml.g5.xlarge", price_table=str(table))
     with pytest.raises(ConfigError, match="--instance 'ml.g5.xlarge': must be one of my.box"):
-        TrainConfig(instance="ml.g5.xlarge", price_table=str(table))
+        meter_for(elsewhere, 1)
+    missing = TrainConfig(price_table=str(tmp_path / "missing.json"))
     with pytest.raises(ConfigError, match="--price-table .*cannot be read"):
-        TrainConfig(price_table=str(tmp_path / "missing.json"))
+        meter_for(missing, 1)
     with pytest.raises(ConfigError, match="--spot-discount 1.5: must be between 0 and 0.95"):
         TrainConfig(spot_discount=1.5)
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from torch import nn
 
-from sagenb.config import TrainConfig
+from sagenb.config import EngineConfig
 from sagenb.engine.balance import BlockProfile, choose_starts, profile_blocks, static_profile
 from sagenb.engine.blocks import find_blocks
 from sagenb.engine.objective import Objective
@@ -32,7 +32,7 @@ MEMORY_FACTOR = 4.0
 PROFILED = ("auto", "parameters")
 
 
-def check_blocks(config: TrainConfig, blocks: int) -> None:
+def check_blocks(config: EngineConfig, blocks: int) -> None:
     """The stages and `--cuts` must fit the model's `blocks`: checked on every rank (and by
     the planner) before any profiling, so a bad value costs no measurement."""
     stages = config.stages
@@ -49,7 +49,7 @@ def check_blocks(config: TrainConfig, blocks: int) -> None:
         )
 
 
-def partition_method(config: TrainConfig, method: str | None = None) -> str:
+def partition_method(config: EngineConfig, method: str | None = None) -> str:
     """The method that runs for `method` (default --partition-by): `auto` times the blocks,
     which meta parameters (--delay-init) cannot do, so it balances parameters instead."""
     method = method or config.partition_by
@@ -59,7 +59,7 @@ def partition_method(config: TrainConfig, method: str | None = None) -> str:
 
 
 def cut_profile(
-    model: nn.Module, config: TrainConfig, example: Any, objective: Objective
+    model: nn.Module, config: EngineConfig, example: Any, objective: Objective
 ) -> BlockProfile:
     """The profile the cut choice reads: parameter bytes only with --delay-init (nothing is
     run, nothing materialised), else each block timed on `example` (balance.profile_blocks)."""
@@ -70,7 +70,7 @@ def cut_profile(
 
 def choose_cuts(
     model: nn.Module,
-    config: TrainConfig,
+    config: EngineConfig,
     example: Any,
     objective: Objective,
     *,

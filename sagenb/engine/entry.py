@@ -19,7 +19,7 @@ from datetime import timedelta
 import torch
 
 from sagenb import metric_keys as keys
-from sagenb.config import ConfigError, TrainConfig
+from sagenb.config import ConfigError, EngineConfig
 from sagenb.engine import process_group
 from sagenb.engine.equivalence import EquivalenceWarning, equivalence_warnings
 from sagenb.engine.loop import train_loop
@@ -52,7 +52,7 @@ class RankSpec:
     addr: str
     port: int
     threads: int
-    config: TrainConfig
+    config: EngineConfig
     job: Job
     #: the engine's position among the run's engines on its host, and how many there are
     local_rank: int = 0

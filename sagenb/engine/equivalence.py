@@ -20,7 +20,7 @@ from typing import Any
 from torch import nn
 from torch.nn.modules.dropout import _DropoutNd
 
-from sagenb.config import TrainConfig, describe
+from sagenb.config import EngineConfig, describe
 from sagenb.engine.partition import find_blocks
 from sagenb.job import JobError
 
@@ -39,7 +39,7 @@ class EquivalenceWarning(UserWarning):
 warnings.filterwarnings("always", category=EquivalenceWarning, append=True)
 
 
-def equivalence_warnings(model: nn.Module, config: TrainConfig) -> list[str]:
+def equivalence_warnings(model: nn.Module, config: EngineConfig) -> list[str]:
     """One sentence per cause that makes this run differ from one process's, each naming
     the construct, the option and what to do; [] when it trains as one process would."""
     out = []
@@ -66,7 +66,7 @@ def equivalence_warnings(model: nn.Module, config: TrainConfig) -> list[str]:
     return out
 
 
-def _batchnorm_warnings(what: str, config: TrainConfig) -> list[str]:
+def _batchnorm_warnings(what: str, config: EngineConfig) -> list[str]:
     out = []
     strategy = describe(config.strategy)
     if strategy.pipelined and config.microbatches > 1:

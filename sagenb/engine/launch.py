@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from sagenb import metric_keys as keys
-from sagenb.config import ConfigError, TrainConfig
+from sagenb.config import ConfigError, EngineConfig
 from sagenb.engine import process_group
 from sagenb.engine.entry import RankResult, RankSpec, merge_states, train_rank
 from sagenb.engine.publish import Publisher
@@ -112,7 +112,7 @@ def _true(text: str) -> bool:
 
 def main(
     cell: str,
-    config: TrainConfig,
+    config: EngineConfig,
     argv: Sequence[str] | None = None,
     *,
     script: str | None = None,
@@ -151,9 +151,12 @@ def main(
         raise SystemExit(1)
 
 
-def _for_this_run(config: TrainConfig, args: argparse.Namespace, env: TorchrunEnv) -> TrainConfig:
+def _for_this_run(config: EngineConfig, args: argparse.Namespace, env: TorchrunEnv) -> EngineConfig:
     """The exported config with the command line's checkpoint options and torchrun's world
-    size (validated again, so an impossible split is refused before any rank trains)."""
+    size (validated again, so an impossible split is refused before any rank trains). Only
+    the engine options are kept: a script exported before the config had sections passes
+    the notebook's options too."""
+    config = config.for_engines()
     overrides = {
         "checkpoint_dir": args.checkpoint_dir,
         "checkpoint_every": args.checkpoint_every,
@@ -181,7 +184,7 @@ def _for_this_run(config: TrainConfig, args: argparse.Namespace, env: TorchrunEn
 
 
 def _run(
-    job: Job, config: TrainConfig, env: TorchrunEnv, args: argparse.Namespace
+    job: Job, config: EngineConfig, env: TorchrunEnv, args: argparse.Namespace
 ) -> tuple[RankResult, dict[str, torch.Tensor] | None]:
     """Train as this rank; returns its result and, on rank 0, the full state_dict."""
     store = _host_store(env, config.collective_timeout)

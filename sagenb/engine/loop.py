@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from sagenb import metric_keys as keys
-from sagenb.config import TrainConfig
+from sagenb.config import EngineConfig
 from sagenb.engine import checkpoint
 from sagenb.engine.data import plan_steps, total_steps
 from sagenb.engine.loader import batches_of
@@ -50,7 +50,7 @@ def make_optimizer(ws: Workspace, strategy: Strategy, lr: float) -> torch.optim.
 def train_loop(
     ws: Workspace,
     strategy: Strategy,
-    config: TrainConfig,
+    config: EngineConfig,
     *,
     device: torch.device,
     publish: Callable[[dict[str, Any]], None],
@@ -105,11 +105,11 @@ def train_loop(
     return last, unsaved
 
 
-def _resume(config: TrainConfig, objects: _Saved) -> int:
+def _resume(config: EngineConfig, objects: _Saved) -> int:
     """The step to continue after: with --resume, the newest checkpoint's; else 0."""
     if not config.resume:
         return 0
-    assert config.checkpoint_dir, "TrainConfig refuses --resume without --checkpoint-dir"
+    assert config.checkpoint_dir, "the config refuses --resume without --checkpoint-dir"
     return checkpoint.load(config.checkpoint_dir, **objects)
 
 
@@ -207,7 +207,7 @@ def _counts(objective, target, counted, strategy) -> tuple[float, float]:
     return local, float(everywhere) * strategy.replicas / dist.get_world_size()
 
 
-def _eval_due(ws: Workspace, config: TrainConfig, step: int, total: int) -> bool:
+def _eval_due(ws: Workspace, config: EngineConfig, step: int, total: int) -> bool:
     if ws.eval_dataset is None:
         return False
     if config.eval_every:

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from sagenb.config import PARTITION_METHODS, TrainConfig
+from sagenb.config import PARTITION_METHODS, EngineConfig
 from sagenb.engine.cuts import check_blocks, choose_cuts, cut_profile, partition_method
 from sagenb.engine.data import fetch
 from sagenb.engine.partition import find_blocks
@@ -18,7 +18,7 @@ from sagenb.job import Job, JobError
 __all__ = ["plan_on_engine"]
 
 
-def plan_on_engine(job: Job, config: TrainConfig, replicas: int, threads: int) -> dict[str, Any]:
+def plan_on_engine(job: Job, config: EngineConfig, replicas: int, threads: int) -> dict[str, Any]:
     """Cut points of `config` and of every other partition method, with the block profile.
 
     Profiled with the thread count training will use: with more threads than the engine will

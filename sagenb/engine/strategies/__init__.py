@@ -14,7 +14,7 @@ import pkgutil
 
 import torch
 
-from sagenb.config import ConfigError, TrainConfig
+from sagenb.config import ConfigError, EngineConfig
 
 from .base import Strategy
 from .description import Description
@@ -51,7 +51,7 @@ def describe(name: str) -> Description:
 
 
 def make_strategy(
-    config: TrainConfig, *, rank: int, world_size: int, device: torch.device
+    config: EngineConfig, *, rank: int, world_size: int, device: torch.device
 ) -> Strategy:
     """The engine-side implementation of `config.strategy` for one rank."""
     return describe(config.strategy).build(config, rank=rank, world_size=world_size, device=device)

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from sagenb.config import TrainConfig
+from sagenb.config import EngineConfig
 from sagenb.engine.data import fetch, to_device
 from sagenb.engine.delayed import materialize
 from sagenb.engine.objective import Objective, piece_loss, weighted
@@ -120,7 +120,7 @@ class DataParallelDescription(Description):
     syncs_norm = True
 
     def build(
-        self, config: TrainConfig, *, rank: int, world_size: int, device: torch.device
+        self, config: EngineConfig, *, rank: int, world_size: int, device: torch.device
     ) -> DataParallel:
         return DataParallel(rank=rank, world_size=world_size, device=device, seed=config.seed)
 

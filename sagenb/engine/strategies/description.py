@@ -26,7 +26,7 @@ from sagenb.config import DEFAULT_ENGINES
 if TYPE_CHECKING:
     import torch
 
-    from sagenb.config import TrainConfig
+    from sagenb.config import EngineConfig
     from sagenb.engine.strategies.base import Strategy
 
 __all__ = ["DEFAULT_ENGINES", "Description", "plural"]
@@ -57,23 +57,23 @@ class Description:
     #: refuses a value other than the default
     own_options: ClassVar[tuple[str, ...]] = ()
 
-    def check(self, config: TrainConfig) -> None:
+    def check(self, config: EngineConfig) -> None:
         """Refuse option values this strategy cannot run (ConfigError), before any engine
         starts. `config.engines` may be None (resolved later from the pool)."""
 
-    def engines_to_start(self, config: TrainConfig) -> int:
+    def engines_to_start(self, config: EngineConfig) -> int:
         """Engines a pool needs for `config` when none runs and --engines is not given."""
         return DEFAULT_ENGINES
 
-    def engines_for(self, config: TrainConfig, available: int) -> int:
+    def engines_for(self, config: EngineConfig, available: int) -> int:
         """Engines a run uses on a pool of `available`: --engines, else all of them."""
         return config.engines if config.engines is not None else available
 
-    def replicas(self, config: TrainConfig, engines: int) -> int:
+    def replicas(self, config: EngineConfig, engines: int) -> int:
         """Groups of engines that each take their own share of a global batch."""
         return engines
 
-    def split(self, config: TrainConfig, engines: int) -> tuple[int, str]:
+    def split(self, config: EngineConfig, engines: int) -> tuple[int, str]:
         """How many equal pieces a global batch is cut into, and the product that says so
         (for the error when --batch-size does not divide)."""
         replicas = self.replicas(config, engines)
@@ -81,13 +81,13 @@ class Description:
         product = f"{replicas} x {config.grad_accum}"
         return replicas * config.grad_accum, f"{word} x grad-accum = {product}"
 
-    def layout(self, config: TrainConfig, engines: int) -> str:
+    def layout(self, config: EngineConfig, engines: int) -> str:
         """The dashboard's one-line layout, without the memory savers ('data parallel on 2
         engines')."""
         return f"{self.name} parallel on {plural(engines, 'engine')}"
 
     def build(
-        self, config: TrainConfig, *, rank: int, world_size: int, device: torch.device
+        self, config: EngineConfig, *, rank: int, world_size: int, device: torch.device
     ) -> Strategy:
         """The engine-side implementation for one rank."""
         raise NotImplementedError(f"strategy {self.name!r} has no engine implementation")

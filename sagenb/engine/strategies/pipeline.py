@@ -35,7 +35,7 @@ from torch.distributed.pipelining import (
 )
 
 from sagenb import metric_keys as keys
-from sagenb.config import ConfigError, TrainConfig
+from sagenb.config import ConfigError, EngineConfig
 from sagenb.engine.blocks import find_blocks, tied_groups
 from sagenb.engine.cuts import MEMORY_FACTOR, check_blocks, choose_cuts
 from sagenb.engine.data import fetch, to_device
@@ -53,7 +53,7 @@ __all__ = ["DESCRIPTIONS", "Pipeline", "MEMORY_FACTOR"]
 
 
 class Pipeline:
-    def __init__(self, config: TrainConfig, *, rank: int, world_size: int, device: torch.device):
+    def __init__(self, config: EngineConfig, *, rank: int, world_size: int, device: torch.device):
         self.config, self.rank, self.device = config, rank, device
         P = config.partitions
         self.P, self.S, self.D = P, config.stages, world_size // P
@@ -409,7 +409,7 @@ class PipelineDescription(Description):
     pipelined = True
     own_options = ("partitions",)
 
-    def check(self, config: TrainConfig) -> None:
+    def check(self, config: EngineConfig) -> None:
         P = config.partitions
         if P < 2:
             raise ConfigError("partitions", P, f"--strategy {self.name} needs at least 2")
@@ -425,7 +425,7 @@ class PipelineDescription(Description):
         _check_cuts(config)
         self.check_engines(config)
 
-    def check_engines(self, config: TrainConfig) -> None:
+    def check_engines(self, config: EngineConfig) -> None:
         """--engines, when given, must be whole pipelines."""
         P = config.partitions
         if config.engines is not None and config.engines % P:
@@ -435,16 +435,16 @@ class PipelineDescription(Description):
                 f"must be a multiple of --partitions ({P}): each replica is a whole pipeline",
             )
 
-    def replicas(self, config: TrainConfig, engines: int) -> int:
+    def replicas(self, config: EngineConfig, engines: int) -> int:
         return engines // config.partitions
 
-    def split(self, config: TrainConfig, engines: int) -> tuple[int, str]:
+    def split(self, config: EngineConfig, engines: int) -> tuple[int, str]:
         replicas = self.replicas(config, engines)
         pieces = replicas * config.grad_accum * config.microbatches
         product = f"{replicas} x {config.grad_accum} x {config.microbatches}"
         return pieces, f"replicas x grad-accum x microbatches = {product}"
 
-    def layout(self, config: TrainConfig, engines: int) -> str:
+    def layout(self, config: EngineConfig, engines: int) -> str:
         chunks = config.stages // config.partitions
         chunked = f" x {chunks} chunks" if chunks > 1 else ""
         replicas = plural(self.replicas(config, engines), "replica")
@@ -454,7 +454,7 @@ class PipelineDescription(Description):
         )
 
     def build(
-        self, config: TrainConfig, *, rank: int, world_size: int, device: torch.device
+        self, config: EngineConfig, *, rank: int, world_size: int, device: torch.device
     ) -> Strategy:
         return Pipeline(config, rank=rank, world_size=world_size, device=device)
 
@@ -464,7 +464,7 @@ class ModelParallelDescription(PipelineDescription):
     summary = "pipeline model parallel: one pipeline, an engine per partition"
     menu_order = 10
 
-    def check_engines(self, config: TrainConfig) -> None:
+    def check_engines(self, config: EngineConfig) -> None:
         if config.engines not in (None, config.partitions):
             raise ConfigError(
                 "engines",
@@ -476,10 +476,10 @@ class ModelParallelDescription(PipelineDescription):
         if config.engines is None:
             config.check_split(config.partitions)
 
-    def engines_to_start(self, config: TrainConfig) -> int:
+    def engines_to_start(self, config: EngineConfig) -> int:
         return config.partitions
 
-    def engines_for(self, config: TrainConfig, available: int) -> int:
+    def engines_for(self, config: EngineConfig, available: int) -> int:
         return config.partitions
 
 
@@ -488,11 +488,11 @@ class HybridDescription(PipelineDescription):
     summary = "data parallel across pipeline replicas"
     menu_order = 20
 
-    def engines_to_start(self, config: TrainConfig) -> int:
+    def engines_to_start(self, config: EngineConfig) -> int:
         return 2 * config.partitions
 
 
-def _check_interleaved(config: TrainConfig) -> None:
+def _check_interleaved(config: EngineConfig) -> None:
     if config.virtual_stages < 2:
         raise ConfigError("virtual_stages", config.virtual_stages, "interleaved needs at least 2")
     rounds = max(1, config.microbatches // config.partitions)
@@ -505,7 +505,7 @@ def _check_interleaved(config: TrainConfig) -> None:
         )
 
 
-def _check_cuts(config: TrainConfig) -> None:
+def _check_cuts(config: EngineConfig) -> None:
     """--cuts: one increasing block index >= 1 per stage after the first (the model's block
     count is checked on the engines, engine/cuts.py check_blocks)."""
     cuts = config.cuts

@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
-from sagenb.config import TrainConfig
+from sagenb.config import EngineConfig
 from sagenb.engine.delayed import materialize
 from sagenb.engine.objective import Objective, piece_loss
 from sagenb.engine.partition import find_blocks
@@ -90,12 +90,12 @@ class ShardedDescription(Description):
     syncs_norm = True
     own_options = ("reshard_after_forward",)
 
-    def layout(self, config: TrainConfig, engines: int) -> str:
+    def layout(self, config: EngineConfig, engines: int) -> str:
         zero = "ZeRO-3" if config.reshard_after_forward else "ZeRO-2"
         return f"sharded ({zero}) on {plural(engines, 'engine')}"
 
     def build(
-        self, config: TrainConfig, *, rank: int, world_size: int, device: torch.device
+        self, config: EngineConfig, *, rank: int, world_size: int, device: torch.device
     ) -> Sharded:
         return Sharded(
             rank=rank,

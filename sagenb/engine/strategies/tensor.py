@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import parallelize_module
 
-from sagenb.config import DEFAULT_ENGINES, ConfigError, TrainConfig
+from sagenb.config import DEFAULT_ENGINES, ConfigError, EngineConfig
 from sagenb.engine import dtensors
 from sagenb.engine.delayed import materialize
 from sagenb.engine.objective import Objective, piece_loss
@@ -36,7 +36,7 @@ __all__ = ["DESCRIPTIONS", "TensorParallel"]
 
 
 class TensorParallel(SplitParameters):
-    def __init__(self, config: TrainConfig, *, rank: int, world_size: int, device: torch.device):
+    def __init__(self, config: EngineConfig, *, rank: int, world_size: int, device: torch.device):
         super().__init__(rank=rank, world_size=world_size, device=device, seed=config.seed)
         self.T = config.tensor_parallel or world_size
         self.D = world_size // self.T
@@ -91,7 +91,7 @@ class TensorDescription(Description):
     menu_order = 40
     own_options = ("tensor_parallel",)
 
-    def check(self, config: TrainConfig) -> None:
+    def check(self, config: EngineConfig) -> None:
         tp = config.tensor_parallel
         if tp is None:
             return
@@ -105,18 +105,18 @@ class TensorDescription(Description):
                 f"--tensor-parallel, with data parallel across the groups",
             )
 
-    def engines_to_start(self, config: TrainConfig) -> int:
+    def engines_to_start(self, config: EngineConfig) -> int:
         return config.tensor_parallel or DEFAULT_ENGINES
 
-    def replicas(self, config: TrainConfig, engines: int) -> int:
+    def replicas(self, config: EngineConfig, engines: int) -> int:
         return engines // (config.tensor_parallel or engines)
 
-    def layout(self, config: TrainConfig, engines: int) -> str:
+    def layout(self, config: EngineConfig, engines: int) -> str:
         replicas = self.replicas(config, engines)
         return f"tensor: {engines // replicas}-way layer splits x {plural(replicas, 'replica')}"
 
     def build(
-        self, config: TrainConfig, *, rank: int, world_size: int, device: torch.device
+        self, config: EngineConfig, *, rank: int, world_size: int, device: torch.device
     ) -> TensorParallel:
         return TensorParallel(config, rank=rank, world_size=world_size, device=device)
 

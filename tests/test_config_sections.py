@@ -1,0 +1,125 @@
+"""The config in sections (issue 18): every field says its section; only the engine sections
+(EngineConfig) travel to the engines, the planner and an exported script; the flags follow
+from each field's type and default, with no per-name cases; validation reads no file."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+import sagenb
+from sagenb.config import SECTIONS, ConfigError, EngineConfig, TrainConfig, notebook_only_flags
+from sagenb.magics import parse_train_line
+
+from .conftest import REGRESSION_CELL
+
+NOTEBOOK_ONLY = {
+    f.name for f in dataclasses.fields(TrainConfig) if not SECTIONS[f.metadata["section"]].engines
+}
+
+
+def test_every_field_has_a_section_and_the_engine_sections_are_engine_config():
+    for f in dataclasses.fields(TrainConfig):
+        assert f.metadata["section"] in SECTIONS, f.name
+        assert f.metadata["help"], f.name
+    engine = {f.name for f in dataclasses.fields(EngineConfig)}
+    assert engine == {
+        f.name for f in dataclasses.fields(TrainConfig) if SECTIONS[f.metadata["section"]].engines
+    }
+    assert NOTEBOOK_ONLY == {"dashboard", "instance", "price_per_hour", "price_table",
+                             "spot_discount", "out"}  # fmt: skip
+
+
+def test_for_engines_keeps_the_engine_options_only():
+    config = TrainConfig(strategy="sharded", batch_size=64, reshard_after_forward=False,
+                         dashboard=False, out="mine", spot_discount=0.5)  # fmt: skip
+    sent = config.for_engines()
+    assert type(sent) is EngineConfig
+    assert not NOTEBOOK_ONLY & {f.name for f in dataclasses.fields(sent)}
+    for f in dataclasses.fields(EngineConfig):
+        assert getattr(sent, f.name) == getattr(config, f.name), f.name
+    assert sent.for_engines() is sent
+    assert sent.with_engines(2).engines == 2 and type(sent.with_engines(2)) is EngineConfig
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        dict(dashboard=False, out="r", engines=2, batch_size=64),
+        dict(strategy="sharded", reshard_after_forward=False, stop_on_nonfinite=True),
+        dict(strategy="model", partitions=3, partition_by="manual", cuts=(1, 2), delay_init=True),
+        dict(activation_checkpointing=True, precision="bf16", instance="ml.g5.xlarge"),
+    ],
+)
+def test_flags_follow_from_the_fields(options):
+    """A bool off by default is a `--x` switch, one on by default `--x/--no-x`, and every
+    line to_flags writes reads back as the same config."""
+    config = TrainConfig(**options)
+    line = config.to_flags().removeprefix("%%smp_train ")
+    assert parse_train_line(line) == config
+    assert parse_train_line("--dashboard --reshard-after-forward") == TrainConfig()
+
+
+def test_validation_reads_no_file(tmp_path):
+    """A missing price table or an instance it lacks is refused where the table is read
+    (cost.check_price: sagenb.train, plan, export, the panel), not when the config is built."""
+    from sagenb.cost import check_price
+
+    table = tmp_path / "prices.json"
+    table.write_text(json.dumps({"instances": {"my.box": {"usd_per_hour": 1, "accelerators": 0}}}))
+    missing = TrainConfig(price_table=str(tmp_path / "missing.json"))
+    with pytest.raises(ConfigError, match="--price-table .*missing.json.*cannot be read"):
+        check_price(missing)
+    unknown = TrainConfig(price_table=str(table))  # ml.p4d.24xlarge is not in it
+    with pytest.raises(ConfigError, match="--instance 'ml.p4d.24xlarge': must be one of my.box"):
+        sagenb.plan(REGRESSION_CELL, unknown, strategy="model", partitions=2)
+    with pytest.raises(ConfigError, match="--instance 'ml.p4d.24xlarge': must be one of my.box"):
+        sagenb.export(REGRESSION_CELL, tmp_path / "job.py", unknown)
+    assert not (tmp_path / "job.py").exists()
+    assert check_price(TrainConfig(price_table=str(table), instance="my.box")).name == "my.box"
+
+
+def test_the_export_writes_engine_options_and_names_what_it_left_out(tmp_path):
+    sagenb.export(REGRESSION_CELL, tmp_path / "job.py", engines=2, out="r", dashboard=False)
+    text = (tmp_path / "job.py").read_text()
+    assert "CONFIG = EngineConfig(" in text and "TrainConfig" not in text
+    assert "dashboard=" not in text and "out=" not in text
+    for flag in notebook_only_flags():
+        assert flag in text.split("CONFIG =")[0], flag
+    assert "--no-dashboard" in notebook_only_flags() and "--out" in notebook_only_flags()
+
+
+# the cell looks up the RankSpec its engine was given (run_rank's `spec`) and writes what its
+# config holds: what the notebook sent, seen where it arrived
+SPY = """
+import dataclasses, json, sys
+_frame = sys._getframe()
+while _frame is not None and type(_frame.f_locals.get("spec")).__name__ != "RankSpec":
+    _frame = _frame.f_back
+_config = _frame.f_locals["spec"].config
+with open({path!r}, "w") as _out:
+    json.dump([type(_config).__name__, [f.name for f in dataclasses.fields(_config)]], _out)
+"""
+
+
+def test_the_engines_get_no_notebook_only_option(pool, tmp_path):
+    path = tmp_path / "spec.json"
+    cell = REGRESSION_CELL + SPY.format(path=str(path))
+    result = sagenb.train(cell, steps=1, dashboard=False, out="mine", instance="ml.g5.xlarge")
+    assert len(result.history) == 1 and result.config.out == "mine"  # the notebook keeps them
+    kind, names = json.loads(path.read_text())
+    assert kind == "EngineConfig"
+    assert names == [f.name for f in dataclasses.fields(EngineConfig)]
+    assert not NOTEBOOK_ONLY & set(names)
+
+
+def test_engine_code_knows_only_the_engine_config():
+    """sagenb/engine/** annotates and imports EngineConfig: the notebook's options cannot be
+    read there, as they are never sent."""
+    from pathlib import Path
+
+    engine = Path(sagenb.__file__).parent / "engine"
+    named = [str(p) for p in engine.rglob("*.py") if "TrainConfig" in p.read_text()]
+    assert named == []
