@@ -1,7 +1,7 @@
 """Sphinx configuration of sagenb's documentation site (Markdown pages through MyST).
 
-Build: `python -m sphinx -W -b html docs docs/_build/html` (tests/test_docs.py does it with
-warnings as errors). The pages are plain Markdown so that GitHub renders them too; the links
+Build: `python -m sphinx -W -b html docs docs/_build/html` (warnings as errors, as the tests
+build it: tests/test_docs.py without running the notebooks, tests/test_notebooks.py with). The pages are plain Markdown so that GitHub renders them too; the links
 between them are relative .md paths, which MyST resolves to the built pages
 (https://myst-parser.readthedocs.io/en/latest/syntax/cross-referencing.html).
 
@@ -35,7 +35,8 @@ exclude_patterns = ["_build", "notebooks/checkpoints*"]
 # The notebooks are stored without outputs; the build runs each one in a fresh kernel, in a
 # temporary directory (notebook 05 writes checkpoints beside itself), and a cell that raises
 # is a warning, which -W makes an error. "cache" reruns a notebook only when its code changed
-# (jupyter-cache, in the build folder).
+# (jupyter-cache, in the build folder), not when sagenb did: `-D nb_execution_mode=force` then,
+# as tests/test_notebooks.py builds.
 nb_execution_mode = "cache"
 nb_execution_in_temp = True
 nb_execution_timeout = 300  # per cell, as tests/test_notebooks.py's nbclient had
