@@ -1,8 +1,9 @@
 """Sphinx configuration of sagenb's documentation site (Markdown pages through MyST).
 
 Build: `python -m sphinx -W -b html docs docs/_build/html` (warnings as errors, as the tests
-build it: tests/test_docs.py without running the notebooks, tests/test_notebooks.py with). The pages are plain Markdown so that GitHub renders them too; the links
-between them are relative .md paths, which MyST resolves to the built pages
+build it: tests/test_docs.py without running the notebooks, tests/test_notebooks.py with).
+The pages are plain Markdown so that GitHub renders them too; the links between them are
+relative .md paths, which MyST resolves to the built pages
 (https://myst-parser.readthedocs.io/en/latest/syntax/cross-referencing.html).
 
 The teaching notebooks are pages too: `docs/notebooks` is a link to the repository's
