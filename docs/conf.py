@@ -1,9 +1,16 @@
 """Sphinx configuration of sagenb's documentation site (Markdown pages through MyST).
 
-Build: `python -m sphinx -W -b html docs docs/_build/html` (tests/test_docs.py does it with
-warnings as errors). The pages are plain Markdown so that GitHub renders them too; the links
-between them are relative .md paths, which MyST resolves to the built pages
+Build: `python -m sphinx -W -b html docs docs/_build/html` (warnings as errors, as the tests
+build it: tests/test_docs.py without running the notebooks, tests/test_notebooks.py with).
+The pages are plain Markdown so that GitHub renders them too; the links between them are
+relative .md paths, which MyST resolves to the built pages
 (https://myst-parser.readthedocs.io/en/latest/syntax/cross-referencing.html).
+
+The teaching notebooks are pages too: `docs/notebooks` is a link to the repository's
+`notebooks/`, and MyST-NB (https://myst-nb.readthedocs.io) executes each one while it builds
+(about as long as tests/test_notebooks.py takes, which asserts on these executed copies instead
+of running them a second time). `-D nb_execution_mode=off` renders them without outputs, in
+seconds.
 """
 
 import os
@@ -20,10 +27,26 @@ project = "sagenb"
 author = "sagenb contributors"
 copyright = "sagenb contributors, Apache-2.0"
 
-extensions = ["myst_parser"]
-source_suffix = {".md": "markdown"}
+# myst_nb brings myst_parser's Markdown and adds the .ipynb pages
+extensions = ["myst_nb"]
+source_suffix = {".md": "myst-nb", ".ipynb": "myst-nb"}
 root_doc = "index"
-exclude_patterns = ["_build"]
+exclude_patterns = ["_build", "notebooks/checkpoints*"]
+
+# The notebooks are stored without outputs; the build runs each one in a fresh kernel, in a
+# temporary directory (notebook 05 writes checkpoints beside itself), and a cell that raises
+# is a warning, which -W makes an error. "cache" reruns a notebook only when its code changed
+# (jupyter-cache, in the build folder), not when sagenb did: `-D nb_execution_mode=force` then,
+# as tests/test_notebooks.py builds.
+nb_execution_mode = "cache"
+nb_execution_in_temp = True
+nb_execution_timeout = 300  # per cell, as tests/test_notebooks.py's nbclient had
+nb_execution_show_tb = True
+nb_kernel_rgx_aliases = {".*": "python3"}  # the kernel of the Python that builds, sagenb in it
+# A finished dashboard's output carries the live widget and a static HTML copy of its charts
+# (sagenb/dashboard.py); a page has no kernel, so it shows the copy. Its plotly.js comes from
+# the CDN, as the copy asks. Widgets with no copy (the control panel): WidgetsWithoutCopy.
+nb_mime_priority_overrides = [("html", "application/vnd.jupyter.widget-view+json", None)]
 
 # "#section" links between pages, with GitHub's slugs (lower case, spaces to hyphens), so the
 # same link works on GitHub and in the built site
@@ -45,13 +68,21 @@ def _repo_file(node: addnodes.pending_xref, env) -> Path | None:
     if node["refdomain"] == "doc":  # MyST took it for a page: an absolute path, suffix dropped
         if not os.path.isabs(target):
             return None
-        candidates = [Path(target + ".md"), Path(target)]
+        candidates = [Path(target + ".md"), Path(target + ".ipynb"), Path(target)]
     else:
         candidates = [Path(env.doc2path(node["refdoc"])).parent / target]
     for path in (c.resolve() for c in candidates):
         if path.exists() and REPO in path.parents and DOCS != path and DOCS not in path.parents:
             return path
     return None
+
+
+def _notebook_page(path: Path, env) -> str | None:
+    """The page of a notebook of notebooks/ (docs/notebooks links there), or None."""
+    if path.suffix != ".ipynb" or path.parent != REPO / "notebooks":
+        return None
+    docname = f"notebooks/{path.stem}"
+    return docname if docname in env.found_docs else None
 
 
 class RepoFileLinks(SphinxPostTransform):
@@ -69,7 +100,11 @@ class RepoFileLinks(SphinxPostTransform):
                 continue
             rel = path.relative_to(REPO).as_posix()
             inner = node[0].deepcopy()
-            if source_url:
+            page = _notebook_page(path, self.env)
+            if page is not None:  # a notebook: its page in this site, outputs included
+                uri = self.app.builder.get_relative_uri(node["refdoc"], page)
+                node.replace_self(nodes.reference("", "", inner, internal=True, refuri=uri))
+            elif source_url:
                 anchor = f"#{node['reftargetid']}" if node.get("reftargetid") else ""
                 new = nodes.reference("", "", inner, refuri=f"{source_url}/{rel}{anchor}")
                 node.replace_self(new)
@@ -80,6 +115,42 @@ class RepoFileLinks(SphinxPostTransform):
                                    nodes.Text(")")])
 
 
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+
+
+class WidgetsWithoutCopy(SphinxPostTransform):
+    """A widget output with no static copy (the control panel, a progress bar) would show its
+    Python repr, "VBox(children=(...))": say what it is instead. Runs before MyST-NB picks
+    one type of each output bundle (its SelectMimeType, priority 4)."""
+
+    default_priority = 3
+
+    def run(self, **kwargs) -> None:
+        for bundle in list(self.document.findall(nodes.container)):
+            if bundle.get("nb_element") != "mime_bundle":
+                continue
+            kinds = {child.get("mime_type") for child in bundle.children}
+            if WIDGET_VIEW in kinds and "text/html" not in kinds:
+                note = "(an interactive widget: it shows when the notebook runs in Jupyter)"
+                bundle.replace_self(nodes.paragraph("", "", nodes.emphasis(note, note)))
+
+
+def drop_widget_state(app, doctree) -> None:
+    """Keep the executed notebooks' widget state out of their pages.
+
+    MyST-NB embeds a notebook's saved ipywidgets state in its page, for widgets to come alive
+    without a kernel (https://ipywidgets.readthedocs.io/en/stable/embedding.html): for sagenb's
+    dashboards that is several MB of figure state per run, and the pages show each dashboard's
+    static copy instead (nb_mime_priority_overrides above). MyST-NB keeps the state as a page
+    script named "ipywidgets_state" (myst_nb/core/render.py, render_nb_finalise), beside the
+    html-manager scripts "ipywidgets_<i>" that would read it; drop them all."""
+    js_files = getattr(app.env, "nb_metadata", {}).get(app.env.docname, {}).get("js_files", {})
+    for key in [k for k in js_files if k.startswith("ipywidgets_")]:
+        del js_files[key]
+
+
 def setup(app):
     app.add_post_transform(RepoFileLinks)
+    app.add_post_transform(WidgetsWithoutCopy)
+    app.connect("doctree-read", drop_widget_state)
     return {"parallel_read_safe": True}

@@ -62,7 +62,8 @@ def __getattr__(name: str) -> Any:
 def load_ipython_extension(ipython: Any) -> None:
     """`%load_ext sagenb`: registers %smp_cluster, %%smp_train, %%smp_plan and %%smp_export,
     and starts the default engine pool in the background (SAGENB_PREWARM=0 in the environment
-    turns that off), so that the 8-12 s a pool takes pass while the first cell is written."""
+    turns that off), so that the seconds a pool takes to start (benchmarks/results/first_step.md)
+    pass while the first cell is written."""
     from sagenb import cluster
 
     with cluster.IMPORTS:  # the start's first seconds overlap this thread's import of torch

@@ -12,12 +12,13 @@ A pool started here ends with the process that started it, even one killed by a 
 (sagenb/reaper.py).
 
 Cold start: `%load_ext sagenb` starts the default pool in a background thread (`prewarm`; off
-with SAGENB_PREWARM=0; sagenb/prewarm.py), so the 6-10 s a pool takes on a 2-core machine pass
-while the user writes the first cell; the first run that needs a pool waits for that one
-(`ensure_pool`), and starting, stopping or attaching another pool cancels it first, so two pools
-of ours never run at once. Where a start's time goes (2 engines, 2 shared cores): controller ~1
-s, engines registered ~5 s (imports, a nanny process each, and the controller noticing the heart
-beat), torch and torch._dynamo imported on the engines ~6 s.
+with SAGENB_PREWARM=0; sagenb/prewarm.py), so the seconds a pool takes to start
+(benchmarks/results/first_step.md) pass while the user writes the first cell; the first run that
+needs a pool waits for that one (`ensure_pool`), and starting, stopping or attaching another
+pool cancels it first, so two pools of ours never run at once. A start's time goes to the
+controller, the engines registering (imports, a nanny process each, and the controller noticing
+the heart beat) and torch and torch._dynamo imported on the engines:
+benchmarks/results/first_step.md and measured_in_code.md there.
 
 Placement: ranks are numbered host by host (engines on one host get consecutive ranks), so a
 pipeline replica's stages and a tensor-parallel group, which take consecutive ranks, share a
@@ -63,8 +64,8 @@ __all__ = [
 LOOPBACK = "127.0.0.1"
 #: ms between the controller's heartbeat pings. An engine counts as registered only once the
 #: controller has seen its heart beat, at a ping (ipyparallel's hub.py, handle_new_heart), so
-#: the default 3000 ms added up to 3 s to every pool start (measured: engines registered
-#: 8.6-11.8 s after launch with 3000 ms, 5.0-6.7 s with 500 ms, same loaded machine)
+#: the default 3000 ms added up to 3 s to every pool start (the registration times with
+#: either: benchmarks/results/measured_in_code.md)
 HEARTBEAT_MS = 500
 #: pings missed before an engine counts as dead, keeping ipyparallel's default tolerance
 #: (10 x 3000 ms = 30 s at the controller; 50 x (3000 + 500) ms = 175 s at the engine)

@@ -1,11 +1,12 @@
 """The pool `%load_ext sagenb` starts in the background (cluster.prewarm), and the setting
 that turns it off.
 
-A pool takes 6-10 s to start on a 2-core machine (controller, engines registering, torch
-imported on them: benchmarks/first_step.py); started when the extension loads, it is ready by
-the time the user has written the first cell. The start runs in a daemon thread that checks a
-cancel event between its stages, so another start, a stop or an attach cancels it and ends what
-it started; its error, if it fails, is kept for the first run that needs the pool.
+A pool takes seconds to start (controller, engines registering, torch imported on them:
+benchmarks/first_step.py, its figures in benchmarks/results/first_step.md); started when the
+extension loads, it is ready by the time the user has written the first cell. The start runs in
+a daemon thread that checks a cancel event between its stages, so another start, a stop or an
+attach cancels it and ends what it started; its error, if it fails, is kept for the first run
+that needs the pool.
 """
 
 from __future__ import annotations

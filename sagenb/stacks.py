@@ -22,7 +22,8 @@ from sagenb.engine.tracing import STACK_SIGNAL, collectives_key, request_key, st
 __all__ = ["RankTrace", "collect", "describe", "CELL_FILE"]
 
 CELL_FILE = "<smp_train cell>"  # the file name job.py compiles a cell under
-DUMP_WAIT_S = 1.0  # the most a dump may take to appear (measured: under 0.1 s when idle)
+DUMP_WAIT_S = 1.0  # the most a dump may take to appear (ten times an idle machine's: see
+# benchmarks/results/measured_in_code.md)
 _THREAD = re.compile(r"^(?:Current thread|Thread) (0x[0-9a-f]+)", re.M)
 _FRAME = re.compile(r'^\s+File "(.*)", line (\d+) in (.*)$')
 SHOWN_FRAMES = 10  # the outermost 2 and innermost 8 frames, and every frame of the cell

@@ -55,7 +55,9 @@ def pool4(_stop_pool_at_end) -> cluster.EnginePool:
 
 
 # Modules whose tests start pools or kernels of their own (and stop the shared pool first).
-OWN_POOLS = ("test_multi_host", "test_notebooks", "test_browser", "test_pool_lifetime")
+OWN_POOLS = (
+    "test_multi_host", "test_notebooks", "test_browser", "test_pool_lifetime", "test_binder"
+)
 
 
 # Fixtures that start (or stop, at the session's end) engine pools; a test using any of them,

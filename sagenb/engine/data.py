@@ -10,8 +10,8 @@ holds only the indices of the steps it runs. torch.randperm(n) builds all n indi
 (8 bytes each) before the first step: 8 GB and minutes for 10**9 samples (sagenb issue 19), on
 every engine. 2**22 keeps randperm, and so every earlier result, for ordinary datasets
 (ImageNet-1k's 1,281,167 images among them) while its order stays at most 32 MiB and builds in
-well under a second (0.4 s measured on a busy 2-core CPU; 2**24 took 2.2 s), so no progress
-needs showing while an epoch's order is built.
+well under a second (benchmarks/results/measured_in_code.md), so no progress needs showing
+while an epoch's order is built.
 
 The lazy order is a balanced Feistel network (Luby & Rackoff 1988: a permutation from any round
 function) on the 2h-bit integers, h = ceil(bits(n - 1) / 2), with cycle-walking (Black &

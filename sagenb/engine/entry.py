@@ -189,13 +189,14 @@ def merge_states(
 
 def warm() -> None:
     """Import what the first run would otherwise pay for: DDP's constructor imports
-    torch._dynamo lazily, 1.3-1.6 s on this 2-core machine.
+    torch._dynamo lazily, more than a second (benchmarks/results/measured_in_code.md).
 
     Then freeze what is imported (https://docs.python.org/3/library/gc.html#gc.freeze): the
     ~300,000 objects of torch and its dynamo are never garbage, and the full collection of
-    process_group.shutdown() walked them all, 1.0-1.3 s per rank on this 2-core machine, the
-    most of the time an interrupted or failed run took to end (a stalled run interrupts its
-    ranks and a peer waits for the stuck rank's shutdown). Frozen: under a millisecond."""
+    process_group.shutdown() walked them all, about a second per rank, the most of the time
+    an interrupted or failed run took to end (a stalled run interrupts its ranks and a peer
+    waits for the stuck rank's shutdown); frozen, next to nothing (the figures:
+    benchmarks/results/measured_in_code.md)."""
     import torch._dynamo  # noqa: F401
     import torch.nn.parallel  # noqa: F401
 

@@ -22,7 +22,8 @@ def plan_on_engine(job: Job, config: EngineConfig, replicas: int, threads: int) 
     """Cut points of `config` and of every other partition method, with the block profile.
 
     Profiled with the thread count training will use: with more threads than the engine will
-    get, timings swing by 4x on a shared machine (measured on 2 cores). With --delay-init the
+    get, timings swing by several times on a shared machine (measured_in_code.md in
+    benchmarks/results/). With --delay-init the
     model is built on the meta device, as training builds it, so nothing is materialised and
     the profile holds parameter bytes only (`measured` False)."""
     torch.set_num_threads(threads)

@@ -3,7 +3,8 @@
 torch's ScheduleGPipe and Schedule1F1B post a microbatch's receive just before they need it.
 On gloo a transfer starts only once the receiver has posted its receive and the sender's I/O
 thread has answered, so each of a step's 2 x microbatches transfers puts a round trip on the
-critical path: measured 0.2-3 ms each on a busy 2-core machine, with stages of ~10 ms.
+critical path, a sizeable share of a small stage's compute (the figures:
+benchmarks/results/measured_in_code.md).
 
 Here the same compute order runs on torch's own action runtime (_PipelineScheduleRuntime, the
 one that runs its interleaved schedule), from an action list that posts all of the step's

@@ -73,7 +73,7 @@ def shutdown() -> None:
     """Destroy the process group; peers blocked in a collective then fail within about a second.
 
     Collect garbage first: a traceback or tensor still holding the group keeps its sockets open
-    (measured on this project's 2-core machine).
+    (observed on this project's CI machine: benchmarks/results/measured_in_code.md).
     """
     global _store, _stop_watch
     watch, _store, _stop_watch = _stop_watch, None, None

@@ -14,8 +14,8 @@ a message without it is deleted and ignored, and the rank keeps listening.
 
 Each rank listens in a thread of its own, blocked in the store (a C++ wait that releases the
 GIL), so the training loop pays an attribute read per step. It used to ask the store at every
-step, a round trip through the notebook's process that cost ~3% of data-parallel throughput on
-a 2-core machine (benchmarks/against_peers.py).
+step, a round trip through the notebook's process that cost data-parallel throughput
+(benchmarks/against_peers.py; benchmarks/results/measured_in_code.md).
 """
 
 from __future__ import annotations
