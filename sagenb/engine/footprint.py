@@ -37,7 +37,6 @@ Patarasuk and Yuan 2009; Rajbhandari et al., ZeRO, arXiv:1910.02054, section 7):
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -178,9 +177,7 @@ def _build(job: Job, config: EngineConfig, world: int) -> _Model:
         block_modules = [ws.model.get_submodule(blocks.qualified(i)) for i in range(len(blocks))]
     except JobError:
         block_modules = []
-    return _Model(
-        ws, config, world, params, state, example, slice_size / n, block_modules, notes
-    )
+    return _Model(ws, config, world, params, state, example, slice_size / n, block_modules, notes)
 
 
 def _trace(m: _Model, split: dict[nn.Module, str]) -> Trace:
@@ -332,8 +329,7 @@ class _Tensor(_Attribution):
         act = trace.peak_activations * share * m.scale
         reduced = (trace.rowwise_out + trace.colwise_in) * m.scale * m.config.grad_accum
         comm = [
-            {"all_reduce": _ring("all_reduce", reduced, T)
-             + _ring("all_reduce", _grad_bytes(h), D)}
+            {"all_reduce": _ring("all_reduce", reduced, T) + _ring("all_reduce", _grad_bytes(h), D)}
             for h in held
         ]
         return _Ranks(held, [act] * N, comm)
@@ -346,7 +342,9 @@ def _split_dims(split: dict[nn.Module, str]) -> dict[nn.Parameter, int]:
         layer = (
             "embedding"
             if isinstance(module, nn.Embedding)
-            else "conv1d" if is_conv1d(module) else "linear"
+            else "conv1d"
+            if is_conv1d(module)
+            else "linear"
         )
         for name, dim in _SPLIT_DIMS[layer][kind].items():
             p = module._parameters.get(name)
@@ -374,9 +372,7 @@ class _Pipeline(_Attribution):
                 "--partition-by auto balances measured time; estimated by parameter counts"
             )
         profile = static_profile(model) if method in ("parameters",) else None
-        starts = choose_cuts(
-            model, cfg, m.example, m.ws.objective, method=method, profile=profile
-        )
+        starts = choose_cuts(model, cfg, m.example, m.ws.objective, method=method, profile=profile)
         inputs = m.ws.objective.split(m.example, labels_in=False)[:2]
         stages, _ = split_model(model, starts, inputs)
         return {}, (starts, stages)

@@ -110,13 +110,17 @@ class _Tags(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if self._marked and any(self.has(t) for t in tree_leaves((args, kwargs)) if torch.is_tensor(t)):
+        if self._marked and any(
+            self.has(t) for t in tree_leaves((args, kwargs)) if torch.is_tensor(t)
+        ):
             self.mark(out)
         return out
 
 
 def _nbytes(value: Any) -> float:
-    return float(sum(t.numel() * t.element_size() for t in tree_leaves(value) if torch.is_tensor(t)))
+    return float(
+        sum(t.numel() * t.element_size() for t in tree_leaves(value) if torch.is_tensor(t))
+    )
 
 
 def _hooks(
