@@ -426,7 +426,7 @@ def _boundary(trace: Trace, starts: list[int], s: int) -> float:
 
 def _in_flight(cfg: EngineConfig, position: int) -> float:
     """Microbatches whose activations one engine holds at once, per stage it runs: GPipe
-    all M; 1F1B P - position (its warm-up, Narayanan et al. 2021, arXiv:2104.04473, 2.2);
+    all M; 1F1B P - position, plus one on the first stage (its warm-up, Narayanan et al. 2021, arXiv:2104.04473, 2.2);
     interleaved, torch's warm-up of (v - 1) P + 2 (P - 1 - position) + 1 chunk-microbatches
     spread over the v chunks (an approximation)."""
     M, P = cfg.microbatches, cfg.partitions
@@ -435,7 +435,10 @@ def _in_flight(cfg: EngineConfig, position: int) -> float:
     if cfg.schedule == "interleaved":
         v = cfg.stages // P
         return min(M * v, (v - 1) * P + 2 * (P - 1 - position) + 1) / v
-    return float(min(M, P - position))
+    # the first stage's count holds one microbatch more than its warm-up on the engines
+    # (measured, benchmarks/results/estimate_accuracy.md: 3 of 4 for P = 2, 5 of 8 for P = 4;
+    # the later stages hold exactly P - position)
+    return float(min(M, P - position + (position == 0)))
 
 
 _RULES: dict[str, Callable[[], _Attribution]] = {
