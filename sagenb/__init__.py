@@ -40,6 +40,10 @@ _PUBLIC = {
     "prewarm": "sagenb.cluster",
     "Dashboard": "sagenb.dashboard",
     "plan": "sagenb.planner",
+    # sagenb.estimates, not sagenb.estimate: a submodule of that name would replace the
+    # function on the package once imported
+    "estimate": "sagenb.estimates",
+    "Estimate": "sagenb.estimates",
     "load_checkpoint": "sagenb.checkpoints",
     "CheckpointError": "sagenb.checkpoints",
     "ControlPanel": "sagenb.panel",

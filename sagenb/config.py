@@ -437,6 +437,13 @@ class TrainConfig(EngineConfig):
         "a JSON price table of your own (the shape of sagenb/data/prices.json)",
         shown="package's",
     )
+    hardware_table: str | None = _opt(
+        "cost",
+        None,
+        "a JSON hardware table of your own (peak TFLOPS, accelerator memory, bandwidths: the "
+        "shape of sagenb/data/hardware.json), for %%%%smp_plan's estimate",
+        shown="package's",
+    )
     spot_discount: float = _opt(
         "cost",
         0.7,
@@ -459,8 +466,9 @@ class TrainConfig(EngineConfig):
             raise ConfigError("spot_discount", self.spot_discount, "must be between 0 and 0.95")
         if not isinstance(self.instance, str) or not self.instance:
             raise ConfigError("instance", self.instance, "must be an instance type's name")
-        if self.price_table is not None and not isinstance(self.price_table, str):
-            raise ConfigError("price_table", self.price_table, "must be a JSON file's path")
+        for name in ("price_table", "hardware_table"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
+                raise ConfigError(name, getattr(self, name), "must be a JSON file's path")
         if (
             not isinstance(self.out, str)
             or not self.out.isidentifier()

@@ -117,6 +117,45 @@ class CostMeter:
     price: InstancePrice
     engines: int
     spot_discount: float = SPOT_DISCOUNT
+    #: what the engines run on: "cpu" or the GPU's name (None: not known). The measured time
+    #: is billed at the instance's price only when that is the instance's kind of hardware.
+    runs_on: str | None = None
+    #: seconds per step on the instance, (low, high), from an estimate of this job with
+    #: these options (sagenb.estimate / %%smp_plan); None when none was made
+    projection: tuple[float, float] | None = None
+
+    @property
+    def billed_here(self) -> bool:
+        """Whether the engines run on the instance's kind of hardware (a CPU for a CPU-only
+        instance; a GPU whose name has the instance's accelerator model, e.g. A100)."""
+        if self.runs_on is None:
+            return False
+        if self.price.accelerators == 0:
+            return self.runs_on == "cpu"
+        model = self.price.accelerator.split(" ")[0]
+        return self.runs_on != "cpu" and bool(model) and model.lower() in self.runs_on.lower()
+
+    def this_run(self, elapsed_s: float) -> str:
+        """'this run': the measured time, priced only on the instance's kind of hardware."""
+        if self.billed_here:
+            return f"this run: {self.label(elapsed_s)}"
+        where = self.runs_on or "engines of unknown hardware"
+        return (
+            f"this run: {elapsed_s:.1f} s on {where} (not a {self.price.name}: not priced as one)"
+        )
+
+    def projected_on(self, steps_total: int, steps_done: int = 0) -> str:
+        """'projected on I': the estimate's step time x this run's steps, with the measured
+        progress (steps done of steps_total)."""
+        name = self.price.name
+        if self.projection is None or steps_total <= 0:
+            return f"projected on {name}: no estimate (%%smp_plan with the same flags)"
+        low, high = (steps_total * s for s in self.projection)
+        done = f", {steps_done}/{steps_total} steps done" if steps_done else ""
+        return (
+            f"projected on {self.instances} x {name}: {low:.3g}-{high:.3g} s, "
+            f"${self.cost(low):.4f}-${self.cost(high):.4f} (estimate{done})"
+        )
 
     def spot(self, on_demand_usd: float) -> float:
         """The same work at spot prices (spot_discount off on-demand)."""
@@ -161,7 +200,19 @@ def check_price(config: Any) -> InstancePrice:
     )
 
 
-def meter_for(config: Any, engines: int) -> CostMeter:
+def meter_for(
+    config: Any,
+    engines: int,
+    *,
+    runs_on: str | None = None,
+    projection: tuple[float, float] | None = None,
+) -> CostMeter:
     """The cost meter a run with `config` on `engines` engines uses (ConfigError for an
     instance or price table it cannot use, as check_price)."""
-    return CostMeter(check_price(config), engines, spot_discount=config.spot_discount)
+    return CostMeter(
+        check_price(config),
+        engines,
+        spot_discount=config.spot_discount,
+        runs_on=runs_on,
+        projection=projection,
+    )

@@ -191,14 +191,26 @@ class Dashboard:
         left = ""
         if total and done and self.status == "training":
             left = f", ~{_duration(self.elapsed * (todo - done) / done)} left"
-        so_far = self.cost.cost(self.elapsed)
         return (
             f"{self.status} | {layout_text(self.config)} | step {step}/{total or '?'}, epoch "
-            f"{epoch}/{self.config.epochs} | {_duration(self.elapsed)} elapsed{left} | est. "
-            f"${so_far:.4f} so far, ${self.projected_cost():.4f} at completion (spot "
-            f"${self.cost.spot(self.projected_cost()):.4f}) on {self.cost.instances} x "
-            f"{self.cost.price.name}, price as of {self.cost.price.as_of}"
+            f"{epoch}/{self.config.epochs} | {_duration(self.elapsed)} elapsed{left} | "
+            f"{self._cost_text()}"
         )
+
+    def _cost_text(self) -> str:
+        """ "this run" (measured; priced only on the instance's kind of hardware) and
+        "projected on I" (the estimate's step time x this run's steps), kept apart (issue 16:
+        CPU seconds are not accelerator seconds)."""
+        done, todo = self.progress()
+        measured = self.cost.this_run(self.elapsed)
+        if self.cost.billed_here:
+            projected = self.projected_cost()
+            measured = (
+                f"this run: ${self.cost.cost(self.elapsed):.4f} so far, ${projected:.4f} at "
+                f"completion (spot ${self.cost.spot(projected):.4f}) on {self.cost.instances} "
+                f"x {self.cost.price.name}, price as of {self.cost.price.as_of}"
+            )
+        return f"{measured} | {self.cost.projected_on(todo, done)}"
 
     def to_figure(self) -> go.Figure:
         return charts.figure(self)

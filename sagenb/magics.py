@@ -19,7 +19,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 
 from sagenb import cluster
-from sagenb.config import ConfigError, TrainConfig, flag_arguments
+from sagenb.config import ConfigError, TrainConfig, describe, flag_arguments
 from sagenb.export_script import TARGETS, ExportError, export
 from sagenb.job import JobError
 from sagenb.result import TrainResult
@@ -276,21 +276,42 @@ class SmpMagics(Magics):
 
     @cell_magic
     def smp_plan(self, line: str, cell: str) -> None:
-        """Show how `%%smp_train` with the same flags would cut the cell's model into pipeline
-        stages (cut points, memory and time per stage, the bubble), without training. The plan
-        is stored in the variable named by --out (default smp_plan_result)."""
+        """Answer, in seconds and without starting an engine, what `%%smp_train` with the same
+        flags would need on --instance: memory per rank and whether it fits, step time, hours
+        and dollars as ranges, and the assumptions (sagenb.estimate; the Estimate is stored in
+        `smp_estimate`). For --strategy model or hybrid, when an engine pool runs, the measured
+        partition plan follows (cut points, time and memory per stage, the bubble: sagenb.plan,
+        which profiles the blocks on one engine), stored in the variable named by --out
+        (default smp_plan_result); without a pool it says how to get it."""
         config = parse_train_line(line)
         if config is None:
+            return
+        from sagenb.estimates import estimate
+
+        pool = cluster.current_pool()
+        try:
+            est = estimate(cell, _plan_config(config, pool))
+        except (ConfigError, JobError) as exc:
+            raise UsageError(f"%%smp_plan: {exc}") from None
+        self._user_ns["smp_estimate"] = est
+        _show(est, est.figure)
+        if not describe(config.strategy).pipelined:
+            return
+        if pool is None:
+            print(
+                "the measured partition plan (cut points, time per stage) profiles the blocks "
+                "on an engine: %smp_cluster start, then %%smp_plan again (or sagenb.plan)"
+            )
             return
         from sagenb.planner import plan
 
         try:
-            result = plan(cell, config, pool=cluster.current_pool())
+            result = plan(cell, config, pool=pool)
         except (ConfigError, JobError) as exc:
             raise UsageError(f"%%smp_plan: {exc}") from None
         name = config.out if config.out != "smp_result" else "smp_plan_result"
         self._user_ns[name] = result
-        _show_plan(result)
+        _show(result, result.figure)
 
     @cell_magic
     def smp_export(self, line: str, cell: str) -> None:
@@ -305,14 +326,23 @@ class SmpMagics(Magics):
         print(exported.summary())
 
 
-def _show_plan(plan_result) -> None:
-    print(plan_result.table())
+def _plan_config(config: TrainConfig, pool: cluster.EnginePool | None) -> TrainConfig:
+    """The config the estimate uses: --engines, else what a run on the running pool would
+    use, else what the strategy starts a pool with."""
+    if config.engines is not None or pool is None:
+        return config
+    return config.with_engines(describe(config.strategy).engines_for(config, pool.size))
+
+
+def _show(answer: Any, figure: Any) -> None:
+    """The answer's text, and its chart where a kernel shows it."""
+    print(answer.table())
     from sagenb.dashboard import _in_kernel
 
     if _in_kernel():
         from IPython.display import display
 
-        display(plan_result.figure())
+        display(figure())
 
 
 def _guard(start: Any, *args: Any, **kwargs: Any) -> cluster.EnginePool:
@@ -338,3 +368,4 @@ def _print_status(pool: cluster.EnginePool) -> None:
 SmpMagics.smp_train.__doc__ = train_parser().format_help()
 SmpMagics.smp_cluster.__doc__ = cluster_parser().format_help()
 SmpMagics.smp_export.__doc__ = export_parser().format_help()
+SmpMagics.smp_plan.__doc__ = f"{SmpMagics.smp_plan.__doc__}\n{train_parser().format_help()}"

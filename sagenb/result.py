@@ -29,7 +29,11 @@ class TrainResult:
     wall_time_s: float
     #: seconds from submitting the run to the first step's metrics
     time_to_first_step_s: float
+    #: the measured time at --instance's price: what the run costs when the engines run on
+    #: that kind of hardware (cost_label says whether they did)
     cost_usd: float
+    #: "this run: ..." (measured; priced only on the instance's hardware) and "projected on
+    #: I: ..." (from the estimate, when one was made), kept apart
     cost_label: str
     engines: int
     device: str
@@ -77,7 +81,7 @@ class TrainResult:
         return (
             f"{status}{self.config.strategy} parallel: {len(self.history)} steps on "
             f"{self.engines} engines ({self.device}) in {self.wall_time_s:.1f} s, {loss}; "
-            f"est. {self.cost_label}"
+            f"{self.cost_label}"
         )
 
     def __repr__(self) -> str:

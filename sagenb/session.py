@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import secrets
+import sys
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -128,7 +129,9 @@ class _Run:
         self.pool, self.config, self.job = pool, config, job
         self.on_failure = on_failure
         self.engines = config.engines or pool.size
-        self.cost = meter_for(config, self.engines)
+        self.cost = meter_for(
+            config, self.engines, runs_on=_runs_on(pool), projection=_projection(job, config)
+        )
         self.history = History(self.engines, config.batch_size)
         self.dashboard = (
             _make_dashboard(config, self.cost, self.history, live) if config.dashboard else None
@@ -270,7 +273,10 @@ class _Run:
     def _cost(self, wall: float) -> tuple[float, str]:
         """What the run cost; a price the meter cannot use costs the result nothing."""
         try:
-            return self.cost.cost(wall), self.cost.label(wall)
+            rows = self.history.steps
+            total = next((r.values[keys.TOTAL_STEPS] for r in self.history.records), len(rows))
+            label = f"{self.cost.this_run(wall)}; {self.cost.projected_on(total, len(rows))}"
+            return self.cost.cost(wall), label
         except Exception as err:  # noqa: BLE001 - checked before the run; never lose it here
             note = f"the run's cost could not be computed: {type(err).__name__}: {err}"
             self.warnings.append(note)
@@ -535,6 +541,25 @@ def _died(ar: Any) -> bool:
         return False
     err = ar.exception()
     return isinstance(err, EngineError) or getattr(err, "ename", "") in DEAD_ENGINE
+
+
+def _runs_on(pool: cluster.EnginePool) -> str | None:
+    """What the engines run on, for the cost meter: a pool on this machine sees this
+    machine's hardware (its first GPU's name, else "cpu"); other hosts' is not known here."""
+    if pool.multi_host:
+        return None
+    import torch
+
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+
+
+def _projection(job: Job, config: TrainConfig) -> tuple[float, float] | None:
+    """Seconds per step on --instance from the last estimate of this job with these options
+    (%%smp_plan, sagenb.estimate), if one was made: a run never computes one itself, as that
+    would run the cell in the notebook."""
+    estimates = sys.modules.get("sagenb.estimates")
+    found = estimates.last_estimate(job, config) if estimates is not None else None
+    return found.step_time_s if found is not None else None
 
 
 def _make_dashboard(config: TrainConfig, cost: CostMeter, history: History, live: bool | None):

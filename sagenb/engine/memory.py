@@ -54,12 +54,18 @@ class _Saved:
 
 
 class MemoryMeter:
-    """Counts one engine's training memory; `track()` wraps each forward+backward."""
+    """Counts one engine's training memory; `track()` wraps each forward+backward.
+
+    The estimate (engine/footprint_trace.py) counts fake tensors with the same hooks, keyed
+    by a storage identity that fake storages have (they have no data pointer)."""
+
+    #: (a key identifying a tensor's memory, its bytes); key 0 is memory that is not counted
+    _storage_of = staticmethod(_storage_of)
 
     def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device):
         self.module, self.optimizer, self.device = module, optimizer, device
         self._params = list(module.parameters())  # final: the strategy has wrapped the model
-        self._param_storages = {local(p).untyped_storage().data_ptr() for p in self._params}
+        self._param_storages = {self._storage_of(p)[0] for p in self._params}
         self._live: dict[int, list[int]] = {}  # storage ptr -> [bytes, references]
         self._current = 0
         self.peak_activations = 0
@@ -78,7 +84,7 @@ class MemoryMeter:
         # catches the weights FSDP gathers for a block, whose storages are not the shards'
         if isinstance(tensor, nn.Parameter) or isinstance(tensor._base, nn.Parameter):
             return _Saved(tensor, None)
-        key, nbytes = _storage_of(tensor)
+        key, nbytes = self._storage_of(tensor)
         if key in self._param_storages or key == 0:
             return _Saved(tensor, None)
         entry = self._live.get(key)

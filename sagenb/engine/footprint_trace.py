@@ -1,0 +1,205 @@
+"""One fake forward and backward of the cell's model: what footprint.py attributes to ranks.
+
+Everything runs under torch's FakeTensorMode (torch._subclasses.fake_tensor): the cell's
+model, its dataset and the optimizer's state are tensors with shapes, dtypes and no storage,
+so a model of any size costs only its metadata. On one microbatch-shaped example:
+
+- FLOPs are counted by torch.utils.flop_counter.FlopCounterMode over forward and backward
+  (the recompute of --activation-checkpointing included, as it runs inside backward);
+- activations saved for backward are counted by engine/memory.py's MemoryMeter, the hooks the
+  engines count with (deduplicated by storage, parameters left out), keyed by the identity of
+  each fake storage instead of its data pointer (fake storages have none);
+- each new saved storage is also attributed to the pipeline stage whose blocks were running,
+  and marked "split" when tensor parallel would hold only 1/T of it (below);
+- the optimizer is the cell's `make_optimizer` (else AdamW, as engine/loop.py builds it),
+  stepped once on fake gradients, so its state is what the engines would hold.
+
+Split activations: a column-wise layer's output is divided among the T engines of a tensor-
+parallel group, and so is everything computed from it until a row-wise layer's output, which
+the all-reduce makes whole again (Megatron-LM, arXiv:1909.08053, section 3). A dispatch mode
+propagates the mark from the inputs of every aten op to its outputs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.flop_counter import FlopCounterMode
+
+from sagenb.engine.memory import MemoryMeter
+
+__all__ = ["Trace", "trace_step", "optimizer_state", "storage_key"]
+
+
+def storage_key(tensor: torch.Tensor) -> tuple[int, int]:
+    """(the identity of a fake or real tensor's storage, its bytes): views share the key."""
+    try:
+        storage = tensor.untyped_storage()
+        return StorageWeakRef(storage).cdata, storage.nbytes()
+    except (RuntimeError, NotImplementedError):
+        return id(tensor), tensor.numel() * tensor.element_size()
+
+
+@dataclass
+class Trace:
+    """What one microbatch costs, before any attribution to ranks."""
+
+    #: FLOPs of forward + backward (+ recompute) of the example
+    flops: float = 0.0
+    #: peak bytes saved for backward, as engine/memory.py counts them
+    peak_activations: float = 0.0
+    #: bytes saved for backward by forward position (a block index; len(blocks) after the
+    #: last), split into [whole, split by tensor parallel]
+    saved: dict[int, list[float]] = field(default_factory=dict)
+    #: bytes of each block's output (the tensor a pipeline cut sends)
+    block_out: dict[int, float] = field(default_factory=dict)
+    #: tensor parallel's all-reduced bytes: row-wise outputs (forward), column-wise inputs'
+    #: gradients (backward)
+    rowwise_out: float = 0.0
+    colwise_in: float = 0.0
+
+
+class _Meter(MemoryMeter):
+    """engine/memory.py's counting, on fake storages, also attributing each new storage."""
+
+    _storage_of = staticmethod(storage_key)
+
+    def __init__(self, module: nn.Module, trace: Trace, tags: _Tags) -> None:
+        super().__init__(module, None, torch.device("cpu"))  # type: ignore[arg-type]
+        self.trace, self.tags, self.position = trace, tags, 0
+        self.forward = True
+
+    def _pack(self, tensor: torch.Tensor) -> Any:
+        before = len(self._live)
+        saved = super()._pack(tensor)
+        if self.forward and saved.key is not None and len(self._live) > before:
+            nbytes = self._live[saved.key][0]
+            entry = self.trace.saved.setdefault(self.position, [0.0, 0.0])
+            entry[1 if self.tags.has(tensor) else 0] += nbytes
+        return saved
+
+
+class _Tags(TorchDispatchMode):
+    """Storages tensor parallel would split: marked at column-wise outputs, spread through
+    every op to its outputs, cleared at row-wise outputs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._marked: dict[int, StorageWeakRef] = {}
+
+    def has(self, tensor: torch.Tensor) -> bool:
+        key = storage_key(tensor)[0]
+        ref = self._marked.get(key)
+        return ref is not None and not ref.expired()
+
+    def mark(self, value: Any, on: bool = True) -> None:
+        for t in tree_leaves(value):
+            if torch.is_tensor(t):
+                key = storage_key(t)[0]
+                if on:
+                    self._marked[key] = StorageWeakRef(t.untyped_storage())
+                else:
+                    self._marked.pop(key, None)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self._marked and any(
+            self.has(t) for t in tree_leaves((args, kwargs)) if torch.is_tensor(t)
+        ):
+            self.mark(out)
+        return out
+
+
+def _nbytes(value: Any) -> float:
+    return float(
+        sum(t.numel() * t.element_size() for t in tree_leaves(value) if torch.is_tensor(t))
+    )
+
+
+def _hooks(
+    blocks: Sequence[nn.Module],
+    split: dict[nn.Module, str],
+    meter: _Meter,
+    trace: Trace,
+    tags: _Tags,
+) -> list[Any]:
+    """Forward hooks: the position (block) running, each block's output bytes, and where
+    tensor parallel splits and joins activations."""
+    handles = []
+    for i, block in enumerate(blocks):
+
+        def enter(_m, _a, i=i):
+            meter.position = i
+
+        def leave(_m, _a, out, i=i):
+            meter.position = i + 1
+            trace.block_out[i] = _nbytes(out)
+
+        handles += [block.register_forward_pre_hook(enter), block.register_forward_hook(leave)]
+    for module, kind in split.items():
+
+        def done(_m, args, out, kind=kind):
+            if kind == "colwise":
+                trace.colwise_in += _nbytes(args)
+                tags.mark(out)
+            else:
+                trace.rowwise_out += _nbytes(out)
+                tags.mark(out, on=False)
+
+        handles.append(module.register_forward_hook(done))
+    return handles
+
+
+def trace_step(
+    model: nn.Module,
+    blocks: Sequence[nn.Module],
+    split: dict[nn.Module, str],
+    run: Callable[[], torch.Tensor],
+    autocast: Any,
+) -> Trace:
+    """Forward and backward of `run()` (the loss of one microbatch) under the counters; to be
+    called inside FakeTensorMode."""
+    trace, tags = Trace(), _Tags()
+    meter = _Meter(model, trace, tags)
+    handles = _hooks(blocks, split, meter, trace, tags)
+    try:
+        with FlopCounterMode(display=False) as flops, tags:
+            with meter.track():
+                with autocast:
+                    loss = run()
+                meter.forward = False
+                loss.backward()
+    finally:
+        for h in handles:
+            h.remove()
+    trace.flops = float(flops.get_total_flops())
+    trace.peak_activations = float(meter.peak_activations)
+    return trace
+
+
+def optimizer_state(
+    params: list[nn.Parameter], make: Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+) -> dict[nn.Parameter, list[tuple[int, bool]]]:
+    """Per parameter, the optimizer state it gets after one step: (bytes, shaped like the
+    parameter, so sharded with it). Call inside FakeTensorMode."""
+    optimizer = make(params)
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    state = {}
+    for p in params:
+        entries = optimizer.state.get(p, {})
+        state[p] = [
+            (v.numel() * v.element_size(), v.shape == p.shape)
+            for v in entries.values()
+            if torch.is_tensor(v)
+        ]
+        p.grad = None
+    return state

@@ -1,0 +1,191 @@
+"""The estimate before a run (issue 16): the fit verdict and its advice, the time and cost
+ranges, the hardware table and its override, bad input, %%smp_plan without a pool, and the
+live cost's "this run" / "projected on I" labels. Every estimate here is the real footprint
+of the cell on fake tensors: no engine starts (the pool is checked before and after)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from IPython.core.error import UsageError
+from IPython.core.interactiveshell import InteractiveShell
+
+import sagenb
+from sagenb import cluster
+from sagenb import metric_keys as keys
+from sagenb.config import ConfigError, TrainConfig
+from sagenb.cost import CostMeter, instance_price
+from sagenb.dashboard import Dashboard
+from sagenb.examples import gpt_cell
+from sagenb.hardware import hardware_table
+from sagenb.step_model import MFU_RANGE, memory_limit_mib
+
+from .conftest import REGRESSION_CELL
+from .models import GPT_CELL
+
+P4D = "ml.p4d.24xlarge"
+#: a GPT whose activations at a global batch of 1024 (128 samples of 2048 tokens per rank)
+#: overflow an A100's 40 GB in fp32, and fit with activation checkpointing
+WIDE_GPT = gpt_cell(layers=4, width=1024, heads=16, vocab=1024, context=2048, samples=4096)
+
+
+@pytest.fixture
+def no_pool():
+    """The estimate must never start engines: none runs before, none after."""
+    cluster.stop_pool()
+    yield
+    assert cluster.current_pool() is None, "an estimate started an engine pool"
+
+
+def test_a_small_gpt_fits_and_every_figure_is_a_range(no_pool):
+    est = sagenb.estimate(GPT_CELL, instance=P4D, engines=8, batch_size=64, steps=100)
+    assert est.fits and est.advice is None
+    assert len(est.ranks) == 8
+    assert set(est.ranks[0]) >= {keys.memory(k) for k in keys.MEMORY_KINDS}
+    for low, high in (est.step_time_s, est.hours, est.cost_usd, est.spot_usd):
+        assert 0 < low <= high
+    price = instance_price(P4D)
+    assert est.hours[1] == pytest.approx(100 * est.step_time_s[1] / 3600)
+    assert est.cost_usd[1] == pytest.approx(est.hours[1] * price.usd_per_hour)  # 8 GPUs, 1 box
+    assert est.spot_usd[1] == pytest.approx(0.3 * est.cost_usd[1])
+    text = repr(est)
+    for assumption in ("MFU 0.3-0.5", "19.5 TFLOPS fp32", "usable", "GB/s per rank"):
+        assert assumption in text
+    assert "arXiv:2204.02311" in text and price.as_of in text
+
+
+def test_the_time_scales_with_the_instances_as_the_model_says(no_pool):
+    est = sagenb.estimate(GPT_CELL, instance=P4D, engines=8, batch_size=64, steps=100)
+    peak = hardware_table()[P4D].peak("fp32") * 1e12
+    rows = {row.instances: row for row in est.scaling}
+    assert sorted(rows) == [1, 2, 4, 8]
+    for k, row in rows.items():
+        assert row.engines == 8 * k
+        compute_low = est.flops_per_step / (row.engines * peak * MFU_RANGE[1])
+        compute_high = est.flops_per_step / (row.engines * peak * MFU_RANGE[0])
+        low, high = row.step_time_s
+        assert low >= compute_low * (1 - 1e-9) and high >= compute_high * (1 - 1e-9)
+        assert row.cost_usd[0] == pytest.approx(k * instance_price(P4D).usd_per_hour * row.hours[0])
+    # one instance: all traffic on NVLink; from two on, the ring crosses EFA
+    assert rows[1].step_time_s == pytest.approx(est.step_time_s)
+
+
+def test_a_model_that_does_not_fit_says_what_would(no_pool):
+    est = sagenb.estimate(WIDE_GPT, instance=P4D, engines=8, batch_size=1024, steps=10)
+    assert not est.fits
+    worst = max(est.rank_totals())
+    assert worst > memory_limit_mib(est.hardware)
+    # bf16 is tried first (autocast keeps fp32 copies: not enough here), then checkpointing
+    assert est.advice and "it would fit with --activation-checkpointing" in est.advice
+    assert "does NOT fit" in est.table()
+
+
+def test_an_own_hardware_table_replaces_the_package_one(tmp_path, no_pool):
+    table = {
+        "as_of": "2099-01",
+        "instances": {
+            P4D: {
+                "accelerator": "doubled A100",
+                "accelerators": 8,
+                "fp32_tflops": 39.0,
+                "accelerator_memory_gib": 40,
+                "intra_instance_gb_s": 300,
+                "inter_instance_gbit_s": 400,
+                "sources": ["my own measurements"],
+            }
+        },
+    }
+    path = tmp_path / "hardware.json"
+    path.write_text(json.dumps(table))
+    base = sagenb.estimate(GPT_CELL, instance=P4D, engines=1, batch_size=64, steps=10)
+    mine = sagenb.estimate(
+        GPT_CELL, instance=P4D, engines=1, batch_size=64, steps=10, hardware_table=str(path)
+    )
+    assert mine.step.compute_s[1] == pytest.approx(base.step.compute_s[1] / 2)
+    assert "2099-01" in mine.table() and "my own measurements" in mine.table()
+    path = tmp_path / "bad.json"  # (tables are cached by path, as price tables are)
+    path.write_text(json.dumps({"instances": {P4D: {"accelerators": 8}}}))
+    with pytest.raises(ConfigError, match=r"--hardware-table .*accelerator_memory_gib"):
+        sagenb.estimate(GPT_CELL, instance=P4D, engines=1, batch_size=64, hardware_table=str(path))
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"instance": "ml.x9.huge"}, r"--instance 'ml.x9.huge': must be one of"),
+        (
+            {"instance": "ml.c5.xlarge", "precision": "bf16"},
+            r"--precision 'bf16': --instance ml.c5.xlarge .*has no bf16 peak",
+        ),
+        (
+            {"strategy": "model", "partitions": 2, "engines": 3},
+            r"--engines 3|--batch-size",
+        ),
+        ({"strategy": "tensor", "engines": 4, "tensor_parallel": 3}, r"--tensor-parallel 3"),
+        ({"engines": 3, "batch_size": 64}, r"--batch-size 64: must be divisible"),
+    ],
+)
+def test_bad_input_is_a_clear_error_before_anything_runs(options, message, tmp_path, no_pool):
+    marker = tmp_path / "ran"
+    cell = f"open({str(marker)!r}, 'w').close()\n" + GPT_CELL
+    with pytest.raises(ConfigError, match=message):
+        sagenb.estimate(cell, **{"batch_size": 64, **options})
+    assert not marker.exists(), "the cell ran before the bad option was refused"
+
+
+@pytest.fixture(scope="module")
+def shell():
+    ip = InteractiveShell.instance()
+    ip.run_line_magic("load_ext", "sagenb")
+    return ip
+
+
+def test_the_magic_answers_without_a_pool(shell, capsys, no_pool):
+    line = f"--instance {P4D} --engines 16 --strategy sharded --batch-size 64 --steps 10"
+    shell.run_cell_magic("smp_plan", line, GPT_CELL)
+    out = capsys.readouterr().out
+    assert "estimate: sharded on 16 engines = 2 x ml.p4d.24xlarge" in out
+    assert "fits:" in out and "assumptions:" in out and "on-demand" in out
+    assert isinstance(shell.user_ns["smp_estimate"], sagenb.Estimate)
+    shell.run_cell_magic("smp_plan", "--strategy model --partitions 2 --batch-size 32", GPT_CELL)
+    assert "%smp_cluster start, then %%smp_plan again" in capsys.readouterr().out
+    with pytest.raises(UsageError, match=r"%%smp_plan: --precision 'bf16'.*ml.c5.xlarge"):
+        shell.run_cell_magic("smp_plan", "--instance ml.c5.xlarge --precision bf16", GPT_CELL)
+
+
+def test_the_live_cost_keeps_this_run_and_the_projection_apart():
+    p4d = instance_price(P4D)
+    here = CostMeter(p4d, 2, runs_on="cpu")
+    assert not here.billed_here
+    assert here.this_run(1.5) == "this run: 1.5 s on cpu (not a ml.p4d.24xlarge: not priced as one)"
+    assert "no estimate" in here.projected_on(10)
+    on_a100 = CostMeter(p4d, 8, runs_on="NVIDIA A100-SXM4-40GB", projection=(0.5, 1.0))
+    assert on_a100.billed_here and on_a100.this_run(3600).startswith("this run: $37.6880 on 1")
+    assert on_a100.projected_on(100, 25) == (
+        "projected on 1 x ml.p4d.24xlarge: 50-100 s, $0.5234-$1.0469 (estimate, 25/100 steps done)"
+    )
+    assert CostMeter(instance_price("ml.c5.xlarge"), 1, runs_on="cpu").billed_here
+    assert not CostMeter(p4d, 8, runs_on="NVIDIA H200").billed_here
+    config = TrainConfig(engines=2, batch_size=8)
+    board = Dashboard(config, CostMeter(p4d, 2, runs_on="cpu", projection=(0.1, 0.2)), live=False)
+    board.log({"step": 1, "total_steps": 4, "epoch": 0, "loss": 1.0, "lr": 0.1}, 1, 0)
+    board.elapsed = 1.5
+    header = board.header_text()
+    assert "this run: 1.5 s on cpu (not a ml.p4d.24xlarge" in header
+    assert (
+        "projected on 1 x ml.p4d.24xlarge: 0.4-0.8 s" in header
+        and "$" not in header.split("this run")[1].split("|")[0]
+    )
+
+
+def test_a_run_after_an_estimate_is_projected_from_it(pool):
+    options = dict(engines=2, batch_size=32, steps=4, dashboard=False)
+    est = sagenb.estimate(REGRESSION_CELL, **options)
+    result = sagenb.train(REGRESSION_CELL, **options)
+    summary = result.summary()
+    assert "this run:" in summary and f"on cpu (not a {P4D}" in summary
+    low, high = (4 * s for s in est.step_time_s)
+    assert f"projected on 1 x {P4D}: {low:.3g}-{high:.3g} s" in summary
+    plain = sagenb.train(REGRESSION_CELL, **{**options, "steps": 2})
+    assert "projected on ml.p4d.24xlarge: no estimate" in plain.summary()
