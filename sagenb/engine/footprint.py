@@ -202,8 +202,7 @@ def _assemble(m: _Model, trace: Trace, ranks: _Ranks) -> Footprint:
         grads = sum(p.element_size() * n for p, n in held.items())
         opt = sum(
             nbytes * n / p.numel() if shaped else nbytes
-            for p, n in held.items()
-            if n
+            for p, n in held.items()  # an empty shard still has its step count
             for nbytes, shaped in m.state[p]
         )
         params = sum(p.element_size() * n for p, n in held.items())
