@@ -425,9 +425,10 @@ def _boundary(trace: Trace, starts: list[int], s: int) -> float:
 
 def _in_flight(cfg: EngineConfig, position: int) -> float:
     """Microbatches whose activations one engine holds at once, per stage it runs: GPipe
-    all M; 1F1B P - position, plus one on the first stage (its warm-up, Narayanan et al. 2021, arXiv:2104.04473, 2.2);
-    interleaved, torch's warm-up of (v - 1) P + 2 (P - 1 - position) + 1 chunk-microbatches
-    spread over the v chunks (an approximation)."""
+    all M; 1F1B P - position (its warm-up, Narayanan et al. 2021, arXiv:2104.04473, 2.2),
+    plus one on the first stage (measured, below); interleaved, torch's warm-up of
+    (v - 1) P + 2 (P - 1 - position) + 1 chunk-microbatches spread over the v chunks (an
+    approximation, not measured)."""
     M, P = cfg.microbatches, cfg.partitions
     if cfg.schedule == "gpipe":
         return float(M)
