@@ -100,7 +100,9 @@ def compare(label: str, options: dict, engines: int, steps: int, train: bool) ->
     row["measured"] = real
     errors = {}
     for k in KINDS:
-        errors[k] = max(abs(e[k] - m[k]) / m[k] if m[k] else abs(e[k]) for e, m in zip(est.ranks, real))
+        errors[k] = max(
+            abs(e[k] - m[k]) / m[k] if m[k] else abs(e[k]) for e, m in zip(est.ranks, real)
+        )
     row["max_rel_error"] = errors
     row["within"] = all(errors[k] <= LIMITS.get(k, 0.02) for k in KINDS)
     return row
@@ -124,7 +126,9 @@ def flops_check() -> dict:
 def big_check() -> dict:
     out = subprocess.run(
         [sys.executable, "-c", BIG_SCRIPT, json.dumps(BIG)],
-        capture_output=True, text=True, check=True,
+        capture_output=True,
+        text=True,
+        check=True,
     )
     found = json.loads(out.stdout.strip().splitlines()[-1])
     found["config"] = dict(BIG, strategy="sharded", engines=8, batch_size=64, precision="bf16")
@@ -150,7 +154,8 @@ def table(results: dict) -> str:
         cells = [f"{errs[k]:.1%}" if errs else "-" for k in KINDS]
         within = "yes" if row.get("within") else ("-" if errs is None else "NO")
         lines.append(
-            f"| {row['case']} | {row['engines']} | " + " | ".join(cells)
+            f"| {row['case']} | {row['engines']} | "
+            + " | ".join(cells)
             + f" | {within} | {row['estimate_s']:.1f} |"
         )
     fl, big = results["flops"], results["big"]
@@ -164,7 +169,8 @@ def table(results: dict) -> str:
         f"{big['estimate_s']:.1f} s after {big['import_s']:.1f} s of imports "
         f"({big['total_s']:.1f} s in all), peak RSS {big['peak_rss_MiB']:.0f} MiB "
         f"({'within' if big['within'] else 'OUTSIDE'} 30 s / 2 GiB). Rank 0: "
-        + ", ".join(f"{short[k]} {big['rank0'][k]:.0f} MiB" for k in KINDS) + ".",
+        + ", ".join(f"{short[k]} {big['rank0'][k]:.0f} MiB" for k in KINDS)
+        + ".",
     ]
     return "\n".join(lines) + "\n"
 

@@ -202,8 +202,7 @@ def _assemble(m: _Model, trace: Trace, ranks: _Ranks) -> Footprint:
         grads = sum(p.element_size() * n for p, n in held.items())
         opt = sum(
             nbytes * n / p.numel() if shaped else nbytes
-            for p, n in held.items()
-            if n
+            for p, n in held.items()  # an empty shard still has its step count
             for nbytes, shaped in m.state[p]
         )
         params = sum(p.element_size() * n for p, n in held.items())
@@ -426,19 +425,21 @@ def _boundary(trace: Trace, starts: list[int], s: int) -> float:
 
 def _in_flight(cfg: EngineConfig, position: int) -> float:
     """Microbatches whose activations one engine holds at once, per stage it runs: GPipe
-    all M; 1F1B P - position, plus one on the first stage (its warm-up, Narayanan et al. 2021, arXiv:2104.04473, 2.2);
-    interleaved, torch's warm-up of (v - 1) P + 2 (P - 1 - position) + 1 chunk-microbatches
-    spread over the v chunks (an approximation)."""
+    all M; 1F1B P - position (its warm-up, Narayanan et al. 2021, arXiv:2104.04473, 2.2),
+    plus one on the first stage (measured, below); interleaved, torch's warm-up of
+    (v - 1) P + 2 (P - 1 - position) + 1 chunk-microbatches spread over the v chunks (an
+    approximation, not measured)."""
     M, P = cfg.microbatches, cfg.partitions
     if cfg.schedule == "gpipe":
         return float(M)
     if cfg.schedule == "interleaved":
         v = cfg.stages // P
         return min(M * v, (v - 1) * P + 2 * (P - 1 - position) + 1) / v
-    # the first stage's count holds one microbatch more than its warm-up on the engines
-    # (measured, benchmarks/results/estimate_accuracy.md: 3 of 4 for P = 2, 5 of 8 for P = 4;
-    # the later stages hold exactly P - position)
-    return float(min(M, P - position + (position == 0)))
+    # the engines count one microbatch more on the first stage than its warm-up holds, even
+    # beyond M (measured, benchmarks/results/estimate_accuracy.md: 3 for P = 2, M = 4; 5 for
+    # P = 4, M = 4; the later stages hold exactly P - position). Not explained yet: saved
+    # tensors of finished microbatches the hooks never see unpacked, most likely
+    return float(min(M, P - position) + (position == 0))
 
 
 _RULES: dict[str, Callable[[], _Attribution]] = {

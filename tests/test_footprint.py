@@ -1,0 +1,146 @@
+"""The estimate's attribution (sagenb/engine/footprint.py, issue 16): hand-computed bytes per
+rank for each strategy, FLOPs against torch's counter on a real run, nothing allocated for a
+big model, clear errors, and one comparison with the engines' own accounting."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+import sagenb
+from sagenb import metric_keys as keys
+from sagenb.config import ConfigError, EngineConfig
+from sagenb.engine.footprint import chunk_sizes, footprint
+from sagenb.examples import gpt_cell
+from tests.conftest import REGRESSION_CELL, SGD_MOMENTUM
+
+MIB = 2**20
+F32 = 4
+SEQUENTIAL = """
+import torch
+from torch import nn
+model = nn.Sequential(*(nn.Linear(8, 8) for _ in range(4)))
+X = torch.randn(64, 8)
+dataset = torch.utils.data.TensorDataset(X, X)
+loss_fn = nn.functional.mse_loss
+"""
+
+
+def _bytes(fp, rank: int, key: str) -> float:
+    return fp.ranks[rank][key] * MIB
+
+
+def test_chunk_sizes_are_torch_chunks():
+    for size, parts in ((16, 2), (1, 2), (10, 4), (7, 3), (0, 2)):
+        pieces = [len(c) for c in torch.arange(size).chunk(parts)] if size else []
+        assert chunk_sizes(size, parts) == pieces + [0] * (parts - len(pieces))
+
+
+def test_data_parallel_holds_everything_with_adamw_state():
+    fp = footprint(REGRESSION_CELL, EngineConfig(strategy="data", batch_size=32), 2)
+    params = 8 * 16 + 16 + 16 + 1
+    assert fp.params == params
+    for r in range(2):
+        assert _bytes(fp, r, keys.MEMORY_PARAMS) == params * F32
+        assert _bytes(fp, r, keys.MEMORY_GRADS) == params * F32
+        # AdamW's exp_avg and exp_avg_sq, and one fp32 step count per parameter tensor
+        assert _bytes(fp, r, keys.MEMORY_OPTIMIZER) == 2 * params * F32 + 4 * F32
+        assert fp.comm_bytes_per_step[r] == {"all_reduce": params * F32}  # 2(N-1)/N = 1
+
+
+def test_sharded_splits_dim0_as_fsdp_and_sgd_momentum_keeps_one_buffer():
+    fp = footprint(REGRESSION_CELL + SGD_MOMENTUM, EngineConfig(strategy="sharded"), 2)
+    # Linear(8,16): weight rows 8 | 8, bias 8 | 8; Linear(16,1): weight row 1 | 0, bias 1 | 0
+    held = [8 * 8 + 8 + 16 + 1, 8 * 8 + 8]
+    for r in range(2):
+        assert _bytes(fp, r, keys.MEMORY_PARAMS) == held[r] * F32
+        assert _bytes(fp, r, keys.MEMORY_OPTIMIZER) == held[r] * F32  # the momentum buffer
+    whole = (8 * 16 + 16 + 16 + 1) * F32
+    assert fp.comm_bytes_per_step[0] == {"all_gather": whole, "reduce_scatter": whole / 2}
+
+
+def test_tensor_parallel_splits_the_planned_layers():
+    cell = gpt_cell(layers=1, width=8, heads=2, vocab=16, context=4, samples=8)
+    fp = footprint(cell + SGD_MOMENTUM, EngineConfig(strategy="tensor", batch_size=4), 2)
+    attention = 3 * (4 * 8 + 4) + 8 * 4 + 8  # q, k, v column-wise; proj row-wise, bias whole
+    mlp = 16 * 8 + 16 + 8 * 16 + 8  # up column-wise, down row-wise
+    whole = 16 * 8 + 4 * 8 + 3 * (8 + 8)  # tied embedding/head, positions, 3 LayerNorms
+    assert fp.params == 2 * (attention - 8) + 8 + 2 * (mlp - 8) + 8 + whole
+    for r in range(2):
+        assert _bytes(fp, r, keys.MEMORY_PARAMS) == (attention + mlp + whole) * F32
+
+
+def test_pipeline_stages_hold_their_blocks():
+    config = EngineConfig(strategy="model", partitions=2, partition_by="uniform", batch_size=8)
+    fp = footprint(SEQUENTIAL + SGD_MOMENTUM, config, 2)
+    for r in range(2):
+        assert _bytes(fp, r, keys.MEMORY_PARAMS) == 2 * (64 + 8) * F32
+        assert fp.ranks[r][keys.MEMORY_ACTIVATIONS] > 0
+    # stage 0 sends its output forward, stage 1 the gradient back: 4 microbatches of 2 x 8
+    assert fp.comm_bytes_per_step[0]["p2p"] == 4 * 2 * 8 * F32
+
+
+def test_flops_equal_torchs_counter_on_a_real_run():
+    fp = footprint(SEQUENTIAL, EngineConfig(strategy="data", batch_size=16), 2)
+    ns: dict = {}
+    torch.manual_seed(0)
+    exec(SEQUENTIAL, ns)
+    x, y = ns["dataset"][:16]
+    with FlopCounterMode(display=False) as counter:
+        nn.functional.mse_loss(ns["model"](x), y).backward()
+    assert fp.flops_per_step == counter.get_total_flops()
+
+
+def test_a_big_model_is_never_allocated():
+    # 0.47B parameters: 1.9 GB in fp32 if it were built; estimated in a fresh process
+    cell = gpt_cell(layers=8, width=2048, heads=16, vocab=50304, context=512, samples=64)
+    script = (
+        "import json, resource, sys\n"
+        "from sagenb.config import EngineConfig\n"
+        "from sagenb.engine.footprint import footprint\n"
+        "f = footprint(sys.argv[1], EngineConfig(strategy='sharded', batch_size=8), 8)\n"
+        "print(json.dumps([f.params, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss]))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script, cell], capture_output=True, text=True, check=True
+    )
+    params, rss_kib = json.loads(out.stdout.strip().splitlines()[-1])
+    assert params > 4e8
+    assert rss_kib * 1024 < 1.0 * 2**30  # torch's import is most of it
+
+
+@pytest.mark.parametrize(
+    "options, engines",
+    [
+        (dict(strategy="tensor", tensor_parallel=2), 3),
+        (dict(strategy="model", partitions=2), 4),
+        (dict(strategy="data", batch_size=32), 3),
+        (dict(strategy="data"), 0),
+    ],
+)
+def test_a_world_size_the_strategy_cannot_use_names_engines(options, engines):
+    with pytest.raises(ConfigError, match="engines"):
+        footprint(REGRESSION_CELL, EngineConfig(**options), engines)
+
+
+@pytest.mark.parametrize("strategy", ["data", "sharded"])
+def test_footprint_agrees_with_the_engines_accounting(pool, strategy):
+    cell = gpt_cell(layers=2, width=64, vocab=128, context=32, samples=64)
+    fp = footprint(cell, EngineConfig(strategy=strategy, batch_size=16), 2)
+    result = sagenb.train(
+        cell, strategy=strategy, batch_size=16, steps=2, dashboard=False, pool=pool
+    )
+    for rec in result.metrics:
+        for key, limit in (
+            (keys.MEMORY_PARAMS, 0.02),
+            (keys.MEMORY_GRADS, 0.02),
+            (keys.MEMORY_OPTIMIZER, 0.02),
+            (keys.MEMORY_ACTIVATIONS, 0.20),
+        ):
+            assert fp.ranks[rec.rank][key] == pytest.approx(rec.values[key], rel=limit), key
