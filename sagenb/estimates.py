@@ -359,7 +359,7 @@ def _candidates(config: TrainConfig, hw: Hardware) -> list[tuple[str, dict[str, 
         singles.append(("--precision bf16", {"precision": "bf16"}))
     if not config.activation_checkpointing:
         singles.append(("--activation-checkpointing", {"activation_checkpointing": True}))
-    if config.strategy == "data":
+    if describe(config.strategy).layout_kind == "replicated":  # every rank holds it all
         singles.append(("--strategy sharded", {"strategy": "sharded"}))
     together: dict[str, Any] = {}
     for _, options in singles:

@@ -39,7 +39,8 @@ def no_pool():
 
 
 def test_a_small_gpt_fits_and_every_figure_is_a_range(no_pool):
-    est = sagenb.estimate(GPT_CELL, instance=P4D, engines=8, batch_size=64, steps=100)
+    # 100 steps in all: --steps, with epochs enough for them over the cell's 128 samples
+    est = sagenb.estimate(GPT_CELL, instance=P4D, engines=8, batch_size=64, steps=100, epochs=50)
     assert est.fits and est.advice is None
     assert len(est.ranks) == 8
     assert set(est.ranks[0]) >= {keys.memory(k) for k in keys.MEMORY_KINDS}

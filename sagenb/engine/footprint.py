@@ -46,7 +46,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from sagenb import metric_keys as keys
-from sagenb.config import ConfigError, EngineConfig, describe
+from sagenb.config import ConfigError, EngineConfig, describe, strategy_names
 from sagenb.engine.balance import static_profile
 from sagenb.engine.blocks import find_blocks
 from sagenb.engine.cuts import choose_cuts
@@ -86,6 +86,15 @@ class Footprint:
     tokens_per_step: int | None
     #: the assumptions made, in words
     notes: list[str] = field(default_factory=list)
+    #: samples in the cell's dataset (the steps of an epoch follow from it), None if unsized
+    samples: int | None = None
+
+
+def _samples(dataset: Any) -> int | None:
+    try:
+        return len(dataset)
+    except TypeError:
+        return None
 
 
 def chunk_sizes(size: int, parts: int) -> list[int]:
@@ -227,6 +236,7 @@ def _assemble(m: _Model, trace: Trace, ranks: _Ranks) -> Footprint:
         comm_bytes_per_step=ranks.comm,
         params=sum(p.numel() for p in m.ws.model.parameters()),
         tokens_per_step=tokens,
+        samples=_samples(m.ws.dataset),
         notes=m.notes,
     )
 
@@ -442,21 +452,24 @@ def _in_flight(cfg: EngineConfig, position: int) -> float:
     return float(min(M, P - position) + (position == 0))
 
 
+#: how the bytes of a layout are attributed to ranks; a strategy names its layout in its
+#: description (`Description.layout_kind`)
 _RULES: dict[str, Callable[[], _Attribution]] = {
-    "data": _Data,
+    "replicated": _Data,
     "sharded": _Sharded,
     "tensor": _Tensor,
+    "pipeline": _Pipeline,
 }
 
 
 def _attribution(config: EngineConfig) -> _Attribution:
-    """The rule for `config`'s strategy: pipelines by their description, the others by name
-    (a strategy added without a rule here has no estimate)."""
+    """The rule for the layout `config`'s strategy describes (a strategy that names none
+    has no estimate)."""
     strategy = describe(config.strategy)
-    if strategy.pipelined:
-        return _Pipeline()
-    if strategy.name not in _RULES:
+    rule = _RULES.get(strategy.layout_kind or "")
+    if rule is None:
+        with_rule = [n for n in strategy_names() if describe(n).layout_kind in _RULES]
         raise ConfigError(
-            "strategy", strategy.name, f"has no estimate; one of {', '.join(_RULES)}, model, hybrid"
+            "strategy", strategy.name, f"has no estimate; one of {', '.join(with_rule)} has"
         )
-    return _RULES[strategy.name]()
+    return rule()

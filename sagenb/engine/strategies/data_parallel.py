@@ -118,6 +118,7 @@ class DataParallelDescription(Description):
     summary = "data parallel (DDP): the whole model on every engine"
     menu_order = 0
     syncs_norm = True
+    layout_kind = "replicated"
 
     def build(
         self, config: EngineConfig, *, rank: int, world_size: int, device: torch.device

@@ -407,6 +407,7 @@ class PipelineDescription(Description):
     """Pipelines: `model` (one pipeline) and `hybrid` (data parallel across pipelines)."""
 
     pipelined = True
+    layout_kind = "pipeline"
     own_options = ("partitions",)
 
     def check(self, config: EngineConfig) -> None:

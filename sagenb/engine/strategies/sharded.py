@@ -89,6 +89,7 @@ class ShardedDescription(Description):
     menu_order = 30
     syncs_norm = True
     own_options = ("reshard_after_forward",)
+    layout_kind = "sharded"
 
     def layout(self, config: EngineConfig, engines: int) -> str:
         zero = "ZeRO-3" if config.reshard_after_forward else "ZeRO-2"

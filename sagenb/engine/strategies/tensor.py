@@ -90,6 +90,7 @@ class TensorDescription(Description):
     summary = "tensor parallel: Linear layers split across --tensor-parallel engines"
     menu_order = 40
     own_options = ("tensor_parallel",)
+    layout_kind = "tensor"
 
     def check(self, config: EngineConfig) -> None:
         tp = config.tensor_parallel
