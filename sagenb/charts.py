@@ -145,6 +145,9 @@ def _smoothed(values: list[float]) -> list[float]:
     out: list[float] = []
     value = None
     for v in values:
+        if math.isnan(v):  # a step whose loss was lost with its engine: a gap, not a NaN trail
+            out.append(v)
+            continue
         value = v if value is None else SMOOTHING * value + (1 - SMOOTHING) * v
         out.append(value)
     return out
