@@ -35,7 +35,17 @@ if TYPE_CHECKING:
     from sagenb.cost import CostMeter
     from sagenb.metrics import History
 
-__all__ = ["Board", "Panel", "Trace", "PANELS", "traces", "figure", "trace_data", "SMOOTHING"]
+__all__ = [
+    "Board",
+    "Panel",
+    "Trace",
+    "PANELS",
+    "traces",
+    "figure",
+    "trace_data",
+    "smoothed",
+    "SMOOTHING",
+]
 
 SMOOTHING = 0.9  # exponential moving average of the global loss (TensorBoard's default 0.6-0.9)
 MEMORY_COLOURS = ("#4C78A8", "#F58518", "#54A24B", "#B279A2")  # one per keys.MEMORY_KINDS
@@ -141,7 +151,7 @@ def _line(x: Sequence[float], y: Sequence[float]) -> dict[str, np.ndarray]:
     return {"x": np.asarray(x, dtype=float), "y": np.asarray(y, dtype=float)}
 
 
-def _smoothed(values: list[float]) -> list[float]:
+def smoothed(values: list[float]) -> list[float]:
     out: list[float] = []
     value = None
     for v in values:
@@ -202,7 +212,7 @@ def _replica(snap: Snapshot, r: int) -> dict[str, np.ndarray]:
 
 
 def _smoothed_loss(snap: Snapshot) -> dict[str, np.ndarray]:
-    return snap.per_step(_smoothed([row[keys.LOSS] for row in snap.rows]))
+    return snap.per_step(smoothed([row[keys.LOSS] for row in snap.rows]))
 
 
 def _eval_loss(snap: Snapshot) -> dict[str, np.ndarray]:
