@@ -18,7 +18,7 @@ from typing import Any
 from ipyparallel.error import EngineError
 from torch.distributed import TCPStore
 
-from sagenb import cluster, stacks
+from sagenb import cluster, event_log, stacks
 from sagenb import metric_keys as keys
 from sagenb.checkpoints import resume_warnings
 from sagenb.config import ConfigError, TrainConfig, describe
@@ -82,6 +82,7 @@ def train(
     elif options:
         config = dataclasses.replace(config, **options)
     check_price(config)  # reads the price table: not the config's validation, yet before engines
+    event_log.check_available(config)  # --log-dir without tensorboard: before any engine
     prepared = prepare(job, config)
     if pool is None:
         pool = cluster.ensure_pool(config.engines_to_start())
@@ -134,7 +135,16 @@ class _Run:
         self.dashboard = (
             _make_dashboard(config, self.cost, self.history, live) if config.dashboard else None
         )
-        self.sinks = [self.history, *sinks, *([self.dashboard] if self.dashboard else [])]
+        # after the history, which they read: the event files (--log-dir), the dashboard
+        self.event_log = (
+            event_log.EventLog(config, self.history, self.engines) if config.log_dir else None
+        )
+        self.sinks: list[MetricSink] = [
+            self.history,
+            *sinks,
+            *([self.event_log] if self.event_log else []),
+            *([self.dashboard] if self.dashboard else []),
+        ]
         self.first_step_s: float | None = None
         self.ended: float | None = None  # when the run ended (before any repair of the pool)
         self.last_progress = time.monotonic()

@@ -3,6 +3,7 @@ step, epoch, elapsed time, cost so far and the charts, for each kind of failure.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 
 import pytest
@@ -52,16 +53,25 @@ def test_failed_run_reads_its_last_step(pool, action, error):
     assert_reads_step(result, AT - 1)
 
 
-def test_killed_engine_steps_are_settled_from_its_peers(pool):
-    """The killed rank's unsent steps are rows of the other rank's loss, marked as such."""
+def test_killed_engine_steps_are_settled_from_its_peers(pool, tmp_path):
+    """The killed rank's unsent steps are rows of the other rank's loss, marked as such, and
+    reach the other sinks too (--log-dir's event files, when tensorboard is installed)."""
+    logs = {"log_dir": str(tmp_path)} if importlib.util.find_spec("tensorboard") else {}
     with pytest.raises(EngineDiedError) as info:
-        sagenb.train(fault_cell("os.kill(os.getpid(), signal.SIGKILL)", at_call=AT), **RUN)
+        sagenb.train(fault_cell("os.kill(os.getpid(), signal.SIGKILL)", at_call=AT), **RUN, **logs)
     result = info.value.result
     lost = [row for row in result.history if "lost_ranks" in row]
     assert lost and all(row["lost_ranks"] == [1] for row in lost)
     assert all(math.isnan(row["rank_losses"][1]) for row in lost)
     assert all(row["loss"] == row["rank_losses"][0] for row in lost)
     assert any("lost with its engine" in w for w in result.dashboard.warnings)
+    if logs:
+        from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+        (folder,) = tmp_path.iterdir()
+        events = EventAccumulator(str(folder))
+        events.Reload()
+        assert [e.step for e in events.Scalars("loss")] == list(range(1, AT))
 
 
 def test_stalled_run_reads_its_last_step(pool):
