@@ -70,7 +70,7 @@ def layout_text(config: TrainConfig) -> str:
 
 def _duration(seconds: float) -> str:
     seconds = max(0.0, seconds)
-    if seconds < 10:  # a short run (or one that failed early) does not read "0 s"
+    if seconds < 1:  # a run that failed at once does not read "0 s"
         return f"{seconds:.1f} s"
     if seconds < 90:
         return f"{seconds:.0f} s"

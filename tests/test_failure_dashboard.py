@@ -33,7 +33,7 @@ def assert_reads_step(result, step: int) -> None:
     assert list(loss.x) == list(range(1, step + 1))
     assert board.elapsed > 0 and board.elapsed == result.wall_time_s
     assert board.cost_points[-1] == (board.elapsed, board.cost.cost(board.elapsed))
-    assert board.cost_points[-1][1] > 0 and "0 s elapsed" not in board.header_text()
+    assert board.cost_points[-1][1] > 0 and "| 0 s elapsed" not in board.header_text()
 
 
 @pytest.mark.parametrize(
