@@ -92,7 +92,7 @@ def compare(*results: TrainResult, names: Sequence[str] | None = None) -> go.Fig
             "Loss over wall time",
             f"Throughput ({keys.unit(_rate_key(results[0]))}, smoothed)",
             "Cost (USD)",
-            "Memory per engine, last step (MiB)",
+            "Memory per engine, last step (MiB)",  # placed left: its legend is on the right
         ),
         vertical_spacing=0.12,
         horizontal_spacing=0.1,
@@ -105,16 +105,29 @@ def compare(*results: TrainResult, names: Sequence[str] | None = None) -> go.Fig
     fig.update_xaxes(title_text="step", row=2, col=1)
     fig.update_yaxes(rangemode="tozero", row=2, col=1)
     fig.update_yaxes(rangemode="tozero", row=2, col=2)
-    fig.update_yaxes(rangemode="tozero", row=3, col=1)
+    fig.update_xaxes(tickfont={"size": 10}, row=3, col=1)
+    memory_top = fig.get_subplot(3, 1).yaxis.domain[1]
+    fig.layout.annotations[4].update(x=0, xanchor="left")
     fig.update_layout(
         template="plotly_white",
         height=900,
         barmode="stack",
-        margin={"l": 60, "r": 20, "t": 60, "b": 40},
-        legend={"orientation": "h", "y": 1.08, "x": 0, "yanchor": "bottom"},
-        title={"text": "Runs compared", "font": {"size": 14}},
-    )
+        margin={"l": 60, "r": 20, "t": 50, "b": 40},
+        # the runs above every panel; the kinds of memory beside the memory panel's title
+        legend={"orientation": "h", "y": 1.02, "x": 0, "yanchor": "bottom"},
+        legend2={"orientation": "h", "y": memory_top, "x": 1, "xanchor": "right",
+                 "yanchor": "bottom", "font": {"size": 10}},
+    )  # fmt: skip
+    _headroom(fig, [r.cost_usd for r in results], 2, 2)
+    _headroom(fig, [sum(m.values()) for r in results for m in _memory(r).values()], 3, 1)
     return fig
+
+
+def _headroom(fig: go.Figure, values: list[float], row: int, col: int) -> None:
+    """Bars end below the top of their axis (issue 17: they touched it)."""
+    finite = [v for v in values if v == v]  # NaN: a cost the meter could not compute
+    if finite and max(finite) > 0:
+        fig.update_yaxes(range=[0, 1.2 * max(finite)], row=row, col=col)
 
 
 def _add_run(fig: go.Figure, i: int, name: str, result: TrainResult) -> None:
@@ -156,6 +169,7 @@ def _add_memory(fig: go.Figure, runs: list[tuple[str, TrainResult]]) -> None:
                     x=[[name] * len(memory), [f"engine {r}" for r in memory]],
                     y=[m[kind] for m in memory.values()],
                     name=kind,
+                    legend="legend2",
                     legendgroup=kind,
                     showlegend=i == 0,
                     marker={
@@ -168,4 +182,4 @@ def _add_memory(fig: go.Figure, runs: list[tuple[str, TrainResult]]) -> None:
                 3,
                 1,
             )
-    fig.update_yaxes(rangemode="tozero", row=3, col=1)
+    fig.update_xaxes(tickfont={"size": 10}, row=3, col=1)
