@@ -123,7 +123,9 @@ SCHEDULE = Panel(
     yaxis={"autorange": "reversed"},  # stage 0 on top
 )
 #: in the schedule's place when there is no pipeline: how the optimizer steps (issue 17)
-OPTIMIZER = Panel(3, 1, "Learning rate, gradient norm", "step", "log scale", {"type": "log"})
+OPTIMIZER = Panel(
+    3, 1, "Learning rate, gradient norm", "step", "log scale", {"type": "log", "tickformat": ".0e"}
+)  # ".0e": a log axis spanning less than a decade otherwise labels its ticks "2", "5"
 COST = Panel(
     3,
     2,
@@ -133,6 +135,8 @@ COST = Panel(
     ),
     "elapsed (s)",
     "USD",
+    # dollars as decimals: plotly's SI prefixes read "800µ" for $0.0008
+    {"rangemode": "tozero", "tickprefix": "$", "exponentformat": "none"},
 )
 PANELS = (LOSS, THROUGHPUT, MEMORY, STEP_TIME, SCHEDULE, COST)  # row by row, as plotly counts
 
