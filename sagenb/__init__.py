@@ -52,6 +52,7 @@ _PUBLIC = {
     "teaching_case": "sagenb.whatif",
     "Plan": "sagenb.planner",
     "export": "sagenb.export_script",
+    "compare": "sagenb.comparison",
 }
 
 __all__ = [*sorted(_PUBLIC), "load_ipython_extension"]

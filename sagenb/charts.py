@@ -28,14 +28,26 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from sagenb import metric_keys as keys
-from sagenb.config import describe, strategy_names
+from sagenb.config import describe
 
 if TYPE_CHECKING:
     from sagenb.config import TrainConfig
     from sagenb.cost import CostMeter
     from sagenb.metrics import History
 
-__all__ = ["Board", "Panel", "Trace", "PANELS", "traces", "figure", "trace_data", "SMOOTHING"]
+__all__ = [
+    "panels",
+    "wrap_header",
+    "Board",
+    "Panel",
+    "Trace",
+    "PANELS",
+    "traces",
+    "figure",
+    "trace_data",
+    "smoothed",
+    "SMOOTHING",
+]
 
 SMOOTHING = 0.9  # exponential moving average of the global loss (TensorBoard's default 0.6-0.9)
 MEMORY_COLOURS = ("#4C78A8", "#F58518", "#54A24B", "#B279A2")  # one per keys.MEMORY_KINDS
@@ -81,7 +93,7 @@ def _text(text: Text, board: Board) -> str:
     return text if isinstance(text, str) else text(board)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # a panel is itself: hashed by identity, a dict's key
 class Panel:
     """One subplot: where it sits, its title and axis titles, and more y-axis settings."""
 
@@ -95,34 +107,44 @@ class Panel:
 
 LOSS = Panel(1, 1, "Loss", "step", "loss", {"rangemode": "normal"})
 THROUGHPUT = Panel(1, 2, "Throughput", "step", lambda b: keys.unit(b.rate_key))
-MEMORY = Panel(2, 1, "Memory per engine (last step)", None, "MiB")
+MEMORY = Panel(2, 1, "Memory per engine, last step", None, "MiB")
 STEP_TIME = Panel(
     2,
     2,
-    lambda b: "Step time: compute and pipeline bubble" if pipelined(b) else "Step time",
+    lambda b: "Step time: compute, bubble" if pipelined(b) else "Step time",
     "step",
-    "seconds per step",
+    "s per step",
 )
 SCHEDULE = Panel(
     3,
     1,
-    lambda b: (
-        "Pipeline schedule, last step" if pipelined(b) else "Pipeline schedule (model/hybrid only)"
-    ),
+    "Pipeline schedule, last step",
     "ms into the step",
     yaxis={"autorange": "reversed"},  # stage 0 on top
 )
+#: in the schedule's place when there is no pipeline: how the optimizer steps (issue 17)
+OPTIMIZER = Panel(
+    3, 1, "Learning rate, gradient norm", "step", "log scale", {"type": "log", "tickformat": ".0e"}
+)  # ".0e": a log axis spanning less than a decade otherwise labels its ticks "2", "5"
 COST = Panel(
     3,
     2,
     lambda b: (
-        f"Estimated cost on {b.cost.instances} x {b.cost.price.name} "
-        f"(price as of {b.cost.price.as_of})"
+        f"Est. cost, {b.cost.instances} x {b.cost.price.name}<br>"
+        f"<span style='font-size:10px'>price as of {b.cost.price.as_of}</span>"
     ),
     "elapsed (s)",
     "USD",
+    # dollars as decimals: plotly's SI prefixes read "800µ" for $0.0008
+    {"rangemode": "tozero", "tickprefix": "$", "exponentformat": "none"},
 )
 PANELS = (LOSS, THROUGHPUT, MEMORY, STEP_TIME, SCHEDULE, COST)  # row by row, as plotly counts
+
+
+def panels(board: Board) -> tuple[Panel, ...]:
+    """This run's panels: the schedule timeline only for pipelines (elsewhere it stayed
+    empty: issue 17), the optimizer's learning rate and gradient norm otherwise."""
+    return tuple(OPTIMIZER if p is SCHEDULE and not pipelined(board) else p for p in PANELS)
 
 
 def _thin(items: Sequence) -> list:
@@ -141,10 +163,13 @@ def _line(x: Sequence[float], y: Sequence[float]) -> dict[str, np.ndarray]:
     return {"x": np.asarray(x, dtype=float), "y": np.asarray(y, dtype=float)}
 
 
-def _smoothed(values: list[float]) -> list[float]:
+def smoothed(values: list[float]) -> list[float]:
     out: list[float] = []
     value = None
     for v in values:
+        if math.isnan(v):  # a step whose loss was lost with its engine: a gap, not a NaN trail
+            out.append(v)
+            continue
         value = v if value is None else SMOOTHING * value + (1 - SMOOTHING) * v
         out.append(value)
     return out
@@ -199,7 +224,7 @@ def _replica(snap: Snapshot, r: int) -> dict[str, np.ndarray]:
 
 
 def _smoothed_loss(snap: Snapshot) -> dict[str, np.ndarray]:
-    return snap.per_step(_smoothed([row[keys.LOSS] for row in snap.rows]))
+    return snap.per_step(smoothed([row[keys.LOSS] for row in snap.rows]))
 
 
 def _eval_loss(snap: Snapshot) -> dict[str, np.ndarray]:
@@ -210,6 +235,35 @@ def _eval_loss(snap: Snapshot) -> dict[str, np.ndarray]:
 def _rate(snap: Snapshot) -> dict[str, np.ndarray]:
     key, rows = snap.board.rate_key, snap.rows
     return _line(snap.steps, [rows[i].get(key, 0.0) for i in snap.shown])
+
+
+def _smoothed_rate(snap: Snapshot) -> dict[str, np.ndarray]:
+    """Per-step throughput is a band of noise (issue 17): its moving average is the line."""
+    key = snap.board.rate_key
+    return snap.per_step(smoothed([row.get(key, 0.0) for row in snap.rows]))
+
+
+def _row_value(snap: Snapshot, key: str) -> dict[str, np.ndarray]:
+    """A history value over the steps that have it (the gradient norm: --clip-grad-norm)."""
+    kept = [i for i in snap.shown if key in snap.rows[i]]
+    return _line([snap.rows[i][keys.STEP] for i in kept], [snap.rows[i][key] for i in kept])
+
+
+def _memory_headroom(snap: Snapshot) -> dict[str, list]:
+    """An invisible point a quarter above the tallest stack, so that the memory bars never
+    touch the top of their axis (issue 17) in any redraw: it is data, as the bars are."""
+    board = snap.board
+    totals = [
+        sum(board.memory.get(r, {}).get(keys.memory(k), 0.0) for k in keys.MEMORY_KINDS)
+        for r in range(board.engines)
+    ]
+    marks = [
+        board.memory.get(r, {}).get(key, 0.0)
+        for r in range(board.engines)
+        for key in (keys.MEMORY_DEVICE_PEAK, keys.MEMORY_DEVICE_CAPACITY)
+    ]
+    top = max([*totals, *marks, 0.0])
+    return {"x": [f"engine {r}" for r in range(board.engines)], "y": [1.25 * top] * board.engines}
 
 
 def _per_engine(snap: Snapshot, key: str, missing: float | None = None) -> dict[str, list]:
@@ -244,10 +298,11 @@ class Trace:
     label: Callable[[Board], str] | None = None
     visible: Callable[[Board], bool] | None = None
 
-    def build(self, board: Board, snap: Snapshot) -> Any:
+    def build(self, board: Board, snap: Snapshot, legend: str = "legend") -> Any:
         name = self.label(board) if self.label else self.name
         shown = {} if self.visible is None else {"visible": self.visible(board)}
-        return self.kind(name=name, meta=self.name, **self.style, **shown, **self.data(snap))
+        style = {"legend": legend, **self.style}  # the panel's own legend, beside it
+        return self.kind(name=name, meta=self.name, **style, **shown, **self.data(snap))
 
 
 def _marks(colour: str) -> dict[str, Any]:
@@ -259,27 +314,53 @@ def _gantt(colour: str) -> dict[str, Any]:
             "insidetextanchor": "middle"}  # fmt: skip
 
 
+def _cuda(board: Board) -> bool:
+    """Whether the engines report CUDA memory (the device marks mean nothing on CPUs)."""
+    return any(keys.MEMORY_DEVICE_CAPACITY in m for m in board.memory.values())
+
+
+def _label(text: str) -> Callable[[Board], str]:
+    return lambda board: text
+
+
+FAINT = {"width": 1, "color": "rgba(44, 160, 44, 0.3)"}
+INVISIBLE = {"mode": "markers", "marker": {"opacity": 0}, "hoverinfo": "skip", "showlegend": False}
+
+# Legend texts are short: each panel has its own legend beside it, in a column of ~100 px at
+# 700 px wide (the name stays the trace's identity, as `meta`).
 TRACES: tuple[Trace, ...] = (
     Trace("loss (smoothed)", LOSS, _smoothed_loss,
-          {"mode": "lines", "line": {"width": 2.5, "color": "#1f3b73", "simplify": False}}),
+          {"mode": "lines", "line": {"width": 2.5, "color": "#1f3b73", "simplify": False}},
+          label=_label("smoothed")),
     Trace("eval loss", LOSS, _eval_loss,
-          {"mode": "markers", "marker": {"size": 9, "symbol": "diamond", "color": "#d62728"}}),
-    Trace("throughput", THROUGHPUT, _rate, {"mode": "lines", "line": {"color": "#2ca02c"}},
-          label=lambda b: keys.unit(b.rate_key)),
+          {"mode": "markers", "marker": {"size": 9, "symbol": "diamond", "color": "#d62728"}},
+          label=_label("eval")),
+    Trace("throughput", THROUGHPUT, _rate, {"mode": "lines", "line": FAINT},
+          label=_label("per step")),
+    Trace("throughput (smoothed)", THROUGHPUT, _smoothed_rate,
+          {"mode": "lines", "line": {"width": 2.5, "color": "#2ca02c"}}, label=_label("smoothed")),
     *(Trace(kind, MEMORY, partial(_per_engine, key=keys.memory(kind), missing=0.0),
             {"marker_color": colour}, go.Bar)
       for kind, colour in zip(keys.MEMORY_KINDS, MEMORY_COLOURS)),
     Trace("device peak (CUDA)", MEMORY, partial(_per_engine, key=keys.MEMORY_DEVICE_PEAK),
-          _marks("#333")),
+          _marks("#333"), label=_label("CUDA peak"), visible=_cuda),
     Trace("device capacity (CUDA)", MEMORY,
-          partial(_per_engine, key=keys.MEMORY_DEVICE_CAPACITY), _marks("#d62728")),
+          partial(_per_engine, key=keys.MEMORY_DEVICE_CAPACITY), _marks("#d62728"),
+          label=_label("capacity"), visible=_cuda),
+    Trace("memory headroom", MEMORY, _memory_headroom, INVISIBLE),
     Trace("compute (s)", STEP_TIME, lambda s: s.per_step(s.split[0]),
-          {"mode": "lines", "stackgroup": "t", "line": {"color": "#4C78A8"}}),
+          {"mode": "lines", "stackgroup": "t", "line": {"color": "#4C78A8"}},
+          label=_label("compute")),
     Trace("idle / bubble (s)", STEP_TIME, lambda s: s.per_step(s.split[1]),
           {"mode": "lines", "stackgroup": "t", "line": {"color": "#E45756"}},
+          label=_label("bubble"),
           visible=pipelined),  # always zero without a pipeline: a red line along the top
     Trace("forward", SCHEDULE, lambda s: s.timeline["F"], _gantt(FORWARD), go.Bar),
     Trace("backward", SCHEDULE, lambda s: s.timeline["B"], _gantt(BACKWARD), go.Bar),
+    Trace("learning rate", OPTIMIZER, partial(_row_value, key=keys.LR),
+          {"mode": "lines", "line": {"color": "#9467bd"}}, label=_label("lr")),
+    Trace("gradient norm", OPTIMIZER, partial(_row_value, key=keys.GRAD_NORM),
+          {"mode": "lines", "line": {"color": "#17becf"}}, label=_label("grad norm")),
     Trace("on-demand", COST, partial(_cost, spot=False),
           {"mode": "lines", "line": {"color": "#8c564b"}}),
     Trace("spot", COST, partial(_cost, spot=True),
@@ -289,17 +370,27 @@ TRACES: tuple[Trace, ...] = (
 
 
 def _replica_trace(r: int) -> Trace:
+    """One line per replica, under one legend entry ("replicas") that shows or hides all."""
     colour = REPLICA_COLOURS[r % len(REPLICA_COLOURS)]
-    style = {"mode": "lines", "line": {"width": 1, "color": colour, "simplify": False}}
-    return Trace(f"replica {r} loss", LOSS, partial(_replica, r=r), style)
+    style = {
+        "mode": "lines",
+        "line": {"width": 1, "color": colour, "simplify": False},
+        "legendgroup": "replicas",
+        "showlegend": r == 0,
+        "hovertemplate": f"replica {r}: %{{y:.4g}}<extra>step %{{x}}</extra>",
+    }
+    return Trace(f"replica {r} loss", LOSS, partial(_replica, r=r), style, label=_label("replicas"))
 
 
 def traces(board: Board) -> tuple[Trace, ...]:
     """Every trace of this run's figure, in drawing order: a loss line per replica (the same
-    number from the first draw to the last), then TRACES. The figure and every redraw take
-    them from here."""
+    number from the first draw to the last), then those of TRACES in this run's panels. The
+    figure and every redraw take them from here."""
     replicas = board.config.replicas(board.engines)
-    return tuple(_replica_trace(r) for r in range(replicas)) + TRACES
+    shown = panels(board)
+    return tuple(_replica_trace(r) for r in range(replicas)) + tuple(
+        t for t in TRACES if t.panel in shown
+    )
 
 
 def trace_data(board: Board) -> dict[str, dict[str, Any]]:
@@ -308,48 +399,74 @@ def trace_data(board: Board) -> dict[str, dict[str, Any]]:
     return {trace.name: trace.data(snap) for trace in traces(board)}
 
 
+#: x domains of the two columns of panels, each followed by its panels' legends: at 700 px
+#: wide a legend column is ~95 px, and the right column's y-axis ticks and title keep ~50 px
+#: clear of the left column's legends (issue 17: they ran into the neighbouring plot)
+COLUMNS = ((0.0, 0.3), (0.56, 0.86))
+LEGEND_GAP = 0.012
+HEADER_LINE = 95  # characters of the header per line of the figure's title (~700 px at 12 px)
+
+
 def figure(board: Board) -> go.Figure:
     """The whole dashboard as one plotly figure (the header as its title)."""
+    shown = panels(board)
     fig = make_subplots(
-        rows=max(p.row for p in PANELS),
-        cols=max(p.col for p in PANELS),
-        vertical_spacing=0.11,
-        horizontal_spacing=0.09,
-        subplot_titles=[_text(p.title, board) for p in PANELS],
+        rows=max(p.row for p in shown),
+        cols=max(p.col for p in shown),
+        vertical_spacing=0.1,
+        subplot_titles=[_text(p.title, board) for p in shown],
     )
     snap = Snapshot(board)
+    legends = {panel: "legend" if i == 0 else f"legend{i + 1}" for i, panel in enumerate(shown)}
     for trace in traces(board):
-        fig.add_trace(trace.build(board, snap), trace.panel.row, trace.panel.col)
-    for panel in PANELS:
-        if panel.x is not None:
-            fig.update_xaxes(title_text=_text(panel.x, board), row=panel.row, col=panel.col)
-        y = {} if panel.y is None else {"title_text": _text(panel.y, board)}
-        fig.update_yaxes(**y, **panel.yaxis, row=panel.row, col=panel.col)
-    if not pipelined(board):
-        _placeholder(fig, SCHEDULE)
+        panel = trace.panel
+        fig.add_trace(trace.build(board, snap, legends[panel]), panel.row, panel.col)
+    for i, panel in enumerate(shown):
+        _place(fig, board, panel, legends[panel], fig.layout.annotations[i])
     fig.update_layout(
         barmode="stack",
-        height=900,
+        height=960,
         template="plotly_white",
-        margin={"l": 60, "r": 20, "t": 80, "b": 40},
-        title={"text": html.escape(board.header_text()), "font": {"size": 12}},
-        legend={"orientation": "v", "x": 1.02, "y": 1.0},
+        margin={"l": 55, "r": 10, "t": 110, "b": 40},
+        title={"text": wrap_header(board.header_text()), "font": {"size": 12}, "y": 0.985},
+        font={"size": 11},
     )
     return fig
 
 
-def _placeholder(fig: go.Figure, panel: Panel) -> None:
-    """An empty panel says what would appear there instead of showing bare axes."""
-    fig.update_xaxes(visible=False, row=panel.row, col=panel.col)
-    fig.update_yaxes(visible=False, row=panel.row, col=panel.col)
-    axis = PANELS.index(panel) + 1  # plotly numbers the subplots' axes row by row
-    fig.add_annotation(
-        text="each stage's forward and backward per microbatch<br>appear here for "
-        f"--strategy {' or '.join(n for n in strategy_names() if describe(n).pipelined)}",
-        xref=f"x{axis} domain",
-        yref=f"y{axis} domain",
-        x=0.5,
-        y=0.5,
-        showarrow=False,
-        font={"color": "#888", "size": 13},
+def _place(fig: go.Figure, board: Board, panel: Panel, legend: str, title: Any) -> None:
+    """Axes, title and legend of one panel: the plot in its column, the legend beside it."""
+    left, right = COLUMNS[panel.col - 1]
+    kwargs = {"row": panel.row, "col": panel.col}
+    x = {} if panel.x is None else {"title_text": _text(panel.x, board)}
+    fig.update_xaxes(domain=[left, right], title_standoff=4, **x, **kwargs)
+    y = {} if panel.y is None else {"title_text": _text(panel.y, board)}
+    fig.update_yaxes(title_standoff=2, **y, **panel.yaxis, **kwargs)
+    top = fig.get_subplot(panel.row, panel.col).yaxis.domain[1]
+    title.update(x=(left + right) / 2)
+    fig.update_layout(
+        {
+            legend: {
+                "x": right + LEGEND_GAP,
+                "y": top,
+                "xanchor": "left",
+                "yanchor": "top",
+                "orientation": "v",
+                "font": {"size": 10},
+                "tracegroupgap": 2,
+                "bgcolor": "rgba(0,0,0,0)",
+            }
+        }
     )
+
+
+def wrap_header(text: str, width: int = HEADER_LINE) -> str:
+    """The header as the figure's title, broken into lines at its " | " separators (plotly
+    does not wrap a title: at 700 px the one-line header was cut)."""
+    lines: list[str] = []
+    for part in text.split(" | "):
+        if lines and len(lines[-1]) + 3 + len(part) <= width:
+            lines[-1] += " | " + part
+        else:
+            lines.append(part)
+    return "<br>".join(html.escape(line) for line in lines)

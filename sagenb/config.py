@@ -454,6 +454,13 @@ class TrainConfig(EngineConfig):
     out: str = _opt(
         "output", "smp_result", "name of the notebook variable that receives the result"
     )
+    log_dir: str | None = _opt(
+        "output",
+        None,
+        "also write each step's metrics as TensorBoard event files, one folder per run under "
+        "this directory (`tensorboard --logdir DIR`; needs `pip install 'sagenb[tensorboard]'`)",
+        shown="none",
+    )
 
     def __post_init__(self) -> None:
         """The engine options' checks, then the notebook's. --instance and --price-table
@@ -466,6 +473,8 @@ class TrainConfig(EngineConfig):
             raise ConfigError("spot_discount", self.spot_discount, "must be between 0 and 0.95")
         if not isinstance(self.instance, str) or not self.instance:
             raise ConfigError("instance", self.instance, "must be an instance type's name")
+        if self.log_dir is not None and (not isinstance(self.log_dir, str) or not self.log_dir):
+            raise ConfigError("log_dir", self.log_dir, "must be a directory's path")
         for name in ("price_table", "hardware_table"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
                 raise ConfigError(name, getattr(self, name), "must be a JSON file's path")

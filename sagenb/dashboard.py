@@ -70,6 +70,8 @@ def layout_text(config: TrainConfig) -> str:
 
 def _duration(seconds: float) -> str:
     seconds = max(0.0, seconds)
+    if seconds < 1:  # a run that failed at once does not read "0 s"
+        return f"{seconds:.1f} s"
     if seconds < 90:
         return f"{seconds:.0f} s"
     if seconds < 5400:

@@ -64,6 +64,7 @@ CUTS: Final = "cuts"  # the first step's: the blocks where stages 1, 2, ... begi
 # -- history rows only (metrics.History: the ranks of one step combined) ----------------------
 RANK_LOSSES: Final = "rank_losses"  # each reporting rank's loss, in rank order
 BUSY: Final = "busy(s)"  # mean over the engines of forward + backward
+LOST_RANKS: Final = "lost_ranks"  # after a failure: ranks whose metrics of the step were lost
 
 
 def unit(key: str) -> str:

@@ -7,7 +7,8 @@ slowly the notebook polls. Sinks (the dashboard, the history) receive `(metrics,
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -59,6 +60,7 @@ class History:
         self._pending: dict[int, dict[int, Mapping[str, Any]]] = {}
         self.steps: list[dict[str, Any]] = []
         self.records: list[StepMetrics] = []
+        self._loss_ranks: list[int] | None = None  # the ranks that report a loss (first row's)
 
     def log(self, metrics: Mapping[str, Any], step: int, rank: int) -> None:
         self.records.append(StepMetrics(step, rank, metrics))
@@ -67,12 +69,38 @@ class History:
         if len(ranks) == self.world_size:
             self.steps.append(self._combine(step, self._pending.pop(step)))
 
-    def _combine(self, step: int, ranks: dict[int, Mapping[str, Any]]) -> dict[str, Any]:
-        first = ranks[0]
+    def settle(self, lost: Sequence[int]) -> list[int]:
+        """After a failure: close the steps that every rank finished although the ranks in
+        `lost` (whose engines died or were killed) could not send their metrics for them.
+
+        A rank sends its steps in batches (engine/publish.py), so an engine killed outright
+        takes up to half a second of its steps with it, in a fast run most of the run
+        (issue 17: a run killed in step 23 showed step 1). Every step ends in a collective
+        of all ranks (gradient all-reduce or reduce-scatter, the pipeline's backward sends),
+        so a step that the surviving ranks reported was finished by every rank. Its row is
+        combined from the ranks that reported it: `lost_ranks` names the others, their
+        `rank_losses` are NaN and `loss` is over the part of the batch that was reported
+        (NaN when no reporting rank computes a loss). Returns the steps settled."""
+        settled = []
+        for step in sorted(self._pending):
+            ranks = self._pending[step]
+            missing = sorted(set(range(self.world_size)) - set(ranks))
+            if not set(missing) <= set(lost):
+                break  # a surviving rank never finished this step: nor any later one
+            self.steps.append(self._combine(step, self._pending.pop(step), missing))
+            settled.append(step)
+        return settled
+
+    def _combine(
+        self, step: int, ranks: dict[int, Mapping[str, Any]], missing: Sequence[int] = ()
+    ) -> dict[str, Any]:
+        first = ranks[min(ranks)]
         slowest = max(m[keys.STEP_TIME] for m in ranks.values())
         # every data-parallel rank reports a loss; in a pipeline, only each replica's last stage
+        if self._loss_ranks is None:
+            self._loss_ranks = [r for r in sorted(ranks) if keys.LOSS in ranks[r]]
         reporting = [ranks[r] for r in sorted(ranks) if keys.LOSS in ranks[r]]
-        losses = [m[keys.LOSS] for m in reporting]
+        losses = [ranks[r][keys.LOSS] if r in ranks else math.nan for r in self._loss_ranks]
         row: dict[str, Any] = {
             keys.STEP: step,
             keys.EPOCH: first[keys.EPOCH],
@@ -94,6 +122,8 @@ class History:
                 m[keys.BUSY_FORWARD] + m[keys.BUSY_BACKWARD] for m in ranks.values()
             ) / len(ranks)
             row[keys.IDLE] = sum(m[keys.IDLE] for m in ranks.values()) / len(ranks)
+        if missing:
+            row[keys.LOST_RANKS] = list(missing)
         return row
 
     def close(self) -> None:
@@ -103,6 +133,8 @@ class History:
 def _global_loss(reporting: list[Mapping[str, Any]]) -> float:
     """The loss over the whole global batch: each reporting rank's mean weighted by the targets
     it counted (equal shares of samples count alike unless integer targets hold -100)."""
+    if not reporting:  # settled after a failure: the ranks with the loss were lost
+        return math.nan
     counts = [m.get(keys.COUNTED, 1.0) for m in reporting]
     total = sum(counts)
     if not total:

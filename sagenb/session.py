@@ -19,7 +19,7 @@ from typing import Any
 from ipyparallel.error import EngineError
 from torch.distributed import TCPStore
 
-from sagenb import cluster, stacks
+from sagenb import cluster, event_log, stacks
 from sagenb import metric_keys as keys
 from sagenb.checkpoints import resume_warnings
 from sagenb.config import ConfigError, TrainConfig, describe
@@ -50,6 +50,7 @@ CONTROLLER_CHECK_S = 1.0  # how often a run checks that the pool's controller st
 OUTPUT_S = 10.0  # how long to wait for the last published metrics after a rank returns
 STOP_S = 4.0  # after an interrupt, how long ranks get to stop at a step boundary
 INTERRUPTED_S = 2.0  # how long the ranks of a stalled run get to end once interrupted
+LAST_OUTPUT_S = 2.0  # after a failure, how long the ended ranks' last metrics get to arrive
 
 
 def prepare(job: str | Callable[[], Any] | Job, config: TrainConfig) -> Job:
@@ -82,6 +83,7 @@ def train(
     elif options:
         config = dataclasses.replace(config, **options)
     check_price(config)  # reads the price table: not the config's validation, yet before engines
+    event_log.check_available(config)  # --log-dir without tensorboard: before any engine
     prepared = prepare(job, config)
     if pool is None:
         pool = cluster.ensure_pool(config.engines_to_start())
@@ -136,7 +138,16 @@ class _Run:
         self.dashboard = (
             _make_dashboard(config, self.cost, self.history, live) if config.dashboard else None
         )
-        self.sinks = [self.history, *sinks, *([self.dashboard] if self.dashboard else [])]
+        # after the history, which they read: the event files (--log-dir), the dashboard
+        self.event_log = (
+            event_log.EventLog(config, self.history, self.engines) if config.log_dir else None
+        )
+        self.sinks: list[MetricSink] = [
+            self.history,
+            *sinks,
+            *([self.event_log] if self.event_log else []),
+            *([self.dashboard] if self.dashboard else []),
+        ]
         self.first_step_s: float | None = None
         self.ended: float | None = None  # when the run ended (before any repair of the pool)
         self.last_progress = time.monotonic()
@@ -190,6 +201,7 @@ class _Run:
             # one place ends a run: whatever failed here (a sink, the dashboard, the cost
             # meter), no rank trains on into the next run's time
             self._stop_ranks()
+            self._last_metrics()
             self._close_sinks(status="failed")
             _attach(err, self._failed())
             raise
@@ -408,6 +420,28 @@ class _Run:
             f"again: the next run starts a new pool (or %smp_cluster start -n {self.engines})."
         )
 
+    def _last_metrics(self) -> None:
+        """The run failed: what every rank finished reaches the sinks before they close.
+        A rank that ended with an error of its own flushed its last steps (engine/entry.py),
+        which can trail its task's result on IOPub (as in _collect); a rank whose engine died
+        or was killed took its unsent steps with it, which the history settles from the steps
+        the other ranks reported (History.settle)."""
+        deadline = time.monotonic() + LAST_OUTPUT_S
+        for ar in self.ars:
+            if ar.ready() and not _died(ar):
+                ar.wait_for_output(timeout=max(0.0, deadline - time.monotonic()))
+        try:
+            self._drain()
+        except Exception:  # noqa: BLE001 - a sink's own error is the run's error already
+            pass
+        lost = [r for r, ar in enumerate(self.ars) if _died(ar)]
+        settled = self.history.settle(lost)
+        if settled and self.dashboard is not None:
+            self.dashboard.warnings.append(
+                f"rank {', '.join(map(str, lost))}'s metrics of steps {settled[0]}-"
+                f"{settled[-1]} were lost with its engine: those steps show the other ranks'"
+            )
+
     def _wait_all(self, timeout: float) -> bool:
         deadline = time.monotonic() + timeout
         while not all(ar.ready() for ar in self.ars):
@@ -499,7 +533,7 @@ class _Run:
         if results is None:
             self.pool.interrupt([self.ids[r] for r, ar in enumerate(self.ars) if not ar.ready()])
             self._contain()
-            self._drain()
+            self._last_metrics()
         self._close_sinks(status="interrupted")
         return self._result(results, status="interrupted")
 

@@ -14,7 +14,7 @@ fi
 log=$(mktemp)
 echo "installing sagenb and its dependencies into .venv (about a minute the first time)"
 if ! { .venv/bin/python -m pip install --upgrade pip &&
-       .venv/bin/python -m pip install -c scripts/constraints.txt -e '.[test,docs]' &&
+       .venv/bin/python -m pip install -c scripts/constraints.txt -e '.[test,docs,tensorboard]' &&
        # rfc3987-syntax (pulled in by jupyterlab through jupyter-events) compiles its grammars
        # whenever jsonschema is imported: 0.7 s idle, 2-3 s on a busy 2-core machine, paid by
        # every kernel's first dashboard, the JupyterLab server and nbformat. jsonschema guards

@@ -202,3 +202,79 @@ def test_quickstart_runs_in_jupyterlab(lab, page):
         page.screenshot(path=ARTIFACTS / "page.png")
         (ARTIFACTS / "page.html").write_text(page.content())
         print(f"screenshots in {ARTIFACTS}; {time.monotonic() - started:.0f} s in the browser")
+
+
+# -- the saved dashboard, narrow and wide (issue 17: readable at a glance) ----------------------
+
+#: the screenshots go to artifacts/browser/; SAGENB_REFRESH_SCREENSHOTS=1 writes them to docs/,
+#: where the README and docs/dashboard.md show them (so a test run leaves the checkout clean)
+SHOTS = ROOT / "docs" if os.environ.get("SAGENB_REFRESH_SCREENSHOTS") == "1" else ARTIFACTS
+WIDTHS = (700, 1400)
+#: a run with something in every panel: a warm-up and decay of the learning rate, a clipped
+#: (so measured) gradient norm, steps of ~20 ms so that throughput has noise to smooth
+SCREENSHOT_CELL = """
+import torch
+from torch import nn
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(32, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(),
+                      nn.Linear(256, 2))
+X = torch.randn(4096, 32)
+dataset = torch.utils.data.TensorDataset(X, (X[:, :4].sum(1) > 0).long())
+loss_fn = nn.functional.cross_entropy
+def make_scheduler(optimizer):
+    return torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=3e-3, total_steps=128)
+"""
+
+#: rectangles of what must not overlap: each panel's title, legend and axis titles, the plots
+LAYOUT_BOXES = """() => {
+  const box = (el, kind) => { const r = el.getBoundingClientRect();
+    return {kind, text: (el.textContent || '').slice(0, 30), l: r.left, r: r.right, t: r.top,
+            b: r.bottom}; };
+  const all = (sel, kind) => [...document.querySelectorAll(sel)].map(el => box(el, kind));
+  return {
+    width: document.documentElement.clientWidth,
+    header: box(document.querySelector('.gtitle'), 'header'),
+    titles: all('.infolayer .annotation', 'title'),
+    legends: all('.infolayer > g[class^="legend"] > .bg', 'legend'),
+    ytitles: all('.infolayer [class^="g-y"][class$="title"] text', 'y title'),
+    plots: all('.bglayer .bg', 'plot'),
+  };
+}"""
+
+
+def _overlaps(a: dict, b: dict, slack: float = 1.0) -> bool:
+    return min(a["r"], b["r"]) - max(a["l"], b["l"]) > slack and (
+        min(a["b"], b["b"]) - max(a["t"], b["t"]) > slack
+    )
+
+
+def test_saved_dashboard_reads_at_700_and_1400_px(pool, home, tmp_path):
+    """The saved dashboard at a narrow and a wide width: no panel title, legend or axis title
+    runs into another or into a neighbouring plot, the header is whole, every panel has its
+    legend. The screenshots are the README's and docs/dashboard.md's (see SHOTS)."""
+    import sagenb
+
+    result = sagenb.train(
+        SCREENSHOT_CELL, batch_size=64, epochs=2, clip_grad_norm=1.0, instance="ml.g5.xlarge",
+        live=False,
+    )  # fmt: skip
+    saved = result.dashboard.save_html(tmp_path / "dashboard.html")
+    for width in WIDTHS:
+        with chromium_page(home, width=width, height=1000) as (page, _):
+            page.goto(saved.as_uri())
+            page.wait_for_selector(".infolayer .legend", timeout=30_000)
+            boxes = page.evaluate(LAYOUT_BOXES)
+            SHOTS.mkdir(parents=True, exist_ok=True)
+            page.screenshot(path=SHOTS / f"dashboard-{width}.png", full_page=True)
+        header = boxes["header"]
+        assert 0 <= header["l"] and header["r"] <= boxes["width"], f"header cut at {width} px"
+        assert len(boxes["legends"]) == 6, f"{len(boxes['legends'])} legends at {width} px"
+        labels = boxes["titles"] + boxes["legends"] + boxes["ytitles"]
+        clashes = [
+            (a["kind"], a["text"], b["kind"], b["text"])
+            for i, a in enumerate(labels)
+            for b in labels[i + 1 :] + boxes["plots"]
+            if _overlaps(a, b)
+        ]
+        # a y-axis title lies beside its own plot, never over one
+        assert not clashes, f"at {width} px: {clashes}"

@@ -92,11 +92,13 @@ def test_the_figure_draws_every_trace_of_the_spec_once_in_its_panel(strategy):
         assert shown.name == (trace.label(board) if trace.label else trace.name)
         for key, values in data[trace.name].items():
             assert list(getattr(shown, key)) == list(values), (trace.name, key)
-    bars = drawn["forward"]
     if charts.pipelined(board):  # each engine's two microbatches, in the schedule panel
+        bars = drawn["forward"]
         assert sorted(bars.y) == ["stage 0"] * config.engines + ["stage 1"] * config.engines
-    else:
-        assert len(bars.y) == 0 and drawn["idle / bubble (s)"].visible is False
+        assert "learning rate" not in drawn
+    else:  # no empty schedule panel (issue 17): the learning rate in its place
+        assert "forward" not in drawn and drawn["idle / bubble (s)"].visible is False
+        assert list(drawn["learning rate"].y) == [0.1] * STEPS
 
 
 def expected(board: Dashboard) -> dict[str, dict[str, list]]:

@@ -42,10 +42,10 @@ def test_dashboard_records_every_step(pool):
     result = sagenb.train(REGRESSION_CELL, batch_size=16, steps=10)
     board = result.dashboard
     traces = board.to_figure().data
-    smoothed = next(t for t in traces if t.name == "loss (smoothed)")
+    smoothed = next(t for t in traces if t.meta == "loss (smoothed)")  # identity: meta
     assert list(smoothed.x) == list(range(1, 11))  # one point per step
     assert smoothed.y[0] == result.losses[0]
-    replicas = [t for t in traces if t.name.startswith("replica")]
+    replicas = [t for t in traces if t.meta.startswith("replica")]
     assert [list(t.y) for t in replicas] == [
         [row["rank_losses"][r] for row in result.history] for r in range(2)
     ]
@@ -90,7 +90,7 @@ def test_live_dashboard_redraws_are_throttled():
     assert HEADER_S < FIGURE_MIN_S
     assert [figure_period(t) for t in (0, 6, 12, 30, 3600)] == [1.0, 1.0, 2.0, 5.0, 5.0]
     # the smoothed loss, as the browser has it: by its name, wherever the spec puts it
-    widget_trace = next(t for t in board._figure_widget.data if t.name == "loss (smoothed)")
+    widget_trace = next(t for t in board._figure_widget.data if t.meta == "loss (smoothed)")
     # a long run is drawn every k-th step (k = 2 here), ending with the last
     assert len(widget_trace.x) == steps // 2 <= MAX_POINTS
     assert list(widget_trace.x[-2:]) == [steps - 2, steps]

@@ -1,0 +1,74 @@
+"""`sagenb.compare`: several finished runs side by side (issue 17), pool-free: the results are
+built from recorded histories, as the session builds them."""
+
+from __future__ import annotations
+
+import pytest
+
+import sagenb
+from sagenb import metric_keys as keys
+from sagenb.comparison import compare, labels
+from sagenb.config import TrainConfig
+from sagenb.metrics import History
+from sagenb.result import TrainResult
+
+
+def recorded(strategy: str, engines: int, steps: int, step_s: float, **options) -> TrainResult:
+    """A finished run of `steps` steps of `step_s` seconds, as the session records it."""
+    config = TrainConfig(strategy=strategy, batch_size=8, **options).with_engines(engines)
+    history = History(engines, 8)
+    for step in range(1, steps + 1):
+        for rank in range(engines):
+            history.log(
+                {
+                    keys.STEP: step, keys.EPOCH: 0, keys.LR: 0.1, keys.LOSS: 1.0 / step,
+                    keys.STEP_TIME: step_s, keys.TIME: 1000.0 + step * step_s,
+                    **{keys.memory(k): 1.0 + rank + i for i, k in enumerate(keys.MEMORY_KINDS)},
+                },
+                step,
+                rank,
+            )  # fmt: skip
+    return TrainResult(
+        config=config, history=history.steps, metrics=history.records,
+        wall_time_s=1.0 + steps * step_s, time_to_first_step_s=1.0, cost_usd=0.01 * engines,
+        cost_label=f"${0.01 * engines:.2f}", engines=engines, device="cpu", source=None,
+        status="done", _state_dict={},
+    )  # fmt: skip
+
+
+def test_runs_are_drawn_side_by_side_labelled_by_their_layouts():
+    data = recorded("data", 2, 10, 0.5)
+    one = recorded("data", 1, 10, 0.8)
+    sharded = recorded("sharded", 2, 6, 0.7)
+    assert labels([data, one, sharded]) == [
+        "data parallel on 2 engines", "data parallel on 1 engine", "sharded (ZeRO-3) on 2 engines",
+    ]  # fmt: skip
+    fig = sagenb.compare(data, one, sharded)
+    by_panel: dict[str, list] = {}
+    for trace in fig.data:
+        by_panel.setdefault(trace.xaxis, []).append(trace)
+    loss_step, loss_time, rate, cost, memory = (
+        by_panel[f"x{i if i > 1 else ''}"] for i in range(1, 6)
+    )
+    assert [t.name for t in loss_step] == labels([data, one, sharded])
+    assert list(loss_step[2].x) == list(range(1, 7)) and loss_step[2].y[-1] == pytest.approx(1 / 6)
+    # wall time: the first step at the time to first step, then by the engines' clock
+    assert list(loss_time[0].x) == pytest.approx([1.0 + 0.5 * i for i in range(10)])
+    assert list(rate[1].y) == pytest.approx([8 / 0.8] * 10)  # smoothed: a constant stays put
+    assert [t.y[0] for t in cost] == [0.02, 0.01, 0.02]
+    # memory: one bar per engine of every run, the four kinds stacked
+    assert len(memory) == 4 * 3
+    params = [t for t in memory if t.name == "params"]
+    assert [len(t.y) for t in params] == [2, 1, 2] and list(params[0].y) == [1.0, 2.0]
+
+
+def test_same_layouts_are_numbered_and_bad_calls_say_how():
+    a, b = recorded("data", 2, 3, 0.1), recorded("data", 2, 3, 0.1)
+    assert labels([a, b]) == ["data parallel on 2 engines #1", "data parallel on 2 engines #2"]
+    assert [t.name for t in compare(a, b, names=["lr 0.1", "lr 0.01"]).data if t.xaxis == "x"] == [
+        "lr 0.1", "lr 0.01"
+    ]  # fmt: skip
+    with pytest.raises(ValueError, match="at least one TrainResult"):
+        compare()
+    with pytest.raises(ValueError, match="2 names for 1 runs"):
+        compare(a, names=["x", "y"])
