@@ -126,13 +126,24 @@ SCHEDULE = Panel(
 OPTIMIZER = Panel(
     3, 1, "Learning rate, gradient norm", "step", "log scale", {"type": "log", "tickformat": ".0e"}
 )  # ".0e": a log axis spanning less than a decade otherwise labels its ticks "2", "5"
+def _cost_title(meter: CostMeter) -> str:
+    """The cost panel says what its dollars are: this run billed as the instance only when the
+    engines run on its kind of hardware; else this run's seconds at the instance's price, a
+    what-if, labelled as one (the projection on the instance is in the header)."""
+    what = f"{meter.instances} x {meter.price.name}"
+    note = f"price as of {meter.price.as_of}"
+    if meter.billed_here:
+        title = f"Cost, {what}"
+    else:
+        title = f"This run's seconds at {what} prices"
+        note = f"ran on {meter.runs_on or 'other hardware'}, not a {meter.price.name}; {note}"
+    return f"{title}<br><span style='font-size:10px'>{note}</span>"
+
+
 COST = Panel(
     3,
     2,
-    lambda b: (
-        f"Est. cost, {b.cost.instances} x {b.cost.price.name}<br>"
-        f"<span style='font-size:10px'>price as of {b.cost.price.as_of}</span>"
-    ),
+    lambda b: _cost_title(b.cost),
     "elapsed (s)",
     "USD",
     # dollars as decimals: plotly's SI prefixes read "800µ" for $0.0008
