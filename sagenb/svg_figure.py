@@ -218,7 +218,8 @@ def _axis_svg(xa: _Axis, ya: _Axis) -> str:
         )
         for px, text in xa.ticks():
             out.append(
-                f"<text x='{px}' y='{ya.start + 14}' text-anchor='middle'>{_esc(text)}</text>"
+                f"<text class='{xa.name}tick' x='{px}' y='{ya.start + 14}' "
+                f"text-anchor='middle'>{_esc(text)}</text>"
             )
         if xa.spec.title and xa.spec.title.text:
             out.append(
