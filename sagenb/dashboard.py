@@ -2,12 +2,13 @@
 time and pipeline bubble, the pipeline schedule, and what the run costs.
 
 A metric sink. In a Jupyter kernel it shows an ipywidgets header (status, progress, layout,
-time left, cost) above a plotly FigureWidget. The header is redrawn every HEADER_S seconds; the
-figure every second at first, then less often, every FIGURE_MAX_S from half a minute on
-(`figure_period`): each redraw is a full plotly redraw of the six panels, 200-350 ms of CPU in
-kernel, server and headless Chromium here, taken from the engines' cores when the browser runs
-on the training machine (benchmarks/dashboard_browser.py). When the run ends, the same output
-also carries a static HTML copy, which executed notebooks show without a kernel.
+time left, cost) above a live plotly chart (live_figure.LiveFigure: plotly.js once per page,
+each redraw sends only the points added and the values changed). The header is redrawn every
+HEADER_S seconds; the figure every second at first, then less often, every FIGURE_MAX_S from
+half a minute on (`figure_period`): the browser still redraws all six panels each time
+(benchmarks/dashboard_browser.py), on the engines' cores when it runs on the training machine.
+When the run ends, a static copy (header and an inline SVG, svg_figure.py) replaces the live
+chart in the same output: what a saved notebook holds, shown offline and without a kernel.
 Anywhere else (a script, a test) it only records, and `save_html` writes the figure to one
 self-contained file. This module and charts.py own plotly; nothing on the engine side imports
 them.

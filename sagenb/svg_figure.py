@@ -21,7 +21,7 @@ import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-__all__ = ["to_svg", "MAX_POINTS"]
+__all__ = ["to_svg", "thin", "MAX_POINTS"]
 
 MAX_POINTS = 500  # points per line in the static copy: 1000 px wide panels show no more
 WIDTH = 1000
@@ -50,7 +50,7 @@ def _fmt(v: float) -> str:
     return f"{v:.4g}"
 
 
-def _thin(xs: Sequence, ys: Sequence) -> tuple[list, list]:
+def thin(xs: Sequence, ys: Sequence) -> tuple[list, list]:
     n = len(xs)
     if n <= MAX_POINTS:
         return list(xs), list(ys)
@@ -186,7 +186,7 @@ def _trace_svg(trace: Any, xs: list, ys: list, xa: _Axis, ya: _Axis, colour: str
         body = "".join(parts)
         return f"<g class='trace bar' {tag} fill='{colour}'>{body}</g>"
     tops = [y[1] if isinstance(y, tuple) else y for y in ys]
-    xs, tops = _thin(xs, tops)
+    xs, tops = thin(xs, tops)
     points = [(xa.px(x), ya.px(y)) for x, y in zip(xs, tops) if y is not None and math.isfinite(y)]
     mode = trace.mode or "lines"
     dash = "stroke-dasharray='4 3'" if trace.line and trace.line.dash == "dot" else ""
