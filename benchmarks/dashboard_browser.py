@@ -171,7 +171,7 @@ def measure(rounds: int, lengths: tuple[int, ...]) -> list[dict]:
             sampler = CpuSampler(lab.server, drivers)
             sampler.start()
             run_all(page)
-            budget = 120 + 0.05 * sum(lengths) * 2 * rounds
+            budget = 180 + 0.1 * sum(lengths) * 2 * rounds
             shown = watch(page, budget)
             sampler.done.set()
             sampler.join()
@@ -207,7 +207,7 @@ def watch(page, budget_s: float) -> list[tuple[float, dict]]:
         if shown["done"] and len(seen) > 5:
             return seen
         time.sleep(SAMPLE_S)
-    wait_for(page, ALL_RAN, 1, "the notebook did not run to its end")
+    wait_for(page, ALL_RAN, 1, f"the notebook did not run to its end (last seen: {seen[-1:]})")
     return seen
 
 
