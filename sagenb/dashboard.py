@@ -264,7 +264,9 @@ class Dashboard:
         fig = self.to_figure()
         fig.update_layout(title=None)
         return (
-            f"<div class='smp-dashboard smp-static-copy'>{self._header_html()}"
+            # tex2jax_ignore / mathjax_ignore: JupyterLab typesets "$0.03 so far, $0.09" as TeX
+            f"<div class='smp-dashboard smp-static-copy tex2jax_ignore mathjax_ignore'>"
+            f"{self._header_html()}"
             f"{svg_figure.to_svg(fig)}</div>"
         )
 

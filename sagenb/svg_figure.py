@@ -295,10 +295,11 @@ def to_svg(fig: Any) -> str:
         else:
             top, bottom = (fig.layout.margin.t or 60), height - (fig.layout.margin.b or 40)
             y = bottom - (note.y or 0) * (bottom - top) - 6
-        notes.append(
-            f"<text x='{x:.1f}' y='{y:.1f}' text-anchor='middle' "
-            f"font-size='13'>{_esc(note.text)}</text>"
+        lines = "".join(  # plotly's <br> as one tspan a line
+            f"<tspan x='{x:.1f}' dy='{0 if i == 0 else 14}'>{_esc(line)}</tspan>"
+            for i, line in enumerate(str(note.text).split("<br>"))
         )
+        notes.append(f"<text y='{y:.1f}' text-anchor='middle' font-size='12'>{lines}</text>")
     return (
         f"<svg class='smp-static' xmlns='http://www.w3.org/2000/svg' viewBox='0 0 {WIDTH} "
         f"{height}' width='100%' style='max-width: {WIDTH}px' font-size='10' {FONT}>"
