@@ -9,8 +9,10 @@ peers' job (peers/workload.py: batch 256, 2 engines) in a short and a long run, 
 live dashboard and without it, the dashboard in view. Per run: throughput (rank 0's step stamps,
 as in against_peers.py) and the CPU time that the kernel, the Jupyter server and the browser
 used during the call (psutil, sampled every 0.2 s). The first draw of each run's figure is a
-fixed cost (plotly's widget code is evaluated anew for every FigureWidget), redraws grow with the
-run: two lengths show both.
+fixed cost, redraws grow with the run: two lengths show both. The page is polled every 0.2 s
+too: the first draw's browser CPU (from the call to the chart on screen, less the same span of
+the run without a dashboard; the page's first run also evaluates plotly.js, later ones reuse
+it) and how often the header and the loss line changed on screen while training.
 The engines do the same work either way, so what the dashboard costs is what those three take
 from the cores the engines train on: here, where the browser runs on the training machine
 (a local JupyterLab), all of it. Needs Debian's chromium (scripts/test.sh installs it).
@@ -53,6 +55,18 @@ from tests.lab import (  # noqa: E402
 
 SAMPLE_S = 0.2
 GROUPS = ("kernel", "server", "browser")
+# What the page shows, polled every SAMPLE_S from the main thread (Playwright's sync API is not
+# thread-safe): whether a live chart is drawn, the header, and the smoothed loss's vertices.
+SHOWN = """() => {
+  const plot = document.querySelector('.smp-dashboard .js-plotly-plot');
+  const header = document.querySelector('.smp-dashboard .smp-header');
+  const lines = plot ? [...plot.querySelectorAll('.subplot.xy .scatterlayer .trace path.js-line')]
+    : [];
+  const done = [...document.querySelectorAll('.jp-CodeCell .jp-InputPrompt')]
+    .every(p => /^\\[\\d+\\]:$/.test(p.textContent.trim()));
+  return {plot: Boolean(plot), header: header ? header.textContent : '', done,
+          loss: lines.map(p => (p.getAttribute('d') || '').length).join(',')};
+}"""
 
 
 def notebook(rounds: int, lengths: tuple[int, ...]) -> dict:
@@ -157,8 +171,8 @@ def measure(rounds: int, lengths: tuple[int, ...]) -> list[dict]:
             sampler = CpuSampler(lab.server, drivers)
             sampler.start()
             run_all(page)
-            budget = 120 + 0.05 * sum(lengths) * 2 * rounds
-            wait_for(page, ALL_RAN, budget, "the notebook did not run to its end")
+            budget = 180 + 0.1 * sum(lengths) * 2 * rounds
+            shown = watch(page, budget)
             sampler.done.set()
             sampler.join()
             outputs = page.evaluate(OUTPUTS)
@@ -170,7 +184,40 @@ def measure(rounds: int, lengths: tuple[int, ...]) -> list[dict]:
         run["seconds"] = end - start
         for group in GROUPS:
             run[f"cpu_s/{group}"] = sampler.used(group, start, end)
+        seen = [s for s in shown if start <= s[0] <= end]
+        run["first_plot_s"] = next((t - start for t, s in seen if s["plot"]), None)
+        run["gaps_s"] = {k: update_gaps(seen, k) for k in ("header", "loss")}
+    for live, plain in zip(runs[::2], runs[1::2]):  # the first draw's browser CPU: from the
+        # call to the chart on screen, less the same span of the run without a dashboard
+        if live["first_plot_s"] is not None:
+            span = live["first_plot_s"]
+            live["first_draw_cpu_s/browser"] = sampler.used(
+                "browser", live["called"], live["called"] + span
+            ) - sampler.used("browser", plain["called"], plain["called"] + span)
     return runs
+
+
+def watch(page, budget_s: float) -> list[tuple[float, dict]]:
+    """Poll what the page shows until every cell ran: (unix time, SHOWN)."""
+    seen: list[tuple[float, dict]] = []
+    deadline = time.monotonic() + budget_s
+    while time.monotonic() < deadline:
+        shown = page.evaluate(SHOWN)
+        seen.append((time.time(), shown))
+        if shown["done"] and len(seen) > 5:
+            return seen
+        time.sleep(SAMPLE_S)
+    wait_for(page, ALL_RAN, 1, f"the notebook did not run to its end (last seen: {seen[-1:]})")
+    return seen
+
+
+def update_gaps(seen: list[tuple[float, dict]], key: str) -> dict[str, float]:
+    """Seconds between changes of what the page shows under `key` while it trains: the
+    median and the longest (the header and loss should change at least once a second)."""
+    training = [(t, s[key]) for t, s in seen if "training" in s["header"] and s[key]]
+    changes = [t for (t, v), (_, w) in zip(training[1:], training) if v != w]
+    gaps = [b - a for a, b in zip(changes, changes[1:])]
+    return {"median": statistics.median(gaps), "max": max(gaps)} if gaps else {}
 
 
 def summarise(runs: list[dict]) -> dict:
@@ -198,9 +245,30 @@ def summarise(runs: list[dict]) -> dict:
                 "throughput live/none": statistics.median(
                     a["throughput"] / b["throughput"] for a, b in zip(live, plain)
                 ),
+                "first draw browser CPU s": _median(
+                    r.get("first_draw_cpu_s/browser") for r in live
+                ),
+                "header gap s (median, max)": _gaps(live, "header"),
+                "loss gap s (median, max)": _gaps(live, "loss"),
             }
         )
     return {"runs": rows}
+
+
+def _median(values) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def _gaps(live: list[dict], key: str) -> tuple[float | None, float | None]:
+    gaps = [r["gaps_s"][key] for r in live if r["gaps_s"].get(key)]
+    if not gaps:
+        return None, None
+    return statistics.median(g["median"] for g in gaps), max(g["max"] for g in gaps)
+
+
+def _num(value: float | None, fmt: str = ".2f") -> str:
+    return "-" if value is None else format(value, fmt)
 
 
 def markdown(summary: dict) -> str:
@@ -212,15 +280,19 @@ def markdown(summary: dict) -> str:
         "(medians over rounds)",
         "",
         "| steps | seconds | figure redraws | added CPU s (kernel, server, browser) | "
-        "share of machine | throughput with / without |",
-        "|---|---|---|---|---|---|",
+        "share of machine | throughput with / without | first draw, browser CPU s | "
+        "header / loss update gap s (median, max) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in summary["runs"]:
         added = r["added_cpu_s"]
         rows.append(
             f"| {r['steps']} | {r['seconds']:.1f} | {r['redraws']:.0f} | "
             f"{sum(added.values()):.2f} ({', '.join(f'{added[g]:.2f}' for g in GROUPS)}) | "
-            f"{r['share of machine']:.1%} | {r['throughput live/none']:.3f} |"
+            f"{r['share of machine']:.1%} | {r['throughput live/none']:.3f} | "
+            f"{_num(r['first draw browser CPU s'])} | "
+            f"{', '.join(_num(g) for g in r['header gap s (median, max)'])} / "
+            f"{', '.join(_num(g) for g in r['loss gap s (median, max)'])} |"
         )
     return "\n".join(rows) + "\n"
 

@@ -2,12 +2,13 @@
 time and pipeline bubble, the pipeline schedule, and what the run costs.
 
 A metric sink. In a Jupyter kernel it shows an ipywidgets header (status, progress, layout,
-time left, cost) above a plotly FigureWidget. The header is redrawn every HEADER_S seconds; the
-figure every second at first, then less often, every FIGURE_MAX_S from half a minute on
-(`figure_period`): each redraw is a full plotly redraw of the six panels, 200-350 ms of CPU in
-kernel, server and headless Chromium here, taken from the engines' cores when the browser runs
-on the training machine (benchmarks/dashboard_browser.py). When the run ends, the same output
-also carries a static HTML copy, which executed notebooks show without a kernel.
+time left, cost) above a live plotly chart (live_figure.LiveFigure: plotly.js once per page,
+each redraw sends only the points added and the values changed). The header is redrawn every
+HEADER_S seconds; the figure every second at first, then less often, every FIGURE_MAX_S from
+half a minute on (`figure_period`): the browser still redraws all six panels each time
+(benchmarks/dashboard_browser.py), on the engines' cores when it runs on the training machine.
+When the run ends, a static copy (header and an inline SVG, svg_figure.py) replaces the live
+chart in the same output: what a saved notebook holds, shown offline and without a kernel.
 Anywhere else (a script, a test) it only records, and `save_html` writes the figure to one
 self-contained file. This module and charts.py own plotly; nothing on the engine side imports
 them.
@@ -21,13 +22,13 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import plotly.graph_objects as go
 
-from sagenb import charts
+from sagenb import charts, svg_figure
 from sagenb import metric_keys as keys
 from sagenb.config import TrainConfig, describe
 from sagenb.cost import CostMeter
+from sagenb.live_figure import LiveFigure
 from sagenb.metrics import History
 
 __all__ = ["Dashboard", "layout_text", "figure_period"]
@@ -105,8 +106,9 @@ class Dashboard:
         self.warnings: list[str] = []  # why the run cannot equal one process's (equivalence.py)
         self._dirty, self._last_draw, self._last_header = True, 0.0, 0.0
         self.redraws = 0
-        self._widget = self._figure_widget = self._header = None
-        self._sent: dict[str, dict[str, Any]] = {}  # trace name -> the data it was last given
+        self._widget: Any = None
+        self._header: Any = None
+        self._figure_widget: LiveFigure | None = None
         self._display = None
         if live if live is not None else _in_kernel():
             self._show()
@@ -244,10 +246,11 @@ class Dashboard:
         from IPython.display import display
 
         self._header = header = widgets.HTML(self._header_html())
-        self._figure_widget = figure = go.FigureWidget(self.to_figure())
-        # a FigureWidget does not follow its output's width (plotly/plotly.py#2062): at plotly's
-        # default 700 px the subplot titles overlapped; 1000 px fits JupyterLab's output area
-        figure.update_layout(title=None, width=LIVE_WIDTH_PX)
+        fig = self.to_figure()
+        # a fixed width (plotly/plotly.py#2062: a figure does not follow its output's width):
+        # at plotly's default 700 px the subplot titles overlapped; 1000 px fits JupyterLab
+        fig.update_layout(title=None, width=LIVE_WIDTH_PX)
+        self._figure_widget = figure = LiveFigure(fig)
         self._widget = widget = widgets.VBox([header, figure])
         widget.add_class("smp-dashboard")
         self._display = display(widget, display_id=True)
@@ -266,43 +269,31 @@ class Dashboard:
         self._dirty = False
         self.redraws += 1
         # each trace by its name (charts keeps it in `meta`), from the list the figure was
-        # built from: never by position
-        shown = {trace.meta: trace for trace in self._figure_widget.data}
-        with self._figure_widget.batch_update():
-            for name, data in charts.trace_data(self).items():
-                if not _same(data, self._sent.get(name)):  # plotly's update costs ~0.3 ms a trace
-                    shown[name].update(data)
-                    self._sent[name] = data
+        # built from, never by position; only the points added and the values changed travel
+        self._figure_widget.update_traces(charts.trace_data(self))
+
+    def static_html(self) -> str:
+        """The dashboard as HTML with no script: the header and the figure as an inline SVG
+        (svg_figure), viewable offline, without a kernel, in nbconvert's HTML and on GitHub."""
+        fig = self.to_figure()
+        fig.update_layout(title=None)
+        return (
+            # tex2jax_ignore / mathjax_ignore: JupyterLab typesets "$0.03 so far, $0.09" as TeX
+            f"<div class='smp-dashboard smp-static-copy tex2jax_ignore mathjax_ignore'>"
+            f"{self._header_html()}"
+            f"{svg_figure.to_svg(fig)}</div>"
+        )
 
     def _leave_static_copy(self) -> None:
-        """The finished dashboard also as static HTML in the same output: the widget where a
-        widget manager runs (JupyterLab), the figure where none does (nbconvert, GitHub)."""
+        """The finished dashboard replaces the live one in its output: the static copy (a few
+        KB to ~150 KB) is what a saved notebook holds, not the widget, whose plotly.js is
+        dropped and whose model is closed (issue 17: 5 MB of widget state per dashboard)."""
         if self._display is None or self._widget is None:
             return
-        # The widget is rendered again from its synced state, which plotly refreshes only in
-        # _repr_mimebundle_; without this the new view drew the memory bars' first state
-        # (no engine labels) while the old one had the last.
-        if self._figure_widget is not None:
-            self._figure_widget._repr_mimebundle_()
-        static = self._header_html() + self.to_figure().to_html(
-            include_plotlyjs="cdn", full_html=False
-        )
-        bundle = {
-            "application/vnd.jupyter.widget-view+json": {
-                "version_major": 2,
-                "version_minor": 0,
-                "model_id": self._widget.model_id,
-            },
-            "text/html": static,
-            "text/plain": self.header_text(),
-        }
+        bundle = {"text/html": self.static_html(), "text/plain": self.header_text()}
         self._display.update(bundle, raw=True)
-
-
-def _same(a: Mapping[str, Any], b: Mapping[str, Any] | None) -> bool:
-    """Whether two traces' data are equal (numpy arrays or lists, key by key)."""
-    if b is None or a.keys() != b.keys():
-        return False
-    return all(
-        np.array_equal(a[k], b[k]) if isinstance(a[k], np.ndarray) else a[k] == b[k] for k in a
-    )
+        if self._figure_widget is not None:
+            self._figure_widget.release()
+        for widget in (self._widget, self._header, self._figure_widget):
+            if widget is not None:
+                widget.close()

@@ -136,11 +136,12 @@ def test_a_redraw_updates_each_trace_by_its_name(monkeypatch):
     monkeypatch.setattr(charts, "TRACES", tuple(reversed(charts.TRACES)))
     run(board, range(4, STEPS + 1))
     board.finish(float(STEPS), status="done")
-    widget = {t.meta: t for t in board._figure_widget.data}
-    assert len(widget) == len(board._figure_widget.data) == len(charts.traces(board))
+    # what the browser holds: the first draw's figure with every redraw's splices applied
+    widget = board._figure_widget.shown
+    assert len(widget) == len(board._figure_widget.names) == len(charts.traces(board))
     for name, data in expected(board).items():
         for key, values in data.items():
-            got = list(getattr(widget[name], key))
+            got = list(widget[name][key])
             if isinstance(values[0], str):
                 assert got == values, (name, key)
             else:

@@ -90,10 +90,10 @@ def test_live_dashboard_redraws_are_throttled():
     assert HEADER_S < FIGURE_MIN_S
     assert [figure_period(t) for t in (0, 6, 12, 30, 3600)] == [1.0, 1.0, 2.0, 5.0, 5.0]
     # the smoothed loss, as the browser has it: by its name, wherever the spec puts it
-    widget_trace = next(t for t in board._figure_widget.data if t.meta == "loss (smoothed)")
+    widget_trace = board._figure_widget.shown["loss (smoothed)"]
     # a long run is drawn every k-th step (k = 2 here), ending with the last
-    assert len(widget_trace.x) == steps // 2 <= MAX_POINTS
-    assert list(widget_trace.x[-2:]) == [steps - 2, steps]
+    assert len(widget_trace["x"]) == steps // 2 <= MAX_POINTS
+    assert list(widget_trace["x"][-2:]) == [steps - 2, steps]
     assert "done" in board._header.value and f"step {steps}/{steps}" in board._header.value
 
 
