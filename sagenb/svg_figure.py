@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import html
 import math
+import re
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -75,13 +76,16 @@ class _Axis:
         self.name, self.spec, self.start, self.end = name, spec, start, end
         self.categories: list[str] = []
         self.lo, self.hi = math.inf, -math.inf
+        #: a log axis (the learning rate and gradient norm) is laid out in log10 of its values
+        self.log = spec.type == "log"
 
     def add(self, values: Iterable[Any]) -> None:
         for v in values:
             if isinstance(v, str):
                 if v not in self.categories:
                     self.categories.append(v)
-            elif v is not None and math.isfinite(v):
+            elif v is not None and math.isfinite(v) and not (self.log and v <= 0):
+                v = math.log10(v) if self.log else v
                 self.lo, self.hi = min(self.lo, v), max(self.hi, v)
 
     def settle(self) -> None:
@@ -90,7 +94,7 @@ class _Axis:
             return
         if not math.isfinite(self.lo):
             self.lo, self.hi = 0.0, 1.0
-        if (self.spec.rangemode or "normal") == "tozero":
+        if (self.spec.rangemode or "normal") == "tozero" and not self.log:
             self.lo, self.hi = min(0.0, self.lo), max(0.0, self.hi)
         pad = (self.hi - self.lo) * 0.05 or abs(self.hi) * 0.1 or 1.0
         self.lo -= 0 if self.lo == 0 else pad
@@ -98,6 +102,8 @@ class _Axis:
 
     def px(self, v: Any) -> float:
         value = self.categories.index(v) if isinstance(v, str) else float(v)
+        if self.log:
+            value = math.log10(value) if value > 0 else self.lo
         share = (value - self.lo) / (self.hi - self.lo)
         if self.spec.autorange == "reversed":
             share = 1 - share
@@ -106,6 +112,11 @@ class _Axis:
     def ticks(self) -> list[tuple[float, str]]:
         if self.categories:
             return [(self.px(c), c) for c in self.categories]
+        if self.log:  # a tick at each power of ten in range
+            powers = range(math.ceil(self.lo), math.floor(self.hi) + 1)
+            if len(powers) < 2:  # less than a decade: its ends
+                return [(self.px(10.0**e), _fmt(10.0**e)) for e in (self.lo, self.hi)]
+            return [(self.px(10.0**k), f"1e{k}") for k in powers]
         return [(self.px(t), _fmt(t)) for t in _nice_ticks(self.lo, self.hi)]
 
 
@@ -241,19 +252,34 @@ def _axis_svg(xa: _Axis, ya: _Axis) -> str:
     return "".join(out)
 
 
-def _legend_svg(entries: list[tuple[str, str]], xa: _Axis, ya: _Axis) -> str:
-    """The panel's own legend, in its top right corner, one entry a line."""
+def _paper(fig: Any, height: int) -> tuple[float, float, float, float]:
+    """left, right, top, bottom of plotly's paper (the area inside the margins), in px."""
+    margin = fig.layout.margin
+    return margin.l or 60, WIDTH - (margin.r or 20), margin.t or 60, height - (margin.b or 40)
+
+
+def _legend_svg(entries: list[tuple[str, str]], spec: Any, paper: tuple[float, ...]) -> str:
+    """One legend where the layout puts it (each panel's beside its plot, top-left anchored,
+    as charts.py places them), one entry a line."""
+    left, right, top, bottom = paper
+    x0 = left + (spec.x if spec.x is not None else 1.02) * (right - left)
+    y0 = bottom - (spec.y if spec.y is not None else 1.0) * (bottom - top)
     out = []
-    top = min(ya.start, ya.end)
     for j, (name, colour) in enumerate(entries):
-        y = top + 12 + 13 * j
+        y = y0 + 10 + 13 * j
         out.append(
-            f"<rect x='{xa.end - 152}' y='{y - 10}' width='150' height='13' "
-            "fill='white' fill-opacity='0.8'/>"
-            f"<rect x='{xa.end - 150}' y='{y - 8}' width='10' height='8' "
-            f"fill='{colour}'/><text x='{xa.end - 136}' y='{y}'>{_esc(name)}</text>"
+            f"<rect x='{x0}' y='{y - 8}' width='10' height='8' fill='{colour}'/>"
+            f"<text x='{x0 + 14}' y='{y}'>{_esc(name)}</text>"
         )
     return "".join(out)
+
+
+def _transparent(trace: Any) -> bool:
+    """A trace drawn with opacity 0 (charts.py's memory headroom): data, never ink."""
+    marker = getattr(trace, "marker", None)
+    return trace.opacity == 0 or (
+        getattr(trace, "mode", None) == "markers" and marker is not None and marker.opacity == 0
+    )
 
 
 def to_svg(fig: Any) -> str:
@@ -262,6 +288,7 @@ def to_svg(fig: Any) -> str:
     axes = _axes(fig, height)
     stacked = _stacked(fig)
     visible = [i for i, t in enumerate(fig.data) if t.visible is not False]
+    drawn = [i for i in visible if not _transparent(fig.data[i])]
     for i in visible:
         trace, (xs, ys) = fig.data[i], stacked[i]
         xa, ya = axes[trace.xaxis or "x"], axes[trace.yaxis or "y"]
@@ -274,18 +301,25 @@ def to_svg(fig: Any) -> str:
     for axis in axes.values():
         axis.settle()
     body: list[str] = []
-    legends: dict[tuple[str, str], list[tuple[str, str]]] = {}
-    for i in visible:
+    legends: dict[str, list[tuple[str, str]]] = {}
+    for i in drawn:
         trace = fig.data[i]
         key = (trace.xaxis or "x", trace.yaxis or "y")
         colour = _colour(trace)
-        body.append(_trace_svg(trace, *stacked[i], axes[key[0]], axes[key[1]], colour))
+        shape = _trace_svg(trace, *stacked[i], axes[key[0]], axes[key[1]], colour)
+        if trace.opacity is not None and trace.opacity < 1:
+            shape = shape.replace("<g ", f"<g opacity='{trace.opacity}' ", 1)
+        body.append(shape)
         if trace.showlegend is not False:
-            legends.setdefault(key, []).append((trace.name or trace.meta, colour))
-    frames, keys = [], []
-    for xk, yk in sorted({(t.xaxis or "x", t.yaxis or "y") for t in fig.data}):
-        frames.append(_axis_svg(axes[xk], axes[yk]))
-        keys.append(_legend_svg(legends.get((xk, yk), []), axes[xk], axes[yk]))
+            legends.setdefault(trace.legend or "legend", []).append(
+                (trace.name or trace.meta, colour)
+            )
+    frames = [
+        _axis_svg(axes[xk], axes[yk])
+        for xk, yk in sorted({(t.xaxis or "x", t.yaxis or "y") for t in fig.data})
+    ]
+    paper = _paper(fig, height)
+    keys = [_legend_svg(entries, fig.layout[name], paper) for name, entries in legends.items()]
     notes = []
     for note in fig.layout.annotations:
         x = (note.x or 0) * WIDTH if note.xref == "paper" else None
@@ -295,8 +329,10 @@ def to_svg(fig: Any) -> str:
         else:
             top, bottom = (fig.layout.margin.t or 60), height - (fig.layout.margin.b or 40)
             y = bottom - (note.y or 0) * (bottom - top) - 6
-        lines = "".join(  # plotly's <br> as one tspan a line
-            f"<tspan x='{x:.1f}' dy='{0 if i == 0 else 14}'>{_esc(line)}</tspan>"
+        small = " font-size='10'"
+        lines = "".join(  # plotly's <br> as one tspan a line, later lines small (a subtitle)
+            f"<tspan x='{x:.1f}' dy='{0 if i == 0 else 14}'{'' if i == 0 else small}>"
+            f"{_esc(re.sub('<[^>]+>', '', line))}</tspan>"
             for i, line in enumerate(str(note.text).split("<br>"))
         )
         notes.append(f"<text y='{y:.1f}' text-anchor='middle' font-size='12'>{lines}</text>")
