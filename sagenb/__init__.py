@@ -48,6 +48,7 @@ _PUBLIC = {
     "CheckpointError": "sagenb.checkpoints",
     "ControlPanel": "sagenb.panel",
     "fit_scaling": "sagenb.whatif",
+    "Scaling": "sagenb.whatif",
     "what_if": "sagenb.whatif",
     "teaching_case": "sagenb.whatif",
     "Plan": "sagenb.planner",

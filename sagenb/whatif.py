@@ -10,12 +10,16 @@ in 1 / n), and every figure says so.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from sagenb import metric_keys as keys
 from sagenb.cost import CostMeter, instance_price
 from sagenb.result import TrainResult
+
+if TYPE_CHECKING:
+    from sagenb.estimates import Estimate
 
 __all__ = ["Scaling", "fit_scaling", "what_if", "teaching_case"]
 
@@ -71,6 +75,8 @@ class WhatIfRow:
     hours: float
     on_demand_usd: float
     spot_usd: float
+    #: with an estimate: hours as (low, high), the estimate's MFU range; hours is their middle
+    hours_range: tuple[float, float] | None = None
 
 
 def what_if(
@@ -80,27 +86,53 @@ def what_if(
     instance: str,
     instances: Sequence[int] = (1, 2, 4, 8, 10),
     engines_per_instance: int | None = None,
+    estimate: Estimate | None = None,
 ) -> list[WhatIfRow]:
     """Hours and dollars to train `samples` samples on each number of instances.
 
-    Throughput on n engines = single-engine throughput x speedup(n); this machine's absolute
-    speed stands in for the instance's, so read the hours as relative (what scaling does), and
-    the dollars as the price of that time.
+    Throughput on n engines = single-engine throughput x speedup(n). Without `estimate`, this
+    machine's absolute speed stands in for the instance's, so read the hours as relative (what
+    scaling does), and the dollars as the price of that time. With `estimate`
+    (sagenb.estimate of this job on `instance`), its step time on the instance sets the
+    absolute speed at its engine count, and the measured fit scales it to the others: the
+    estimate for an instance that was not measured, the measured fit for how the job scales.
     """
     price = instance_price(instance)
     per = engines_per_instance or price.engines_per_instance
-    one = scaling.throughput[1]
+    seconds_at = _seconds_on_instance(scaling, samples, estimate, instance)
     rows = []
     for k in instances:
         engines = k * per
-        seconds = samples / (one * scaling.speedup(engines))
+        low, high = seconds_at(engines)
+        seconds = (low + high) / 2
         meter = CostMeter(price, engines)
-        rows.append(
-            WhatIfRow(
-                k, engines, seconds / 3600, meter.cost(seconds), meter.spot(meter.cost(seconds))
-            )
-        )
+        spread = (low / 3600, high / 3600) if estimate is not None else None
+        cost = meter.cost(seconds)
+        rows.append(WhatIfRow(k, engines, seconds / 3600, cost, meter.spot(cost), spread))
     return rows
+
+
+def _seconds_on_instance(
+    scaling: Scaling, samples: float, estimate: Estimate | None, instance: str
+) -> Callable[[int], tuple[float, float]]:
+    """engines -> (low, high) seconds to train `samples` samples."""
+    if estimate is None:
+        one = scaling.throughput[1]
+        return lambda n: (samples / (one * scaling.speedup(n)),) * 2
+    if estimate.price.name != instance:
+        raise ValueError(
+            f"the estimate is for {estimate.price.name}, not {instance}: estimate the job with "
+            f"instance={instance!r}"
+        )
+    per_sample = [s / estimate.config.batch_size for s in estimate.step_time_s]
+    base = estimate.engines
+
+    def seconds(n: int) -> tuple[float, float]:
+        factor = scaling.speedup(base) / scaling.speedup(n)
+        low, high = (samples * s * factor for s in per_sample)
+        return low, high
+
+    return seconds
 
 
 def teaching_case(scaling: Scaling, *, instance: str, hours_on_one: float = 10.0) -> str:

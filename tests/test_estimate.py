@@ -190,3 +190,21 @@ def test_a_run_after_an_estimate_is_projected_from_it(pool):
     assert f"projected on 1 x {P4D}: {low:.3g}-{high:.3g} s" in summary
     plain = sagenb.train(REGRESSION_CELL, **{**options, "steps": 2})
     assert "projected on ml.p4d.24xlarge: no estimate" in plain.summary()
+
+
+def test_what_if_takes_its_absolute_speed_from_the_estimate(no_pool):
+    """what_if with an estimate: the instance's hours at the estimate's engine count are the
+    estimate's, and the measured Amdahl fit scales them to the other counts."""
+    est = sagenb.estimate(GPT_CELL, instance=P4D, engines=8, batch_size=64, steps=100)
+    scaling = sagenb.Scaling({1: 100.0, 2: 160.0}, parallel_fraction=0.75)
+    samples = 64 * 100
+    one, two = sagenb.what_if(
+        scaling, samples=samples, instance=P4D, instances=(1, 2), estimate=est
+    )
+    assert one.engines == 8 and one.hours_range == pytest.approx(
+        tuple(100 * s / 3600 for s in est.step_time_s)
+    )
+    ratio = scaling.speedup(8) / scaling.speedup(16)
+    assert two.hours_range == pytest.approx(tuple(h * ratio for h in one.hours_range))
+    with pytest.raises(ValueError, match="the estimate is for ml.p4d.24xlarge"):
+        sagenb.what_if(scaling, samples=samples, instance="ml.g5.xlarge", estimate=est)
