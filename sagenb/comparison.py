@@ -15,7 +15,7 @@ run, as `TrainResult.wall_time_s` is: a run that waits longer for its first step
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
@@ -74,6 +74,22 @@ def _rate_key(result: TrainResult) -> str:
     return keys.TOKEN_THROUGHPUT if rows and keys.TOKEN_THROUGHPUT in rows[0] else keys.THROUGHPUT
 
 
+class ComparisonFigure(go.Figure):
+    """The comparison's plotly figure, shown in a notebook as an inline SVG drawn in Python
+    (svg_figure.to_svg, as a finished dashboard is): a saved notebook stays small and renders
+    with no network and no plotly.js. `.show()` draws the interactive figure."""
+
+    def _repr_mimebundle_(self, *args: Any, **kwargs: Any) -> dict[str, str]:
+        from sagenb.svg_figure import to_svg
+
+        return {"text/html": f"<div class='smp-static-copy'>{to_svg(self)}</div>"}
+
+    def _ipython_display_(self) -> None:
+        from IPython.display import display
+
+        display(self._repr_mimebundle_(), raw=True)
+
+
 def compare(*results: TrainResult, names: Sequence[str] | None = None) -> go.Figure:
     """Runs side by side: loss per step and over wall time, smoothed throughput, memory per
     engine by kind, and cost (on-demand, as each run was priced). `names` replaces the
@@ -120,7 +136,7 @@ def compare(*results: TrainResult, names: Sequence[str] | None = None) -> go.Fig
     )  # fmt: skip
     _headroom(fig, [r.cost_usd for r in results], 2, 2)
     _headroom(fig, [sum(m.values()) for r in results for m in _memory(r).values()], 3, 1)
-    return fig
+    return ComparisonFigure(fig)
 
 
 def _headroom(fig: go.Figure, values: list[float], row: int, col: int) -> None:

@@ -122,7 +122,12 @@ class _Axis:
 
 def _values(trace: Any, key: str) -> list:
     values = getattr(trace, key, None)
-    return [] if values is None else list(values)
+    if values is None:
+        return []
+    values = list(values)
+    if values and isinstance(values[0], (list, tuple)):  # plotly's multi-category axis
+        return [" ".join(map(str, level)) for level in zip(*values)]
+    return values
 
 
 def _stacked(fig: Any) -> dict[int, tuple[list, list]]:
@@ -259,17 +264,24 @@ def _paper(fig: Any, height: int) -> tuple[float, float, float, float]:
 
 
 def _legend_svg(entries: list[tuple[str, str]], spec: Any, paper: tuple[float, ...]) -> str:
-    """One legend where the layout puts it (each panel's beside its plot, top-left anchored,
-    as charts.py places them), one entry a line."""
+    """One legend where the layout puts it, anchored as plotly anchors it: a column of entries
+    (each panel's, beside its plot, as charts.py places them) or a row (orientation 'h', as
+    compare() puts the runs above its panels)."""
     left, right, top, bottom = paper
     x0 = left + (spec.x if spec.x is not None else 1.02) * (right - left)
     y0 = bottom - (spec.y if spec.y is not None else 1.0) * (bottom - top)
+    widths = [14 + 5.5 * len(name) + 10 for name, _ in entries]  # 10 px type: ~5.5 px a letter
+    row = spec.orientation == "h"
+    width = sum(widths) if row else max(widths, default=0)
+    height = 13 if row else 13 * len(entries)
+    x0 -= {"right": width, "center": width / 2}.get(spec.xanchor or "left", 0)
+    y0 -= {"bottom": height, "middle": height / 2}.get(spec.yanchor or "top", 0)
     out = []
     for j, (name, colour) in enumerate(entries):
-        y = y0 + 10 + 13 * j
+        x, y = (x0 + sum(widths[:j]), y0 + 10) if row else (x0, y0 + 10 + 13 * j)
         out.append(
-            f"<rect x='{x0}' y='{y - 8}' width='10' height='8' fill='{colour}'/>"
-            f"<text x='{x0 + 14}' y='{y}'>{_esc(name)}</text>"
+            f"<rect x='{x:.1f}' y='{y - 8}' width='10' height='8' fill='{colour}'/>"
+            f"<text x='{x + 14:.1f}' y='{y}'>{_esc(name)}</text>"
         )
     return "".join(out)
 
@@ -335,7 +347,8 @@ def to_svg(fig: Any) -> str:
             f"{_esc(re.sub('<[^>]+>', '', line))}</tspan>"
             for i, line in enumerate(str(note.text).split("<br>"))
         )
-        notes.append(f"<text y='{y:.1f}' text-anchor='middle' font-size='12'>{lines}</text>")
+        anchor = {"left": "start", "right": "end"}.get(note.xanchor or "center", "middle")
+        notes.append(f"<text y='{y:.1f}' text-anchor='{anchor}' font-size='12'>{lines}</text>")
     return (
         f"<svg class='smp-static' xmlns='http://www.w3.org/2000/svg' viewBox='0 0 {WIDTH} "
         f"{height}' width='100%' style='max-width: {WIDTH}px' font-size='10' {FONT}>"
