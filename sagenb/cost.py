@@ -42,14 +42,18 @@ class InstancePrice:
         return max(1, self.accelerators)
 
 
+def read_table(packaged: str, path: str | None) -> Any:
+    """A JSON table: the file at `path`, else the package's sagenb/data/`packaged` (the
+    price table here, the hardware table in hardware.py: one shape of loading for both)."""
+    if path is None:
+        return json.loads(resources.files("sagenb").joinpath(f"data/{packaged}").read_text())
+    return json.loads(Path(path).read_text())
+
+
 @lru_cache(maxsize=8)
 def price_table(path: str | None = None) -> dict[str, InstancePrice]:
     """The package's table, or a JSON file of the same shape (`--price-table FILE`)."""
-    if path is None:
-        text = resources.files("sagenb").joinpath("data/prices.json").read_text()
-    else:
-        text = Path(path).read_text()
-    raw = json.loads(text)
+    raw = read_table("prices.json", path)
     _check_table(raw)
     return {
         name: InstancePrice(

@@ -10,13 +10,12 @@ validation.
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from functools import lru_cache
-from importlib import resources
-from pathlib import Path
 from typing import Any
+
+from sagenb.cost import read_table
 
 __all__ = ["Hardware", "hardware_table", "check_hardware", "GPU_ONLY_PRECISIONS"]
 
@@ -60,11 +59,7 @@ class Hardware:
 @lru_cache(maxsize=8)
 def hardware_table(path: str | None = None) -> dict[str, Hardware]:
     """The package's table, or a JSON file of the same shape (`--hardware-table FILE`)."""
-    if path is None:
-        text = resources.files("sagenb").joinpath("data/hardware.json").read_text()
-    else:
-        text = Path(path).read_text()
-    raw = json.loads(text)
+    raw = read_table("hardware.json", path)
     _check_table(raw)
     return {name: _row(name, row, raw, path) for name, row in raw["instances"].items()}
 
