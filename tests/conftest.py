@@ -109,3 +109,13 @@ def _unmarked_tests_start_no_pool(request):
             "`pool` fixture or decorate it with @pytest.mark.pool (tests/conftest.py)",
             pytrace=False,
         )
+
+
+@pytest.fixture(scope="module")
+def shell():
+    """An IPython shell with sagenb's magics loaded (SAGENB_PREWARM=0 here: no pool starts)."""
+    from IPython.core.interactiveshell import InteractiveShell
+
+    ip = InteractiveShell.instance()
+    ip.run_line_magic("load_ext", "sagenb")
+    return ip

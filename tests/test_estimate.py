@@ -9,7 +9,6 @@ import json
 
 import pytest
 from IPython.core.error import UsageError
-from IPython.core.interactiveshell import InteractiveShell
 
 import sagenb
 from sagenb import cluster
@@ -133,13 +132,6 @@ def test_bad_input_is_a_clear_error_before_anything_runs(options, message, tmp_p
     with pytest.raises(ConfigError, match=message):
         sagenb.estimate(cell, **{"batch_size": 64, **options})
     assert not marker.exists(), "the cell ran before the bad option was refused"
-
-
-@pytest.fixture(scope="module")
-def shell():
-    ip = InteractiveShell.instance()
-    ip.run_line_magic("load_ext", "sagenb")
-    return ip
 
 
 def test_the_magic_answers_without_a_pool(shell, capsys, no_pool):

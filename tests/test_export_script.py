@@ -12,7 +12,6 @@ import sys
 import pytest
 import torch
 from IPython.core.error import UsageError
-from IPython.core.interactiveshell import InteractiveShell
 
 import sagenb
 from sagenb.config import ConfigError, EngineConfig, TrainConfig
@@ -129,13 +128,6 @@ def test_sagemaker_export_keeps_a_requirements_file_it_did_not_write(tmp_path):
     with pytest.raises(ExportError, match="export into a folder of its own"):
         sagenb.export(SEQUENTIAL_CELL, tmp_path / "train.py", to="sagemaker", engines=8)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["requirements.txt"]
-
-
-@pytest.fixture(scope="module")
-def shell():
-    ip = InteractiveShell.instance()
-    ip.run_line_magic("load_ext", "sagenb")
-    return ip
 
 
 def test_magic_writes_the_script(shell, tmp_path, capsys):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 from IPython.core.error import UsageError
-from IPython.core.interactiveshell import InteractiveShell
 
 import sagenb
 from sagenb import cluster
@@ -15,13 +14,6 @@ from sagenb.result import TrainResult
 from .conftest import REGRESSION_CELL, SGD_MOMENTUM
 from .helpers import assert_params_equal
 from .reference import train_reference
-
-
-@pytest.fixture(scope="module")
-def shell():
-    ip = InteractiveShell.instance()
-    ip.run_line_magic("load_ext", "sagenb")
-    return ip
 
 
 def test_magic_trains_and_stores_the_result(shell, pool):
