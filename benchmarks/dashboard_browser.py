@@ -1,7 +1,7 @@
 """The live dashboard's cost as a user meets it: drawn by a browser, in JupyterLab, on the
 machine that trains.
 
-    .venv/bin/python benchmarks/dashboard_browser.py [--rounds 2] [--lengths 300,1500]
+    .venv/bin/python benchmarks/dashboard_browser.py [--rounds 2] [--lengths 1100,3000]
         [--out benchmarks/results]
 
 A notebook in a real JupyterLab, open in headless Chromium (tests/lab.py), trains the
@@ -58,10 +58,9 @@ GROUPS = ("kernel", "server", "browser")
 # What the page shows, polled every SAMPLE_S from the main thread (Playwright's sync API is not
 # thread-safe): whether a live chart is drawn, the header, and the smoothed loss's vertices.
 SHOWN = """() => {
-  const plot = document.querySelector('.smp-dashboard .js-plotly-plot');
+  const plot = document.querySelector('.smp-dashboard svg.smp-live');
   const header = document.querySelector('.smp-dashboard .smp-header');
-  const lines = plot ? [...plot.querySelectorAll('.subplot.xy .scatterlayer .trace path.js-line')]
-    : [];
+  const lines = plot ? [...plot.querySelectorAll('g.trace[data-axes="xy"] path.js-line')] : [];
   const done = [...document.querySelectorAll('.jp-CodeCell .jp-InputPrompt')]
     .every(p => /^\\[\\d+\\]:$/.test(p.textContent.trim()));
   return {plot: Boolean(plot), header: header ? header.textContent : '', done,
@@ -300,7 +299,9 @@ def markdown(summary: dict) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--lengths", default="300,1500", help="steps of the short and long runs")
+    # ~30 s and ~80 s on this project's 2-core machine: the target (issue 17) is for runs of
+    # 30 s or longer; the first draw is measured in each
+    parser.add_argument("--lengths", default="1100,3000", help="steps of the short and long runs")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
     if not os.access(CHROMIUM, os.X_OK):

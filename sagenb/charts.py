@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import html
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property, partial
 from typing import TYPE_CHECKING, Any, Protocol
@@ -103,9 +103,11 @@ class Panel:
     x: Text | None = None
     y: Text | None = None
     yaxis: Mapping[str, Any] = field(default_factory=lambda: {"rangemode": "tozero"})
+    #: redrawn every second while a run trains, however long it runs (the others less often)
+    every_second: bool = False
 
 
-LOSS = Panel(1, 1, "Loss", "step", "loss", {"rangemode": "normal"})
+LOSS = Panel(1, 1, "Loss", "step", "loss", {"rangemode": "normal"}, every_second=True)
 THROUGHPUT = Panel(1, 2, "Throughput", "step", lambda b: keys.unit(b.rate_key))
 MEMORY = Panel(2, 1, "Memory per engine, last step", None, "MiB")
 STEP_TIME = Panel(
@@ -404,10 +406,15 @@ def traces(board: Board) -> tuple[Trace, ...]:
     )
 
 
-def trace_data(board: Board) -> dict[str, dict[str, Any]]:
-    """Every trace's data, by name, from the list the figure is built from."""
+def trace_data(board: Board, panels: Collection[Panel] | None = None) -> dict[str, dict[str, Any]]:
+    """Every trace's data (or those of `panels`), by name, from the list the figure is built
+    from."""
     snap = Snapshot(board)
-    return {trace.name: trace.data(snap) for trace in traces(board)}
+    return {
+        trace.name: trace.data(snap)
+        for trace in traces(board)
+        if panels is None or trace.panel in panels
+    }
 
 
 #: x domains of the two columns of panels, each followed by its panels' legends: at 700 px

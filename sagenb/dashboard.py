@@ -1,17 +1,18 @@
 """The live dashboard under a `%%smp_train` cell: loss, throughput, memory per engine, step
-time and pipeline bubble, the pipeline schedule, and what the run costs.
+time and pipeline bubble (or learning rate and gradient norm), the pipeline schedule, and what
+the run costs.
 
-A metric sink. In a Jupyter kernel it shows an ipywidgets header (status, progress, layout,
-time left, cost) above a live plotly chart (live_figure.LiveFigure: plotly.js once per page,
-each redraw sends only the points added and the values changed). The header is redrawn every
-HEADER_S seconds; the figure every second at first, then less often, every FIGURE_MAX_S from
-half a minute on (`figure_period`): the browser still redraws all six panels each time
-(benchmarks/dashboard_browser.py), on the engines' cores when it runs on the training machine.
-When the run ends, a static copy (header and an inline SVG, svg_figure.py) replaces the live
-chart in the same output: what a saved notebook holds, shown offline and without a kernel.
-Anywhere else (a script, a test) it only records, and `save_html` writes the figure to one
-self-contained file. This module and charts.py own plotly; nothing on the engine side imports
-them.
+A metric sink. In a Jupyter kernel it shows one small widget (live_figure.LiveFigure): the
+header (status, progress, layout, time left, cost) and the figure as an inline SVG drawn in
+Python from the chart spec (charts.py, svg_figure.py). The header and the loss panel are
+redrawn every second (REDRAW_S, 0.9 s); the other panels with them at first, then less often,
+every FIGURE_MAX_S from half a minute on (`figure_period`); each redraw is one message that
+holds only the panels whose drawing changed. When the run ends, a static copy (the same header and
+drawing) replaces the live widget in the same output: what a saved notebook holds, shown
+offline and without a kernel. Anywhere else (a script, a test) it only records, and
+`save_html` writes the figure, interactive (plotly.js inline), to one self-contained file. This
+module, charts.py and svg_figure.py own plotly and the drawing; nothing on the engine side
+imports them.
 """
 
 from __future__ import annotations
@@ -33,20 +34,20 @@ from sagenb.metrics import History
 
 __all__ = ["Dashboard", "layout_text", "figure_period"]
 
-HEADER_S = 0.5  # the header is a line of HTML, far cheaper to redraw than the figure
-FIGURE_MIN_S, FIGURE_MAX_S, FIGURE_SLOWDOWN = 1.0, 5.0, 6.0
+#: the header and the loss panel are redrawn this often, together: at least once a second,
+#: as the session's polling (session.POLL_S) adds up to 0.05 s. Each message the kernel sends
+#: costs the page ~5-15 ms of CPU in JupyterLab whatever it holds (measured with a no-op
+#: message), so one message carries both (benchmarks/dashboard_browser.py)
+REDRAW_S = 0.9
+FIGURE_MAX_S, FIGURE_SLOWDOWN = 5.0, 6.0
 
 
 def figure_period(elapsed: float) -> float:
-    """Seconds between figure redraws `elapsed` seconds into a run: every second for the
-    first 6 s, then elapsed / 6, every 5 s from half a minute on. A redraw costs ~200 ms of CPU
-    across kernel, server and browser early in a run, ~350-400 ms in a run of minutes
-    (benchmarks/dashboard_browser.py; halving the points a line did not change it): every 5 s
-    that is 2-4% of two cores, and the header still moves twice a second."""
-    return min(FIGURE_MAX_S, max(FIGURE_MIN_S, elapsed / FIGURE_SLOWDOWN))
-
-
-LIVE_WIDTH_PX = 1000  # the live chart's width (see _show)
+    """Seconds between redraws of the panels other than the loss `elapsed` seconds into a
+    run: with the loss for the first 6 s, then elapsed / 6, every 5 s from half a minute on.
+    Memory, step time and cost change slowly; the loss panel (charts.Panel.every_second) is
+    redrawn every second throughout (benchmarks/dashboard_browser.py measures what it costs)."""
+    return min(FIGURE_MAX_S, max(REDRAW_S, elapsed / FIGURE_SLOWDOWN))
 
 
 def _in_kernel() -> bool:
@@ -104,10 +105,10 @@ class Dashboard:
         self.rate_key = keys.THROUGHPUT
         self.status, self.elapsed = "starting", 0.0
         self.warnings: list[str] = []  # why the run cannot equal one process's (equivalence.py)
-        self._dirty, self._last_draw, self._last_header = True, 0.0, 0.0
+        self._logged = 0  # records logged; a redraw with nothing new draws nothing
+        self._drawn = {"all": -1, "every second": -1}  # _logged at each kind's last redraw
+        self._last_draw = self._last_redraw = 0.0
         self.redraws = 0
-        self._widget: Any = None
-        self._header: Any = None
         self._figure_widget: LiveFigure | None = None
         self._display = None
         if live if live is not None else _in_kernel():
@@ -125,21 +126,21 @@ class Dashboard:
             self.timelines[rank] = (metrics[keys.TIMELINE_T0], metrics[keys.TIMELINE])
         if keys.TOKENS in metrics:  # token-id inputs: the history has tokens/s
             self.rate_key = keys.TOKEN_THROUGHPUT
-        self._dirty = True
+        self._logged += 1
 
     def tick(self, elapsed: float) -> None:
-        """Called by the session while it waits; redraws the header and the figure when due."""
+        """Called by the session while it waits: every REDRAW_S the header and the loss, and
+        the other panels when their period (`figure_period`) is due, in one message."""
         self.elapsed = elapsed
         now = time.monotonic()
-        header_due = now - self._last_header >= HEADER_S
-        if header_due:
-            self.cost_points.append((elapsed, self.cost.cost(elapsed)))
-        if now - self._last_draw >= figure_period(elapsed):
-            self._redraw()  # the header with it
-            self._last_draw = self._last_header = now
-        elif header_due:
-            self._redraw_header()
-            self._last_header = now
+        if now - self._last_redraw < REDRAW_S:
+            return
+        self._last_redraw = now
+        self.cost_points.append((elapsed, self.cost.cost(elapsed)))
+        every_second = now - self._last_draw < figure_period(elapsed)
+        if not every_second:
+            self._last_draw = now
+        self._redraw(every_second=every_second)
 
     def finish(self, elapsed: float, *, status: str) -> None:
         """The run ended: "done", "failed" or "interrupted" (by the kernel's interrupt, or
@@ -147,7 +148,7 @@ class Dashboard:
         says which."""
         self.elapsed, self.status = elapsed, status
         self.cost_points.append((elapsed, self.cost.cost(elapsed)))
-        self._dirty = True
+        self._logged += 1
         self._redraw()
         self._leave_static_copy()
 
@@ -242,58 +243,60 @@ class Dashboard:
         )
 
     def _show(self) -> None:
-        import ipywidgets as widgets
         from IPython.display import display
 
-        self._header = header = widgets.HTML(self._header_html())
         fig = self.to_figure()
-        # a fixed width (plotly/plotly.py#2062: a figure does not follow its output's width):
-        # at plotly's default 700 px the subplot titles overlapped; 1000 px fits JupyterLab
-        fig.update_layout(title=None, width=LIVE_WIDTH_PX)
-        self._figure_widget = figure = LiveFigure(fig)
-        self._widget = widget = widgets.VBox([header, figure])
+        fig.update_layout(title=None)  # the header is HTML above it
+        self._figure_widget = widget = LiveFigure(fig, header=self._header_html())
         widget.add_class("smp-dashboard")
+        widget.add_class("tex2jax_ignore")  # JupyterLab would typeset "$0.03 so far, $0.09"
         self._display = display(widget, display_id=True)
 
     def _redraw_header(self) -> None:
-        if self._header is not None:
-            self._header.value = self._header_html()
+        if self._figure_widget is not None:
+            self._figure_widget.show_header(self._header_html())
 
-    def _redraw(self) -> None:
-        """The header and, when new metrics came, the figure."""
-        if self._figure_widget is None:
+    def _redraw(self, every_second: bool = False) -> None:
+        """The header and, when new metrics came, the panels: all, or those drawn every
+        second (the loss). Only the panels whose drawing changed travel."""
+        widget = self._figure_widget
+        if widget is None:
             return
-        self._redraw_header()
-        if not self._dirty:
-            return
-        self._dirty = False
-        self.redraws += 1
-        # each trace by its name (charts keeps it in `meta`), from the list the figure was
-        # built from, never by position; only the points added and the values changed travel
-        self._figure_widget.update_traces(charts.trace_data(self))
+        with widget.hold_sync():  # the header and the panels in one message
+            self._redraw_header()
+            kind = "every second" if every_second else "all"
+            if self._drawn[kind] == self._logged:
+                return
+            self._drawn[kind] = self._logged
+            shown = charts.panels(self)
+            due = [p for p in shown if p.every_second] if every_second else shown
+            # each trace by its name (charts keeps it in `meta`), never by position
+            data = charts.trace_data(self, due)
+            if widget.update_traces(data, {widget.panel_of(name) for name in data}):
+                self.redraws += 1
 
-    def static_html(self) -> str:
+    def static_html(self, svg: str | None = None) -> str:
         """The dashboard as HTML with no script: the header and the figure as an inline SVG
-        (svg_figure), viewable offline, without a kernel, in nbconvert's HTML and on GitHub."""
-        fig = self.to_figure()
-        fig.update_layout(title=None)
+        (svg_figure), viewable offline, without a kernel, in nbconvert's HTML and on GitHub.
+        `svg`: the figure as already drawn (the live widget's drawing of the finished run)."""
+        if svg is None:
+            fig = self.to_figure()
+            fig.update_layout(title=None)
+            svg = svg_figure.to_svg(fig)
         return (
             # tex2jax_ignore / mathjax_ignore: JupyterLab typesets "$0.03 so far, $0.09" as TeX
             f"<div class='smp-dashboard smp-static-copy tex2jax_ignore mathjax_ignore'>"
-            f"{self._header_html()}"
-            f"{svg_figure.to_svg(fig)}</div>"
+            f"{self._header_html()}{svg}</div>"
         )
 
     def _leave_static_copy(self) -> None:
         """The finished dashboard replaces the live one in its output: the static copy (a few
-        KB to ~150 KB) is what a saved notebook holds, not the widget, whose plotly.js is
-        dropped and whose model is closed (issue 17: 5 MB of widget state per dashboard)."""
-        if self._display is None or self._widget is None:
+        KB to ~150 KB) is what a saved notebook holds, and the widget is closed, so no widget
+        state is saved with it (issue 17: plotly's FigureWidget left ~5 MB per dashboard)."""
+        if self._display is None or self._figure_widget is None:
             return
-        bundle = {"text/html": self.static_html(), "text/plain": self.header_text()}
+        widget = self._figure_widget  # finish() redrew every panel: its drawing is the run's
+        svg = widget.drawing.svg(widget.shown, css_class="smp-static")
+        bundle = {"text/html": self.static_html(svg), "text/plain": self.header_text()}
         self._display.update(bundle, raw=True)
-        if self._figure_widget is not None:
-            self._figure_widget.release()
-        for widget in (self._widget, self._header, self._figure_widget):
-            if widget is not None:
-                widget.close()
+        self._figure_widget.close()

@@ -70,28 +70,29 @@ def page(home):
         yield page
 
 
-# The dashboard as drawn: its header, the vertices of each loss line in the Loss panel (each
-# replica's loss and the smoothed loss; one vertex per step, plotly.js does not simplify), the
-# memory panel's labels; and whether a cell is still running.
+# The dashboard as drawn: its header, the steps each loss line in the Loss panel holds (each
+# replica's loss and the smoothed loss: data-n, one value per step; the line draws at most
+# svg_figure.MAX_POINTS of them), the memory panel's labels; and whether a cell is running.
 DASHBOARD = """() => {
   const board = document.querySelector('.smp-dashboard');
   const header = board && board.querySelector('.smp-header');
-  const loss = '.subplot.xy .scatterlayer .trace path.js-line';
+  const loss = 'svg.smp-live g.trace[data-axes="xy"] path.js-line';
   const lines = board ? [...board.querySelectorAll(loss)] : [];
   const prompts = [...document.querySelectorAll('.jp-CodeCell .jp-InputPrompt')];
-  const engines = board ? [...board.querySelectorAll('.xaxislayer-above .x3tick text')] : [];
+  const engines = board ? [...board.querySelectorAll('svg.smp-live text.x3tick')] : [];
   return {
     engines: engines.map(t => t.textContent),
     header: header ? header.textContent : '',
-    points: lines.map(p => ((p.getAttribute('d') || '').match(/[ML]/g) || []).length),
+    points: lines.map(p => Number(p.closest('g.trace').dataset.n)),
     running: prompts.some(e => e.textContent.includes('*')),
   };
 }"""
 # The memory panel (third subplot) as drawn: per bar trace (one per kind of memory, stacked),
 # each segment's horizontal centre and height in pixels.
-MEMORY = """() => [...document.querySelectorAll('.smp-dashboard .subplot.x3y3 .barlayer .trace')]
-  .map(trace => [...trace.querySelectorAll('.point path')].map(path => {
-    const box = path.getBoundingClientRect();
+MEMORY = """() => [...document.querySelectorAll(
+  '.smp-dashboard svg.smp-live g.trace.bar[data-axes="x3y3"]')]
+  .map(trace => [...trace.querySelectorAll('rect')].map(rect => {
+    const box = rect.getBoundingClientRect();
     return [box.x + box.width / 2, box.height];
   }))"""
 # The finished dashboard: the static copy (sagenb/svg_figure.py) that replaced the live chart,
@@ -201,7 +202,7 @@ def test_quickstart_runs_in_jupyterlab(lab, page):
         drawn = len(svg_figure.thin(range(total), range(total))[0])
         assert static["points"] == [drawn] * 3, (static, total)
         assert static["bars"] == [2] * 4 and static["engines"] == ["engine 0", "engine 1"], static
-        assert page.locator(".smp-dashboard .js-plotly-plot").count() == 0
+        assert page.locator(".smp-dashboard svg.smp-live").count() == 0
         outputs = page.evaluate(OUTPUTS)
         summary = SUMMARY.search(outputs)
         assert summary and int(summary[1]) == total, outputs[-3000:]

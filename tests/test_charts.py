@@ -136,12 +136,12 @@ def test_a_redraw_updates_each_trace_by_its_name(monkeypatch):
     monkeypatch.setattr(charts, "TRACES", tuple(reversed(charts.TRACES)))
     run(board, range(4, STEPS + 1))
     board.finish(float(STEPS), status="done")
-    # what the browser holds: the first draw's figure with every redraw's splices applied
-    widget = board._figure_widget.shown
-    assert len(widget) == len(board._figure_widget.names) == len(charts.traces(board))
+    # what the page's drawing holds: every trace of the spec, each given its data by name
+    drawing = board._figure_widget.drawing
+    assert set(drawing.by_name) == {t.name for t in charts.traces(board)}
     for name, data in expected(board).items():
         for key, values in data.items():
-            got = list(widget[name][key])
+            got = drawing.values(name, key)
             if isinstance(values[0], str):
                 assert got == values, (name, key)
             else:

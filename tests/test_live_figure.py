@@ -1,46 +1,58 @@
-"""The live chart's redraws (sagenb/live_figure.py): after the first few, a redraw sends only
-the points added and the values changed, and what the front end ends up holding (the Python
-mirror of its splices) equals the spec's data. The static copy (sagenb/svg_figure.py) draws
-every trace of the spec. Pool-free, like test_charts."""
+"""The live dashboard's redraws (sagenb/live_figure.py): a redraw sends only the panels whose
+drawing changed, the loss panel alone every second; what the page ends up showing equals the
+finished figure drawn afresh; the static copy (sagenb/svg_figure.py) draws every trace of the
+spec. Pool-free, like test_charts."""
 
 from __future__ import annotations
 
-import numpy as np
+import plotly.graph_objects as go
 
 from sagenb import charts
-from sagenb.live_figure import RESYNC_FIRST, splices
+from sagenb.svg_figure import Drawing
 
 from .test_charts import CONFIGS, new_board, run
 
 
-def test_splices_send_the_new_tail_only():
-    old = {"x": np.arange(5.0), "y": [1.0, 2.0, 3.0, 4.0, 5.0], "name": "a"}
-    new = {"x": np.arange(7.0), "y": [1.0, 2.0, 3.0, 4.0, 9.0, 6.0, 7.0], "name": "a"}
-    assert splices(old, new) == {"splice": {"x": (5, [5.0, 6.0]), "y": (4, [9.0, 6.0, 7.0])}}
-    assert splices(new, new) == {}
-    assert splices(old, new, whole=True)["set"]["name"] == "a"
+def _redraw(board, **kwargs) -> list[str]:
+    """The panels one redraw sent (their axes, 'x3y3')."""
+    widget = board._figure_widget
+    before = {key: getattr(widget, f"panel_{key}") for key in widget.shown}
+    board._redraw(**kwargs)
+    return [key for key in widget.shown if getattr(widget, f"panel_{key}") != before[key]]
 
 
-def test_redraws_after_the_first_send_only_new_points():
+def test_a_redraw_sends_only_the_panels_that_changed():
     board = new_board(CONFIGS["model"], live=True)
     widget = board._figure_widget
-    step = 0
-    for _ in range(RESYNC_FIRST):  # the first redraws send whole arrays
-        step += 1
-        run(board, range(step, step + 1), pipeline=True)
-        board._dirty = True
-        board._redraw()
-    before = widget.sent_values
-    run(board, range(step + 1, step + 2), pipeline=True)
-    board._dirty = True
-    board._redraw()
-    # one new step: a point on each per-step line, the cost point, and what changed of the
-    # memory bars and the schedule: far less than the figure holds
-    held = sum(len(v) for t in widget.shown.values() for k, v in t.items() if k in ("x", "y"))
-    assert 0 < widget.sent_values - before < held / 3, (widget.sent_values - before, held)
-    for name, data in charts.trace_data(board).items():
-        for key, values in data.items():
-            assert list(widget.shown[name][key]) == list(np.asarray(values).tolist()), name
+    loss = widget.panel_of("loss (smoothed)")
+    memory = widget.panel_of("params")
+    run(board, range(1, 4), pipeline=True)
+    assert set(_redraw(board)) == set(widget.shown)  # the first data: every panel
+    assert _redraw(board) == []  # nothing logged since: nothing sent
+
+    run(board, range(4, 5), pipeline=True)
+    # the redraw due every second draws the loss only
+    assert _redraw(board, every_second=True) == [loss]
+    # the full redraw: the per-step panels and the cost moved; the memory bars did not
+    sent = _redraw(board)
+    assert loss not in sent and memory not in sent and len(sent) >= 3, sent
+
+    # what the page shows is the figure of the same data drawn from scratch, panel by panel
+    fresh = Drawing(board.to_figure())
+    assert widget.shown == {key: fresh.panel(key) for key in fresh.panels}
+    assert widget.panels == list(fresh.panels)
+
+
+def test_the_header_travels_only_when_it_changed():
+    board = new_board(CONFIGS["data"], live=True)
+    widget = board._figure_widget
+    sent = []
+    widget.observe(lambda change: sent.append(change["new"]), names="header")
+    board._redraw_header()
+    assert sent == []  # the same text as the first draw
+    run(board, range(1, 3))
+    board._redraw_header()
+    assert len(sent) == 1 and "step 2/12" in sent[0], sent
 
 
 def test_the_static_copy_draws_every_trace():
@@ -54,3 +66,13 @@ def test_the_static_copy_draws_every_trace():
         if trace.style is charts.INVISIBLE:
             continue  # the memory axis's headroom: data for the axis range, never drawn
         assert f"data-name='{trace.name}'" in page, trace.name
+
+
+def test_a_drawing_reads_numpy_data_plotly_encodes():
+    """plotly's JSON carries numpy arrays as base64 typed arrays: drawn as the numbers."""
+    import numpy as np
+
+    fig = go.Figure(go.Scatter(x=np.arange(3.0), y=np.array([1.0, 4.0, 2.0]), meta="a"))
+    drawing = Drawing(fig)
+    assert drawing.values("a", "y") == [1.0, 4.0, 2.0]
+    assert drawing.svg().count("L") >= 2 and "NaN" not in drawing.svg()

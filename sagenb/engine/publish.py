@@ -6,9 +6,10 @@ published under its own sequence number instead; the client reads them back in o
 
 Steps are sent in batches, at most every INTERVAL_S seconds: each message crosses the
 controller to the notebook, and on a small machine one message per step per rank cost the
-engines several percent of their throughput (benchmarks/against_peers.py). The dashboard's
-header redraws every 0.5 s (dashboard.HEADER_S), its figure less often, so sending more often
-shows nothing sooner; the first step is sent at once, for the time to the first step.
+engines several percent of their throughput (benchmarks/against_peers.py). The dashboard
+redraws its header and loss every second (dashboard.REDRAW_S): twice as often as that, each
+redraw has new steps to show, and sending more often shows nothing sooner; the first step is
+sent at once, for the time to the first step.
 """
 
 from __future__ import annotations
