@@ -11,8 +11,10 @@ as in against_peers.py) and the CPU time that the kernel, the Jupyter server and
 used during the call (psutil, sampled every 0.2 s). The first draw of each run's figure is a
 fixed cost, redraws grow with the run: two lengths show both. The page is polled every 0.2 s
 too: the first draw's browser CPU (from the call to the chart on screen, less the same span of
-the run without a dashboard; the page's first run also evaluates plotly.js, later ones reuse
-it) and how often the header and the loss line changed on screen while training.
+the run without a dashboard) and how often the header and the loss line changed on screen while
+training. A short live run first, not counted, takes the kernel's one-time costs (importing the
+figure's classes, ~1 s of kernel CPU once per kernel); rounds alternate which of the pair runs
+first, so a drift of the machine's speed during the benchmark does not favour either.
 The engines do the same work either way, so what the dashboard costs is what those three take
 from the cores the engines train on: here, where the browser runs on the training machine
 (a local JupyterLab), all of it. Needs Debian's chromium (scripts/test.sh installs it).
@@ -75,16 +77,19 @@ def notebook(rounds: int, lengths: tuple[int, ...]) -> dict:
 import sagenb
 from IPython.display import clear_output
 sagenb.start_pool(2)
-CELL = {CELL!r}"""
+CELL = {CELL!r}
+sagenb.train(CELL, batch_size={BATCH}, steps=60, epochs=60, engines=2)  # warm-up, not counted
+clear_output()"""
     loop = f"""runs = []
-for _ in range({rounds}):
+for round_ in range({rounds}):
     for steps in {list(lengths)!r}:
-        for live in (True, False):
+        for live in (True, False) if round_ % 2 == 0 else (False, True):
             clear_output()
             called = time.time()
             result = sagenb.train(CELL, batch_size={BATCH}, steps=steps, epochs=steps,
                                   engines=2, dashboard=live)
-            runs.append({{"live": live, "steps": steps, "called": called, "returned": time.time(),
+            runs.append({{"round": round_, "live": live, "steps": steps, "called": called,
+                          "returned": time.time(),
                           "redraws": result.dashboard.redraws if live else 0,
                           "stamps": [r.values["time(unix s)"] for r in result.metrics
                                      if r.rank == 0]}})
@@ -170,7 +175,7 @@ def measure(rounds: int, lengths: tuple[int, ...]) -> list[dict]:
             sampler = CpuSampler(lab.server, drivers)
             sampler.start()
             run_all(page)
-            budget = 180 + 0.1 * sum(lengths) * 2 * rounds
+            budget = 240 + 0.1 * sum(lengths) * 2 * rounds
             shown = watch(page, budget)
             sampler.done.set()
             sampler.join()
@@ -186,8 +191,10 @@ def measure(rounds: int, lengths: tuple[int, ...]) -> list[dict]:
         seen = [s for s in shown if start <= s[0] <= end]
         run["first_plot_s"] = next((t - start for t, s in seen if s["plot"]), None)
         run["gaps_s"] = {k: update_gaps(seen, k) for k in ("header", "loss")}
-    for live, plain in zip(runs[::2], runs[1::2]):  # the first draw's browser CPU: from the
-        # call to the chart on screen, less the same span of the run without a dashboard
+    plain_runs = {(r["round"], r["steps"]): r for r in runs if not r["live"]}
+    for live in (r for r in runs if r["live"]):  # the first draw's browser CPU: from the call
+        # to the chart on screen, less the same span of the same round's run without it
+        plain = plain_runs[live["round"], live["steps"]]
         if live["first_plot_s"] is not None:
             span = live["first_plot_s"]
             live["first_draw_cpu_s/browser"] = sampler.used(

@@ -425,8 +425,14 @@ LEGEND_GAP = 0.012
 HEADER_LINE = 95  # characters of the header per line of the figure's title (~700 px at 12 px)
 
 
-def figure(board: Board) -> go.Figure:
-    """The whole dashboard as one plotly figure (the header as its title)."""
+#: the figure's top margin: room for the header as its title, or for the panels' titles alone
+#: when the header is HTML above the figure (the notebook's dashboards)
+TOP_WITH_HEADER, TOP = 110, 40
+
+
+def figure(board: Board, *, header: bool = True) -> go.Figure:
+    """The whole dashboard as one plotly figure, the header as its title; `header=False`: no
+    title and no room for it (the notebook shows the header as HTML above the figure)."""
     shown = panels(board)
     fig = make_subplots(
         rows=max(p.row for p in shown),
@@ -441,14 +447,18 @@ def figure(board: Board) -> go.Figure:
         fig.add_trace(trace.build(board, snap, legends[panel]), panel.row, panel.col)
     for i, panel in enumerate(shown):
         _place(fig, board, panel, legends[panel], fig.layout.annotations[i])
+    top = TOP_WITH_HEADER if header else TOP
     fig.update_layout(
         barmode="stack",
-        height=960,
+        height=850 + top,
         template="plotly_white",
-        margin={"l": 55, "r": 10, "t": 110, "b": 40},
-        title={"text": wrap_header(board.header_text()), "font": {"size": 12}, "y": 0.985},
+        margin={"l": 55, "r": 10, "t": top, "b": 40},
         font={"size": 11},
     )
+    if header:
+        fig.update_layout(
+            title={"text": wrap_header(board.header_text()), "font": {"size": 12}, "y": 0.985}
+        )
     return fig
 
 

@@ -217,8 +217,10 @@ class Dashboard:
             )
         return f"{measured} | {self.cost.projected_on(todo, done)}"
 
-    def to_figure(self) -> go.Figure:
-        return charts.figure(self)
+    def to_figure(self, *, header: bool = True) -> go.Figure:
+        """The dashboard as a plotly figure; `header=False`: without the header as its title
+        (the notebook's live and static dashboards show it as HTML above the figure)."""
+        return charts.figure(self, header=header)
 
     def save_html(self, path: str | Path) -> Path:
         """One self-contained file (plotly.js inline), viewable without a kernel or network."""
@@ -245,8 +247,7 @@ class Dashboard:
     def _show(self) -> None:
         from IPython.display import display
 
-        fig = self.to_figure()
-        fig.update_layout(title=None)  # the header is HTML above it
+        fig = self.to_figure(header=False)  # the header is HTML above it
         self._figure_widget = widget = LiveFigure(fig, header=self._header_html())
         widget.add_class("smp-dashboard")
         widget.add_class("tex2jax_ignore")  # JupyterLab would typeset "$0.03 so far, $0.09"
@@ -280,9 +281,7 @@ class Dashboard:
         (svg_figure), viewable offline, without a kernel, in nbconvert's HTML and on GitHub.
         `svg`: the figure as already drawn (the live widget's drawing of the finished run)."""
         if svg is None:
-            fig = self.to_figure()
-            fig.update_layout(title=None)
-            svg = svg_figure.to_svg(fig)
+            svg = svg_figure.to_svg(self.to_figure(header=False))
         return (
             # tex2jax_ignore / mathjax_ignore: JupyterLab typesets "$0.03 so far, $0.09" as TeX
             f"<div class='smp-dashboard smp-static-copy tex2jax_ignore mathjax_ignore'>"

@@ -38,7 +38,7 @@ def test_a_redraw_sends_only_the_panels_that_changed():
     assert loss not in sent and memory not in sent and len(sent) >= 3, sent
 
     # what the page shows is the figure of the same data drawn from scratch, panel by panel
-    fresh = Drawing(board.to_figure())
+    fresh = Drawing(board.to_figure(header=False))
     assert widget.shown == {key: fresh.panel(key) for key in fresh.panels}
     assert widget.panels == list(fresh.panels)
 
