@@ -5,8 +5,8 @@ the run costs.
 A metric sink. In a Jupyter kernel it shows one small widget (live_figure.LiveFigure): the
 header (status, progress, layout, time left, cost) and the figure as an inline SVG drawn in
 Python from the chart spec (charts.py, svg_figure.py). The header and the loss panel are
-redrawn every second (REDRAW_S, 0.9 s); the other panels with them at first, then less often,
-every FIGURE_MAX_S from half a minute on (`figure_period`); each redraw is one message that
+redrawn every second (REDRAW_S, 0.9 s); the other panels every 2 s at first, then less often,
+every FIGURE_MAX_S from a quarter of a minute on (`figure_period`); each redraw is one message that
 holds only the panels whose drawing changed. When the run ends, a static copy (the same header and
 drawing) replaces the live widget in the same output: what a saved notebook holds, shown
 offline and without a kernel. Anywhere else (a script, a test) it only records, and
@@ -39,15 +39,18 @@ __all__ = ["Dashboard", "layout_text", "figure_period"]
 #: costs the page ~5-15 ms of CPU in JupyterLab whatever it holds (measured with a no-op
 #: message), so one message carries both (benchmarks/dashboard_browser.py)
 REDRAW_S = 0.9
-FIGURE_MAX_S, FIGURE_SLOWDOWN = 5.0, 6.0
+#: the other panels: every FIGURE_MIN_S at first, elapsed / FIGURE_SLOWDOWN, every FIGURE_MAX_S
+#: at most. Redrawing all six panels costs the page ~20 ms more than the loss alone; a 30 s
+#: run redraws them 7 times (11 with every 0.9 s for the first 6 s, then elapsed / 6)
+FIGURE_MIN_S, FIGURE_MAX_S, FIGURE_SLOWDOWN = 2.0, 5.0, 3.0
 
 
 def figure_period(elapsed: float) -> float:
     """Seconds between redraws of the panels other than the loss `elapsed` seconds into a
-    run: with the loss for the first 6 s, then elapsed / 6, every 5 s from half a minute on.
-    Memory, step time and cost change slowly; the loss panel (charts.Panel.every_second) is
-    redrawn every second throughout (benchmarks/dashboard_browser.py measures what it costs)."""
-    return min(FIGURE_MAX_S, max(REDRAW_S, elapsed / FIGURE_SLOWDOWN))
+    run: every 2 s for the first 6 s, then elapsed / 3, every 5 s from 15 s on. Memory, step
+    time and cost change slowly; the loss panel (charts.Panel.every_second) is redrawn every
+    second throughout (benchmarks/dashboard_browser.py measures what it costs)."""
+    return min(FIGURE_MAX_S, max(FIGURE_MIN_S, elapsed / FIGURE_SLOWDOWN))
 
 
 def _in_kernel() -> bool:
@@ -106,7 +109,7 @@ class Dashboard:
         self.status, self.elapsed = "starting", 0.0
         self.warnings: list[str] = []  # why the run cannot equal one process's (equivalence.py)
         self._logged = 0  # records logged; a redraw with nothing new draws nothing
-        self._drawn = {"all": -1, "every second": -1}  # _logged at each kind's last redraw
+        self._drawn = {"all": 0, "every second": 0}  # _logged at each kind's last redraw
         self._last_draw = self._last_redraw = 0.0
         self.redraws = 0
         self._figure_widget: LiveFigure | None = None
@@ -138,9 +141,10 @@ class Dashboard:
         self._last_redraw = now
         self.cost_points.append((elapsed, self.cost.cost(elapsed)))
         every_second = now - self._last_draw < figure_period(elapsed)
-        if not every_second:
+        # the period counts from the last redraw that drew something: the first metrics are
+        # drawn in full when they come, not a period after an empty redraw
+        if self._redraw(every_second=every_second) and not every_second:
             self._last_draw = now
-        self._redraw(every_second=every_second)
 
     def finish(self, elapsed: float, *, status: str) -> None:
         """The run ended: "done", "failed" or "interrupted" (by the kernel's interrupt, or
@@ -257,17 +261,18 @@ class Dashboard:
         if self._figure_widget is not None:
             self._figure_widget.show_header(self._header_html())
 
-    def _redraw(self, every_second: bool = False) -> None:
+    def _redraw(self, every_second: bool = False) -> bool:
         """The header and, when new metrics came, the panels: all, or those drawn every
-        second (the loss). Only the panels whose drawing changed travel."""
+        second (the loss). Only the panels whose drawing changed travel. Returns whether
+        there were new metrics to draw."""
         widget = self._figure_widget
         if widget is None:
-            return
+            return False
         with widget.hold_sync():  # the header and the panels in one message
             self._redraw_header()
             kind = "every second" if every_second else "all"
             if self._drawn[kind] == self._logged:
-                return
+                return False
             self._drawn[kind] = self._logged
             shown = charts.panels(self)
             due = [p for p in shown if p.every_second] if every_second else shown
@@ -275,6 +280,7 @@ class Dashboard:
             data = charts.trace_data(self, due)
             if widget.update_traces(data, {widget.panel_of(name) for name in data}):
                 self.redraws += 1
+        return True
 
     def static_html(self, svg: str | None = None) -> str:
         """The dashboard as HTML with no script: the header and the figure as an inline SVG

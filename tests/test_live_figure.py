@@ -5,9 +5,12 @@ spec. Pool-free, like test_charts."""
 
 from __future__ import annotations
 
+import time
+
 import plotly.graph_objects as go
 
 from sagenb import charts
+from sagenb.dashboard import REDRAW_S
 from sagenb.svg_figure import Drawing
 
 from .test_charts import CONFIGS, new_board, run
@@ -20,6 +23,20 @@ def _redraw(board, **kwargs) -> list[str]:
     board._redraw(**kwargs)
     return [key for key in widget.shown if getattr(widget, f"panel_{key}") != before[key]]
 
+
+def test_the_first_metrics_reach_every_panel_at_the_next_tick():
+    """A tick before any metrics draws nothing and does not start the other panels' period
+    (dashboard.figure_period, 2 s at first): the first step's memory bars are drawn at the
+    next tick, not a period later."""
+    board = new_board(CONFIGS["data"], live=True)
+    widget = board._figure_widget
+    memory = widget.panel_of("params")
+    empty = widget.shown[memory]
+    board.tick(0.0)  # the run has started; nothing logged yet
+    run(board, range(1, 2))
+    time.sleep(REDRAW_S)
+    board.tick(REDRAW_S)
+    assert widget.shown[memory] != empty
 
 def test_a_redraw_sends_only_the_panels_that_changed():
     board = new_board(CONFIGS["model"], live=True)

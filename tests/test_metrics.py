@@ -87,7 +87,7 @@ def test_live_dashboard_redraws_are_throttled():
     board.finish(elapsed, status="done")
     # a fast run does not flood the browser: the figure at most once a second here
     assert board.redraws <= elapsed / REDRAW_S + 2
-    assert [figure_period(t) for t in (0, 5.4, 12, 30, 3600)] == [0.9, 0.9, 2.0, 5.0, 5.0]
+    assert [figure_period(t) for t in (0, 5.4, 12, 30, 3600)] == [2.0, 2.0, 4.0, 5.0, 5.0]
     # the smoothed loss, as the browser has it: by its name, wherever the spec puts it
     drawn = board._figure_widget.drawing.values("loss (smoothed)", "x")
     # a long run is drawn every k-th step (k = 2 here), ending with the last
