@@ -99,11 +99,11 @@ class _Axis:
         self.title = _get(spec, "title", "text")
 
     def add(self, values: Iterable[Any]) -> None:
-        values = list(values)
+        values = values if isinstance(values, list) else list(values)
         if values and isinstance(values[0], str):
             self.categories += [v for v in dict.fromkeys(values) if v not in self.categories]
             return
-        numbers = np.array([np.nan if v is None else v for v in values], dtype=float)
+        numbers = np.array(values, dtype=float)  # None (a gap) reads as nan
         numbers = numbers[np.isfinite(numbers) & ((numbers > 0) if self.log else True)]
         if numbers.size:
             lo, hi = float(numbers.min()), float(numbers.max())
@@ -223,6 +223,7 @@ def _points(xs: list, tops: list, xa: _Axis, ya: _Axis) -> list[tuple[float, flo
 
 
 def _scatter_svg(trace: Spec, xs: list, ys: list, xa: _Axis, ya: _Axis, colour: str) -> str:
+    xs, ys = thin(xs, ys)
     tops = [y[1] if isinstance(y, tuple) else y for y in ys]
     points = _points(xs, tops, xa, ya) if xs else []
     parts = []
@@ -367,7 +368,8 @@ class Drawing:
                 xa.add(base + [b + x for b, x in zip(base, xs)])
             else:
                 xa.add(xs)
-            ya.add(v for y in ys for v in (y if isinstance(y, tuple) else (y,)))
+            # stacked traces hold (base, top) pairs (_stacked), each value the others plain
+            ya.add([v for y in ys for v in y] if ys and isinstance(ys[0], tuple) else ys)
         xa.settle()
         ya.settle()
         body = [_axis_svg(xa, ya)]
