@@ -82,6 +82,7 @@ def test_notebook_runs(path, site):
     boards = [o for o in outputs if "smp-static-copy" in o.get("data", {}).get("text/html", "")]
     assert boards, "no finished dashboard's static copy"
     size = len(nbformat.writes(nb).encode())
+    print(f"{path.name} saved: {size / 1e3:.0f} KB, {len(boards)} dashboard(s)")
     assert size <= 300_000 * len(boards), f"{size / 1e3:.0f} KB for {len(boards)} dashboards"
 
 
