@@ -124,10 +124,24 @@ SCHEDULE = Panel(
     "ms into the step",
     yaxis={"autorange": "reversed"},  # stage 0 on top
 )
+
+
+def _clips(board: Board) -> bool:
+    """The engines record the gradient norm only when they clip it (--clip-grad-norm)."""
+    return board.config.clip_grad_norm is not None
+
+
 #: in the schedule's place when there is no pipeline: how the optimizer steps (issue 17)
 OPTIMIZER = Panel(
-    3, 1, "Learning rate, gradient norm", "step", "log scale", {"type": "log", "tickformat": ".0e"}
+    3,
+    1,
+    lambda b: "Learning rate, gradient norm" if _clips(b) else "Learning rate",
+    "step",
+    "log scale",
+    {"type": "log", "tickformat": ".0e"},
 )  # ".0e": a log axis spanning less than a decade otherwise labels its ticks "2", "5"
+
+
 def _cost_title(meter: CostMeter) -> str:
     """The cost panel says what its dollars are: this run billed as the instance only when the
     engines run on its kind of hardware; else this run's seconds at the instance's price, a
@@ -373,7 +387,8 @@ TRACES: tuple[Trace, ...] = (
     Trace("learning rate", OPTIMIZER, partial(_row_value, key=keys.LR),
           {"mode": "lines", "line": {"color": "#9467bd"}}, label=_label("lr")),
     Trace("gradient norm", OPTIMIZER, partial(_row_value, key=keys.GRAD_NORM),
-          {"mode": "lines", "line": {"color": "#17becf"}}, label=_label("grad norm")),
+          {"mode": "lines", "line": {"color": "#17becf"}}, label=_label("grad norm"),
+          visible=_clips),
     Trace("on-demand", COST, partial(_cost, spot=False),
           {"mode": "lines", "line": {"color": "#8c564b"}}),
     Trace("spot", COST, partial(_cost, spot=True),

@@ -101,6 +101,23 @@ def test_the_figure_draws_every_trace_of_the_spec_once_in_its_panel(strategy):
         assert list(drawn["learning rate"].y) == [0.1] * STEPS
 
 
+@pytest.mark.parametrize("clip", [None, 1.0])
+def test_the_gradient_norm_is_promised_only_when_it_is_recorded(clip):
+    """The engines record the gradient norm only with --clip-grad-norm (engine/loop.py): the
+    panel's title and legend say so, rather than naming a line that never comes."""
+    board = new_board(TrainConfig(engines=2, batch_size=8, clip_grad_norm=clip))
+    run(board, range(1, STEPS + 1))
+    fig = board.to_figure()
+    drawn = {t.meta: t for t in fig.data}
+    titles = [a.text for a in fig.layout.annotations]
+    if clip is None:
+        assert "Learning rate" in titles and "Learning rate, gradient norm" not in titles
+        assert drawn["gradient norm"].visible is False
+    else:
+        assert "Learning rate, gradient norm" in titles
+        assert drawn["gradient norm"].visible is not False
+
+
 def expected(board: Dashboard) -> dict[str, dict[str, list]]:
     """Each trace's data worked out from what `run` logged, independently of charts.py."""
     steps = list(range(1, STEPS + 1))
