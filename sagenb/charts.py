@@ -170,7 +170,7 @@ PANELS = (LOSS, THROUGHPUT, MEMORY, STEP_TIME, SCHEDULE, COST)  # row by row, as
 
 def panels(board: Board) -> tuple[Panel, ...]:
     """This run's panels: the schedule timeline only for pipelines (elsewhere it stayed
-    empty: issue 17), the optimizer's learning rate and gradient norm otherwise."""
+    empty: issue 17), the optimizer's learning rate (and gradient norm, when clipped) otherwise."""
     return tuple(OPTIMIZER if p is SCHEDULE and not pipelined(board) else p for p in PANELS)
 
 

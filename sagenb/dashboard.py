@@ -1,6 +1,6 @@
 """The live dashboard under a `%%smp_train` cell: loss, throughput, memory per engine, step
-time and pipeline bubble (or learning rate and gradient norm), the pipeline schedule, and what
-the run costs.
+time and pipeline bubble, the pipeline schedule (or the learning rate, and the gradient norm
+with --clip-grad-norm), and what the run costs.
 
 A metric sink. In a Jupyter kernel it shows one small widget (live_figure.LiveFigure): the
 header (status, progress, layout, time left, cost) and the figure as an inline SVG drawn in
