@@ -211,8 +211,8 @@ def _bars_svg(trace: Spec, xs: list, ys: list, xa: _Axis, ya: _Axis) -> str:
 
 
 def _points(xs: list, tops: list, xa: _Axis, ya: _Axis) -> list[tuple[float, float]]:
-    """A line's vertices in px: at most MAX_POINTS, missing and non-finite values left out."""
-    xs, tops = thin(xs, tops)
+    """A line's vertices in px (`_scatter_svg` thinned them), missing and non-finite values
+    left out."""
     y = np.array([np.nan if v is None else v for v in tops], dtype=float)
     keep = np.isfinite(y)
     if xa.categories:
@@ -223,7 +223,7 @@ def _points(xs: list, tops: list, xa: _Axis, ya: _Axis) -> list[tuple[float, flo
 
 
 def _scatter_svg(trace: Spec, xs: list, ys: list, xa: _Axis, ya: _Axis, colour: str) -> str:
-    xs, ys = thin(xs, ys)
+    xs, ys = thin(xs, ys)  # at most MAX_POINTS vertices, before any is read
     tops = [y[1] if isinstance(y, tuple) else y for y in ys]
     points = _points(xs, tops, xa, ya) if xs else []
     parts = []

@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from sagenb import charts
+from sagenb import charts, svg_figure
 from sagenb import metric_keys as keys
 from sagenb.config import TrainConfig
 from sagenb.cost import CostMeter, instance_price
@@ -110,12 +110,15 @@ def test_the_gradient_norm_is_promised_only_when_it_is_recorded(clip):
     fig = board.to_figure()
     drawn = {t.meta: t for t in fig.data}
     titles = [a.text for a in fig.layout.annotations]
+    svg = svg_figure.to_svg(fig)  # what the notebook shows: legend entries as text
     if clip is None:
         assert "Learning rate" in titles and "Learning rate, gradient norm" not in titles
         assert drawn["gradient norm"].visible is False
+        assert ">grad norm<" not in svg and ">lr<" in svg
     else:
         assert "Learning rate, gradient norm" in titles
         assert drawn["gradient norm"].visible is not False
+        assert ">grad norm<" in svg
 
 
 def expected(board: Dashboard) -> dict[str, dict[str, list]]:

@@ -37,6 +37,9 @@ def test_the_first_metrics_reach_every_panel_at_the_next_tick():
     time.sleep(REDRAW_S)
     board.tick(REDRAW_S)
     assert widget.shown[memory] != empty
+    # and it is the first step's memory, as a drawing from scratch shows it
+    assert widget.shown[memory] == Drawing(board.to_figure(header=False)).panel(memory)
+
 
 def test_a_redraw_sends_only_the_panels_that_changed():
     board = new_board(CONFIGS["model"], live=True)
