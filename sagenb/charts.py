@@ -7,11 +7,13 @@ the same name (kept in plotly's `meta`, which a FigureWidget keeps; it rewrites 
 trace is found by its position. The functions are pure functions of the board, so the live
 FigureWidget, the saved HTML and the static copy in an executed notebook are one figure.
 
-A line shows at most MAX_POINTS points: a longer run is drawn every k-th step, its last step
-always included (TensorBoard samples its charts too; `result.history` keeps every step). Numbers
-go to plotly as numpy arrays, which it takes whole instead of checking element by element.
-Without both, a live redraw cost 55 ms of the notebook's CPU at 5,000 steps, four times a
-second, taken from the engines' cores on a small machine; now under 10 ms at any length.
+A line shows at most MAX_POINTS points (the live drawing svg_figure.MAX_POINTS): a longer run
+is drawn every k-th step, its last step always included (TensorBoard samples its charts too;
+`result.history` keeps every step). Numbers go to plotly as numpy arrays, which it takes whole
+instead of checking element by element. The lines derived from every step (moving averages,
+replica losses) are kept as the run grows (step_columns.py), so a redraw reads the rows it draws
+and the new ones, never the whole history: the loss panel's live redraw costs the notebook
+~1-3 ms at 1,100 steps and at 30,000 (it was 4 ms and 84 ms; benchmarks/dashboard_redraw.py).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from plotly.subplots import make_subplots
 
 from sagenb import metric_keys as keys
 from sagenb.config import describe
+from sagenb.step_columns import SMOOTHING, StepColumns, smoothed
 
 if TYPE_CHECKING:
     from sagenb.config import TrainConfig
@@ -49,7 +52,6 @@ __all__ = [
     "SMOOTHING",
 ]
 
-SMOOTHING = 0.9  # exponential moving average of the global loss (TensorBoard's default 0.6-0.9)
 MEMORY_COLOURS = ("#4C78A8", "#F58518", "#54A24B", "#B279A2")  # one per keys.MEMORY_KINDS
 REPLICA_COLOURS = ("#9ecae1", "#fdae6b", "#a1d99b", "#bcbddc", "#fdd0a2", "#c7e9c0", "#dadaeb")
 FORWARD, BACKWARD = "#4C78A8", "#F58518"
@@ -76,8 +78,7 @@ class Board(Protocol):
     @property
     def rate_key(self) -> str: ...  # keys.THROUGHPUT, or keys.TOKEN_THROUGHPUT for tokens
 
-    def replica_losses(self) -> list[list[tuple[int, float]]]: ...
-    def step_split(self) -> tuple[list[float], list[float]]: ...
+    def columns(self) -> StepColumns: ...  # the lines derived from every row, up to date
     def header_text(self) -> str: ...
 
 
@@ -174,12 +175,12 @@ def panels(board: Board) -> tuple[Panel, ...]:
     return tuple(OPTIMIZER if p is SCHEDULE and not pipelined(board) else p for p in PANELS)
 
 
-def _thin(items: Sequence) -> list:
-    """At most ~MAX_POINTS of `items`: every k-th, ending with the last."""
+def _thin(items: Sequence, points: int = MAX_POINTS) -> list:
+    """At most ~`points` of `items`: every k-th, ending with the last."""
     n = len(items)
-    if n <= MAX_POINTS:
+    if n <= points:
         return list(items)
-    k = math.ceil(n / MAX_POINTS)
+    k = math.ceil(n / points)
     kept = list(items[k - 1 :: k])
     if (n - 1) % k != k - 1:
         kept.append(items[-1])
@@ -190,38 +191,19 @@ def _line(x: Sequence[float], y: Sequence[float]) -> dict[str, np.ndarray]:
     return {"x": np.asarray(x, dtype=float), "y": np.asarray(y, dtype=float)}
 
 
-def smoothed(values: list[float]) -> list[float]:
-    out: list[float] = []
-    value = None
-    for v in values:
-        if math.isnan(v):  # a step whose loss was lost with its engine: a gap, not a NaN trail
-            out.append(v)
-            continue
-        value = v if value is None else SMOOTHING * value + (1 - SMOOTHING) * v
-        out.append(value)
-    return out
-
-
 class Snapshot:
     """What one draw reads from the board; a series several traces use is derived once."""
 
-    def __init__(self, board: Board) -> None:
-        self.board = board
+    def __init__(self, board: Board, points: int = MAX_POINTS) -> None:
+        self.board, self.points = board, points
         self.rows = board.history.steps
-        self.shown = _thin(range(len(self.rows)))  # the rows drawn, for every per-step line
+        self.shown = _thin(range(len(self.rows)), points)  # the rows of every per-step line
         self.steps = [self.rows[i][keys.STEP] for i in self.shown]
+        self.columns = board.columns()
 
     def per_step(self, values: Sequence[float]) -> dict[str, np.ndarray]:
         """A line of one value per history row, thinned."""
         return _line(self.steps, [values[i] for i in self.shown])
-
-    @cached_property
-    def replicas(self) -> list[list[tuple[int, float]]]:
-        return self.board.replica_losses()
-
-    @cached_property
-    def split(self) -> tuple[list[float], list[float]]:
-        return self.board.step_split()
 
     @cached_property
     def timeline(self) -> dict[str, dict[str, list]]:
@@ -242,21 +224,20 @@ class Snapshot:
 
     @cached_property
     def cost(self) -> list[tuple[float, float]]:
-        return _thin(self.board.cost_points)  # one point per header redraw: two a second
+        return _thin(self.board.cost_points, self.points)  # one point per header redraw
 
 
 def _replica(snap: Snapshot, r: int) -> dict[str, np.ndarray]:
-    points = snap.replicas[r]
-    return _line(*zip(*_thin(points))) if points else _line([], [])
+    return snap.per_step(snap.columns.replica_losses[r])
 
 
 def _smoothed_loss(snap: Snapshot) -> dict[str, np.ndarray]:
-    return snap.per_step(smoothed([row[keys.LOSS] for row in snap.rows]))
+    return snap.per_step(snap.columns.loss.values)
 
 
 def _eval_loss(snap: Snapshot) -> dict[str, np.ndarray]:
-    evals = [row for row in snap.rows if keys.EVAL_LOSS in row]
-    return _line([r[keys.STEP] for r in evals], [r[keys.EVAL_LOSS] for r in evals])
+    evals = _thin(snap.columns.evals, snap.points)
+    return _line([step for step, _ in evals], [loss for _, loss in evals])
 
 
 def _rate(snap: Snapshot) -> dict[str, np.ndarray]:
@@ -266,8 +247,7 @@ def _rate(snap: Snapshot) -> dict[str, np.ndarray]:
 
 def _smoothed_rate(snap: Snapshot) -> dict[str, np.ndarray]:
     """Per-step throughput is a band of noise (issue 17): its moving average is the line."""
-    key = snap.board.rate_key
-    return snap.per_step(smoothed([row.get(key, 0.0) for row in snap.rows]))
+    return snap.per_step(snap.columns.rate.values)
 
 
 def _row_value(snap: Snapshot, key: str) -> dict[str, np.ndarray]:
@@ -375,10 +355,10 @@ TRACES: tuple[Trace, ...] = (
           partial(_per_engine, key=keys.MEMORY_DEVICE_CAPACITY), _marks("#d62728"),
           label=_label("capacity"), visible=_cuda),
     Trace("memory headroom", MEMORY, _memory_headroom, INVISIBLE),
-    Trace("compute (s)", STEP_TIME, lambda s: s.per_step(s.split[0]),
+    Trace("compute (s)", STEP_TIME, lambda s: s.per_step(s.columns.busy),
           {"mode": "lines", "stackgroup": "t", "line": {"color": "#4C78A8"}},
           label=_label("compute")),
-    Trace("idle / bubble (s)", STEP_TIME, lambda s: s.per_step(s.split[1]),
+    Trace("idle / bubble (s)", STEP_TIME, lambda s: s.per_step(s.columns.idle),
           {"mode": "lines", "stackgroup": "t", "line": {"color": "#E45756"}},
           label=_label("bubble"),
           visible=pipelined),  # always zero without a pipeline: a red line along the top
@@ -421,10 +401,12 @@ def traces(board: Board) -> tuple[Trace, ...]:
     )
 
 
-def trace_data(board: Board, panels: Collection[Panel] | None = None) -> dict[str, dict[str, Any]]:
+def trace_data(
+    board: Board, panels: Collection[Panel] | None = None, points: int = MAX_POINTS
+) -> dict[str, dict[str, Any]]:
     """Every trace's data (or those of `panels`), by name, from the list the figure is built
-    from."""
-    snap = Snapshot(board)
+    from; each line thinned to ~`points` (the live drawing shows svg_figure.MAX_POINTS)."""
+    snap = Snapshot(board, points)
     return {
         trace.name: trace.data(snap)
         for trace in traces(board)

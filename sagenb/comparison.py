@@ -21,7 +21,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from sagenb import metric_keys as keys
-from sagenb.charts import smoothed
+from sagenb.step_columns import smoothed
 
 if TYPE_CHECKING:
     from sagenb.result import TrainResult

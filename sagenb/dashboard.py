@@ -31,6 +31,7 @@ from sagenb.config import TrainConfig, describe
 from sagenb.cost import CostMeter
 from sagenb.live_figure import LiveFigure
 from sagenb.metrics import History
+from sagenb.step_columns import StepColumns
 
 __all__ = ["Dashboard", "layout_text", "figure_period"]
 
@@ -101,6 +102,7 @@ class Dashboard:
         # aggregate every record a second time. Standalone, the dashboard keeps its own.
         self._owns_history = history is None
         self.history = History(self.engines, config.batch_size) if history is None else history
+        self._columns = StepColumns(config.replicas(self.engines))
         self.memory: dict[int, Mapping[str, Any]] = {}
         self.timelines: dict[int, tuple[float, list]] = {}  # rank -> (t0, events), last step
         self.cost_points: list[tuple[float, float]] = []
@@ -160,24 +162,11 @@ class Dashboard:
         pass
 
     # -- what is drawn --------------------------------------------------------------------
-    def replica_losses(self) -> list[list[tuple[int, float]]]:
-        """Each replica's loss per step (data parallel: each engine is a replica); always one
-        series per replica, so the figure's traces keep their order from the first draw."""
-        series: list[list[tuple[int, float]]] = [
-            [] for _ in range(self.config.replicas(self.engines))
-        ]
-        for row in self.history.steps:
-            for i, loss in enumerate(row[keys.RANK_LOSSES]):
-                series[i].append((row[keys.STEP], loss))
-        return series
-
-    def step_split(self) -> tuple[list[float], list[float]]:
-        """Per step: compute and idle seconds (pipelines measure both; else all is compute)."""
-        busy, idle = [], []
-        for row in self.history.steps:
-            busy.append(row.get(keys.BUSY, row[keys.STEP_TIME]))
-            idle.append(row.get(keys.IDLE, 0.0))
-        return busy, idle
+    def columns(self) -> StepColumns:
+        """The lines derived from every step (smoothed loss and throughput, each replica's
+        loss, the step time's split, eval points), taking only the rows that came since the
+        last redraw: a redraw costs the same at step 100 and at step 100,000."""
+        return self._columns.update(self.history.steps, self.rate_key)
 
     def progress(self) -> tuple[int, int]:
         """(steps done in this run, steps this run has to do). A resumed run starts after
@@ -277,7 +266,8 @@ class Dashboard:
             shown = charts.panels(self)
             due = [p for p in shown if p.every_second] if every_second else shown
             # each trace by its name (charts keeps it in `meta`), never by position
-            data = charts.trace_data(self, due)
+            # thinned once, to what the drawing shows (not to the saved figure's 2,000 points)
+            data = charts.trace_data(self, due, points=svg_figure.MAX_POINTS)
             if widget.update_traces(data, {widget.panel_of(name) for name in data}):
                 self.redraws += 1
         return True
