@@ -6,11 +6,11 @@ Runs, one after another (each alone on the machine): time to first step (cold an
 sagenb against a torchrun DDP script, Accelerate's notebook_launcher, its own live dashboard and
 1 engine, the pipeline benchmarks, the memory savers (data, sharded and tensor parallel, with and
 without activation checkpointing), recovery from injected faults, batches loaded by DataLoader
-workers (--data-workers) against the training thread, and, where Debian's chromium is,
-the live dashboard's cost in a real JupyterLab and browser. On a machine with CUDA it
-also runs one_gpu.py (sagenb on the GPU against plain PyTorch on it, with torch.cuda memory);
-engines use nccl and CUDA memory wherever each has its own GPU. `bash benchmarks/gpu.sh` is the
-one command for a one-GPU machine.
+workers (--data-workers) against the training thread, a live redraw's cost as a run grows,
+and, where Debian's chromium is, the live dashboard's cost in a real JupyterLab and browser. On a
+machine with CUDA it also runs one_gpu.py (sagenb on the GPU against plain PyTorch on it, with
+torch.cuda memory); engines use nccl and CUDA memory wherever each has its own GPU.
+`bash benchmarks/gpu.sh` is the one command for a one-GPU machine.
 """
 
 from __future__ import annotations
@@ -122,6 +122,8 @@ def summary_md(res: dict) -> str:
     lines += [(HERE / "results" / "recovery.md").read_text().split("\n", 1)[1]]
     if res.get("data_workers"):
         lines += ["#" + (HERE / "results" / "data_workers.md").read_text()]
+    if res.get("dashboard_redraw"):
+        lines += ["#" + (HERE / "results" / "dashboard_redraw.md").read_text()]
     if res.get("dashboard_browser"):
         lines += ["#" + (HERE / "results" / "dashboard_browser.md").read_text()]
     if res.get("one_gpu"):
@@ -142,6 +144,7 @@ def main() -> None:
         run("memory_savers.py", "--rounds", "1" if args.quick else "2")
         run("recovery.py")
         run("data_workers.py", "--rounds", "1" if args.quick else "3")
+        run("dashboard_redraw.py")
         if browser():
             run("dashboard_browser.py", "--rounds", "1" if args.quick else "3")
         if cuda():
@@ -151,6 +154,8 @@ def main() -> None:
         res[name] = json.loads((OUT / f"{name}.json").read_text())
     if (OUT / "data_workers.json").exists():
         res["data_workers"] = json.loads((OUT / "data_workers.json").read_text())
+    if (OUT / "dashboard_redraw.json").exists():
+        res["dashboard_redraw"] = json.loads((OUT / "dashboard_redraw.json").read_text())
     if (OUT / "dashboard_browser.json").exists():
         res["dashboard_browser"] = json.loads((OUT / "dashboard_browser.json").read_text())
     if cuda():
