@@ -7,9 +7,10 @@ sagenb against a torchrun DDP script, Accelerate's notebook_launcher, its own li
 1 engine, the pipeline benchmarks, the memory savers (data, sharded and tensor parallel, with and
 without activation checkpointing), recovery from injected faults, batches loaded by DataLoader
 workers (--data-workers) against the training thread, a live redraw's cost as a run grows,
-and, where Debian's chromium is, the live dashboard's cost in a real JupyterLab and browser. On a
-machine with CUDA it also runs one_gpu.py (sagenb on the GPU against plain PyTorch on it, with
-torch.cuda memory); engines use nccl and CUDA memory wherever each has its own GPU.
+and, where Debian's chromium is, the live dashboard's cost in a real JupyterLab and browser
+(during training, and by kind of update without it). On a machine with CUDA it also runs
+one_gpu.py (sagenb on the GPU against plain PyTorch on it, with torch.cuda memory); engines use
+nccl and CUDA memory wherever each has its own GPU.
 `bash benchmarks/gpu.sh` is the one command for a one-GPU machine.
 """
 
@@ -126,6 +127,8 @@ def summary_md(res: dict) -> str:
         lines += ["#" + (HERE / "results" / "dashboard_redraw.md").read_text()]
     if res.get("dashboard_browser"):
         lines += ["#" + (HERE / "results" / "dashboard_browser.md").read_text()]
+    if res.get("dashboard_page"):
+        lines += ["#" + (HERE / "results" / "dashboard_page.md").read_text()]
     if res.get("one_gpu"):
         lines += ["#" + (HERE / "results" / "one_gpu.md").read_text()]
     return "\n".join(lines) + "\n"
@@ -147,6 +150,7 @@ def main() -> None:
         run("dashboard_redraw.py")
         if browser():
             run("dashboard_browser.py", "--rounds", "1" if args.quick else "3")
+            run("dashboard_page.py", "--rounds", "1" if args.quick else "2")
         if cuda():
             run("one_gpu.py", "--rounds", "1" if args.quick else "3")
     res = {"machine": machine()}
@@ -158,6 +162,8 @@ def main() -> None:
         res["dashboard_redraw"] = json.loads((OUT / "dashboard_redraw.json").read_text())
     if (OUT / "dashboard_browser.json").exists():
         res["dashboard_browser"] = json.loads((OUT / "dashboard_browser.json").read_text())
+    if (OUT / "dashboard_page.json").exists():
+        res["dashboard_page"] = json.loads((OUT / "dashboard_page.json").read_text())
     if cuda():
         res["one_gpu"] = json.loads((OUT / "one_gpu.json").read_text())
     (OUT / "summary.json").write_text(json.dumps(res, indent=1))

@@ -36,9 +36,9 @@ from sagenb.step_columns import StepColumns
 __all__ = ["Dashboard", "layout_text", "figure_period"]
 
 #: the header and the loss panel are redrawn this often, together: at least once a second,
-#: as the session's polling (session.POLL_S) adds up to 0.05 s. Each message the kernel sends
-#: costs the page ~5-15 ms of CPU in JupyterLab whatever it holds (measured with a no-op
-#: message), so one message carries both (benchmarks/dashboard_browser.py)
+#: as the session's polling (session.POLL_S) adds up to 0.05 s. What costs the page is
+#: rendering a change in JupyterLab, about the same for the header alone, a panel alone or
+#: both, so one message carries both (benchmarks/dashboard_page.py)
 REDRAW_S = 0.9
 #: the other panels: every FIGURE_MIN_S at first, elapsed / FIGURE_SLOWDOWN, every FIGURE_MAX_S
 #: at most. Redrawing all six panels costs the page ~20 ms more than the loss alone; a 30 s
