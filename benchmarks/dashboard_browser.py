@@ -49,6 +49,7 @@ from tests.lab import (  # noqa: E402
     KERNEL_READY,
     OUTPUTS,
     chromium_page,
+    code_notebook,
     jupyterlab,
     run_all,
     tree,
@@ -96,16 +97,7 @@ for round_ in range({rounds}):
 clear_output()
 sagenb.stop_pool()
 print("RUNS " + json.dumps(runs))"""
-    cells = [
-        {"cell_type": "code", "metadata": {}, "outputs": [], "execution_count": None, "source": s}
-        for s in (setup, loop)
-    ]
-    return {
-        "cells": cells,
-        "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3"}},
-        "nbformat": 4,
-        "nbformat_minor": 5,
-    }
+    return code_notebook(setup, loop)
 
 
 class CpuSampler(threading.Thread):

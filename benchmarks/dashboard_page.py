@@ -49,6 +49,7 @@ from tests.lab import (  # noqa: E402
     KERNEL_READY,
     OUTPUTS,
     chromium_page,
+    code_notebook,
     jupyterlab,
     run_all,
     tree,
@@ -114,16 +115,7 @@ for round_ in range({rounds}):
     for name in {names!r}[:: 1 if round_ % 2 == 0 else -1]:
         replay(name, {seconds})
 print("MARKS " + json.dumps(marks))"""
-    cells = [
-        {"cell_type": "code", "metadata": {}, "outputs": [], "execution_count": None, "source": s}
-        for s in (setup, loop)
-    ]
-    return {
-        "cells": cells,
-        "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3"}},
-        "nbformat": 4,
-        "nbformat_minor": 5,
-    }
+    return code_notebook(setup, loop)
 
 
 def _cpu(procs: list[psutil.Process], seen: dict[int, float]) -> float:

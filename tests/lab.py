@@ -184,3 +184,17 @@ def wait_for(page, script: str, timeout_s: float, what: str) -> None:
 def run_all(page) -> None:
     page.get_by_role("menuitem", name="Run", exact=True).click()
     page.get_by_role("menuitem", name="Run All Cells", exact=True).click()
+
+
+def code_notebook(*sources: str) -> dict:
+    """A notebook (nbformat 4) of code cells with these sources, for a Python 3 kernel."""
+    cells = [
+        {"cell_type": "code", "metadata": {}, "outputs": [], "execution_count": None, "source": s}
+        for s in sources
+    ]
+    return {
+        "cells": cells,
+        "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3"}},
+        "nbformat": 4,
+        "nbformat_minor": 5,
+    }
