@@ -176,13 +176,14 @@ def panels(board: Board) -> tuple[Panel, ...]:
 
 
 def _thin(items: Sequence, points: int = MAX_POINTS) -> list:
-    """At most ~`points` of `items`: every k-th, ending with the last."""
+    """At most ~`points` of `items`: every k-th from the first, ending with the last (as
+    svg_figure.thin picks them)."""
     n = len(items)
     if n <= points:
         return list(items)
     k = math.ceil(n / points)
-    kept = list(items[k - 1 :: k])
-    if (n - 1) % k != k - 1:
+    kept = list(items[::k])
+    if (n - 1) % k:
         kept.append(items[-1])
     return kept
 

@@ -382,9 +382,13 @@ class Drawing:
     def _trace_svg(self, trace: Spec, xs: list, ys: list, xa: _Axis, ya: _Axis) -> str:
         colour = _colour(trace)
         opacity = trace.get("opacity")
-        tag = (  # data-n: the values it holds (a line draws at most MAX_POINTS of them)
+        # data-n: the values it holds (a line draws at most MAX_POINTS of them); data-last: its
+        # last x (a line's last step), which only grows while a run trains
+        last = xs[-1] if xs and isinstance(xs[-1], (int, float)) else None
+        tag = (
             f"data-name='{_esc(trace.get('meta', ''))}' data-axes='{xa.name}{ya.name}' "
             f"data-n='{len(xs)}'"
+            + (f" data-last='{last}'" if last is not None else "")
             + (f" opacity='{opacity}'" if opacity is not None and opacity < 1 else "")
         )
         if trace.get("type") == "bar":

@@ -58,10 +58,10 @@ def test_dashboard_records_every_step(pool):
 def test_live_dashboard_redraws_are_throttled():
     import time
 
-    from sagenb.charts import MAX_POINTS
     from sagenb.config import TrainConfig
     from sagenb.cost import CostMeter, instance_price
     from sagenb.dashboard import REDRAW_S, Dashboard, figure_period
+    from sagenb.svg_figure import MAX_POINTS
 
     config = TrainConfig(engines=2, batch_size=8)
     board = Dashboard(config, CostMeter(instance_price(config.instance), 2), live=True)
@@ -90,9 +90,10 @@ def test_live_dashboard_redraws_are_throttled():
     assert [figure_period(t) for t in (0, 5.4, 12, 30, 3600)] == [2.0, 2.0, 4.0, 5.0, 5.0]
     # the smoothed loss, as the browser has it: by its name, wherever the spec puts it
     drawn = board._figure_widget.drawing.values("loss (smoothed)", "x")
-    # a long run is drawn every k-th step (k = 2 here), ending with the last
-    assert len(drawn) == steps // 2 <= MAX_POINTS
-    assert drawn[-2:] == [steps - 2, steps]
+    # a long run is drawn every k-th step (k = 10 here) from the first, ending with the last:
+    # the page is sent what it draws, ~MAX_POINTS a line
+    assert len(drawn) == steps // 10 + 1 == MAX_POINTS + 1
+    assert drawn[:2] == [1, 11] and drawn[-2:] == [steps - 9, steps]
     header = board._figure_widget.header
     assert "done" in header and f"step {steps}/{steps}" in header
 
