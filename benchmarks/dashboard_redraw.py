@@ -8,7 +8,7 @@ ranks, as the session feeds it, with no pool and no browser: what is measured is
 CPU (thread time) of a redraw of the loss panel (sent every second) and of all panels (every
 few seconds) over the last 300 steps of runs of several lengths, as medians. The peer is the
 same dashboard at the shortest length, in the same run: a redraw should cost the same at any
-step (issue 17: it grew with the run, 4 ms at 1,100 steps and 59 ms at 30,000 for the loss).
+step (issue 17: it grew with the run, 4 ms at 1,100 steps and 84 ms at 30,000 for the loss).
 
 Writes dashboard_redraw.md and dashboard_redraw.json.
 """

@@ -19,7 +19,6 @@ and the new ones, never the whole history: the loss panel's live redraw costs th
 from __future__ import annotations
 
 import html
-import math
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property, partial
@@ -32,6 +31,7 @@ from plotly.subplots import make_subplots
 from sagenb import metric_keys as keys
 from sagenb.config import describe
 from sagenb.step_columns import SMOOTHING, StepColumns, smoothed
+from sagenb.svg_figure import thinned
 
 if TYPE_CHECKING:
     from sagenb.config import TrainConfig
@@ -175,19 +175,6 @@ def panels(board: Board) -> tuple[Panel, ...]:
     return tuple(OPTIMIZER if p is SCHEDULE and not pipelined(board) else p for p in PANELS)
 
 
-def _thin(items: Sequence, points: int = MAX_POINTS) -> list:
-    """At most ~`points` of `items`: every k-th from the first, ending with the last (as
-    svg_figure.thin picks them)."""
-    n = len(items)
-    if n <= points:
-        return list(items)
-    k = math.ceil(n / points)
-    kept = list(items[::k])
-    if (n - 1) % k:
-        kept.append(items[-1])
-    return kept
-
-
 def _line(x: Sequence[float], y: Sequence[float]) -> dict[str, np.ndarray]:
     return {"x": np.asarray(x, dtype=float), "y": np.asarray(y, dtype=float)}
 
@@ -198,7 +185,7 @@ class Snapshot:
     def __init__(self, board: Board, points: int = MAX_POINTS) -> None:
         self.board, self.points = board, points
         self.rows = board.history.steps
-        self.shown = _thin(range(len(self.rows)), points)  # the rows of every per-step line
+        self.shown = thinned(range(len(self.rows)), points)  # the rows of every per-step line
         self.steps = [self.rows[i][keys.STEP] for i in self.shown]
         self.columns = board.columns()
 
@@ -225,7 +212,7 @@ class Snapshot:
 
     @cached_property
     def cost(self) -> list[tuple[float, float]]:
-        return _thin(self.board.cost_points, self.points)  # one point per header redraw
+        return thinned(self.board.cost_points, self.points)  # one point per header redraw
 
 
 def _replica(snap: Snapshot, r: int) -> dict[str, np.ndarray]:
@@ -237,7 +224,7 @@ def _smoothed_loss(snap: Snapshot) -> dict[str, np.ndarray]:
 
 
 def _eval_loss(snap: Snapshot) -> dict[str, np.ndarray]:
-    evals = _thin(snap.columns.evals, snap.points)
+    evals = thinned(snap.columns.evals, snap.points)
     return _line([step for step, _ in evals], [loss for _, loss in evals])
 
 

@@ -1,10 +1,10 @@
 """The per-step columns the dashboard's lines are drawn from, kept as the run's history grows.
 
-A redraw draws at most charts.MAX_POINTS rows of each line, but some lines are derived from
+A live redraw draws ~svg_figure.MAX_POINTS rows of each line, but some lines are derived from
 every row: the smoothed loss and throughput (moving averages), each replica's loss, the step
 time's compute / bubble split and the eval points. Derived afresh at every redraw, they made a
 redraw's cost grow with the run: the loss panel, redrawn every second, took 4 ms of the
-notebook's CPU at 1,100 steps, 33 ms at 10,000 and 59 ms at 30,000 (issue 17: the CPU the
+notebook's CPU at 1,100 steps, 34 ms at 10,000 and 84 ms at 30,000 (issue 17: the CPU the
 dashboard takes is taken from the engines on the training machine). `StepColumns.update`
 derives only the rows that came since the last redraw; the history's rows are only ever
 appended (metrics.History).

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Drawing", "to_svg", "thin", "MAX_POINTS"]
+__all__ = ["Drawing", "to_svg", "thin", "thinned", "MAX_POINTS"]
 
 MAX_POINTS = 300  # points per line: a panel of the 1000 px wide figure is ~280 px wide
 WIDTH = 1000
@@ -68,15 +68,21 @@ def _fmt(v: float) -> str:
     return f"{v:.4g}"
 
 
+def thinned(items: Sequence, points: int = MAX_POINTS) -> list:
+    """At most ~`points` of `items`: every k-th from the first, and the last (charts thins its
+    lines with this too, so the drawing and the data agree on which steps a line keeps)."""
+    n = len(items)
+    if n <= points:
+        return list(items)
+    k = math.ceil(n / points)
+    kept = list(items[::k])
+    if (n - 1) % k:
+        kept.append(items[-1])
+    return kept
+
+
 def thin(xs: Sequence, ys: Sequence) -> tuple[list, list]:
-    n = len(xs)
-    if n <= MAX_POINTS:
-        return list(xs), list(ys)
-    k = math.ceil(n / MAX_POINTS)
-    idx = list(range(0, n, k))
-    if idx[-1] != n - 1:
-        idx.append(n - 1)
-    return [xs[i] for i in idx], [ys[i] for i in idx]
+    return thinned(xs), thinned(ys)
 
 
 def _colour(trace: Spec) -> str:

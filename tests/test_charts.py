@@ -206,7 +206,7 @@ class Counted(list):
 
 def test_a_redraw_reads_the_new_rows_and_the_drawn_ones_not_the_whole_run():
     """A long run's redraw costs what it draws: at 30,000 steps, deriving every line from
-    every row made a loss redraw 59 ms, once a second, on the engines' cores (issue 17)."""
+    every row made a loss redraw 84 ms, once a second, on the engines' cores (issue 17)."""
     board = new_board(CONFIGS["data"], live=True)
     board.history.steps = rows = Counted()
     run(board, range(1, 20_001))
