@@ -3,10 +3,26 @@
 from __future__ import annotations
 
 import os
+import signal
 
 import pytest
+import torch
 
 from sagenb import cluster
+
+from .reference import POOL_THREADS
+
+# The one-process references computed in this process use the engines' torch threads
+# (tests/reference.py says why; check_equal also follows a run's own count).
+torch.set_num_threads(POOL_THREADS)
+
+# The interrupt tests press the notebook's interrupt button: SIGINT to this process, which a
+# Jupyter kernel (and an interactive Python) turns into KeyboardInterrupt. A Python started in
+# the background by a non-interactive shell (`cmd &` in a script, some CI runners) inherits
+# SIGINT ignored (POSIX, for background jobs without job control), so those tests would wait
+# for an interrupt that never comes: give this process the handler a kernel has.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 REGRESSION_CELL = """
 import torch

@@ -19,6 +19,11 @@ import torch
 from .conftest import REGRESSION_CELL
 from .reference import train_reference
 
+# How far a trained model may be from one process's. CPU arithmetic is deterministic for a given
+# thread count, so load does not move it; the order of sums does. Measured (ResNet with
+# BatchNorm, 8 steps, data and sharded, engines and reference at 1 or 2 threads): 6e-7 to 1.0e-6
+# on this project's machines, 2.4e-7 on one whose threaded convolution backward had read 5.2e-5
+# against a reference at another thread count. 1e-5 is 10x the largest matched spread seen.
 TOL = 1e-5
 
 # -- failures on purpose -------------------------------------------------------------------------
@@ -121,7 +126,8 @@ def assert_params_equal(
 def check_equal(result, cell: str, *, tol: float = TOL, **options) -> tuple[torch.nn.Module, dict]:
     """`result` trained as one process (tests/reference.py) trains `cell` with `options`: the
     same losses and the same parameters and buffers, up to `tol`. Returns the reference model
-    and the cell's namespace."""
+    and the cell's namespace. The reference computes with the engines' torch threads."""
+    options.setdefault("threads", result.config.threads_per_engine(result.engines))
     model, losses, ns = train_reference(cell, **options)
     torch.testing.assert_close(result.losses, losses, rtol=0, atol=tol)
     assert_params_equal(result.state_dict(), model, tol=tol)

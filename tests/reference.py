@@ -6,7 +6,28 @@ clipping or scheduling drifted from the contract, the comparison with this would
 
 from __future__ import annotations
 
+import contextlib
+import os
+from collections.abc import Iterator
+
 import torch
+
+#: torch threads of each engine of the tests' 2-engine local pool (TrainConfig.threads_per_engine:
+#: the machine's cores shared by its engines). The reference computes with as many: a convolution's
+#: backward sums in another order with another thread count, and on some CPUs of the CI's kind a
+#: ResNet's parameters then differed by 5.2e-5 after 8 steps (2.4e-7 at the engines' count).
+POOL_THREADS = max(1, (os.cpu_count() or 1) // 2)
+
+
+@contextlib.contextmanager
+def torch_threads(threads: int) -> Iterator[None]:
+    """torch's intra-op thread count set to `threads` inside, restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def namespace(cell: str, seed: int, delay_init: bool = False) -> dict:
@@ -96,8 +117,36 @@ def train_reference(
     grad_accum: int = 1,
     clip_grad_norm: float | None = None,
     delay_init: bool = False,
+    threads: int = POOL_THREADS,
 ) -> tuple[torch.nn.Module, list[float], dict]:
-    """Returns the trained model, the loss of every step and the cell's namespace."""
+    """Returns the trained model, the loss of every step and the cell's namespace, computed
+    with `threads` torch threads (those of the engines it is compared with)."""
+    with torch_threads(threads):
+        return _train(
+            cell,
+            batch_size=batch_size,
+            epochs=epochs,
+            steps=steps,
+            lr=lr,
+            seed=seed,
+            grad_accum=grad_accum,
+            clip_grad_norm=clip_grad_norm,
+            delay_init=delay_init,
+        )
+
+
+def _train(
+    cell: str,
+    *,
+    batch_size: int,
+    epochs: int,
+    steps: int | None,
+    lr: float,
+    seed: int,
+    grad_accum: int,
+    clip_grad_norm: float | None,
+    delay_init: bool,
+) -> tuple[torch.nn.Module, list[float], dict]:
     ns = namespace(cell, seed, delay_init)
     model, dataset, loss_fn = ns["model"], ns["dataset"], ns.get("loss_fn")
     params = list(model.parameters())
