@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 import sagenb
-from sagenb import cluster
+from sagenb.pool import cluster
 
 CELL = """
 import torch

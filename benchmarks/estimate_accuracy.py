@@ -72,7 +72,7 @@ print(json.dumps({"params": f.params, "import_s": imported - t0, "estimate_s": d
 def measured_ranks(options: dict, engines: int, steps: int) -> list[dict[str, float]]:
     """Each rank's largest value of each kind over the steps, from the engines' metrics."""
     import sagenb
-    from sagenb import cluster
+    from sagenb.pool import cluster
 
     pool = cluster.current_pool()
     if pool is None or pool.size != engines:
@@ -186,7 +186,7 @@ def main() -> None:
         "big": big_check(),
     }
     if not args.skip_train:
-        from sagenb import cluster
+        from sagenb.pool import cluster
 
         cluster.stop_pool()
     out = Path(__file__).parent / "results"

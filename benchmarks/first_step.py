@@ -31,7 +31,7 @@ from pathlib import Path
 
 from IPython.core.interactiveshell import InteractiveShell
 
-from sagenb import cluster
+from sagenb.pool import cluster
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE / "peers"))

@@ -18,8 +18,8 @@ import statistics
 from pathlib import Path
 
 import sagenb
-from sagenb import cluster
 from sagenb.examples import gpt_cell
+from sagenb.pool import cluster
 
 # GPT-shaped, with attention that tensor parallel can split by heads; SGD with momentum
 GPT = gpt_cell(vocab=512, context=64, width=256, heads=8, layers=4, samples=1024, lr=0.01)

@@ -1,7 +1,7 @@
 """Recovery when the pool itself is lost (the cases benchmarks/recovery.py adds to its table).
 
 The process that started the pool killed mid-run (SIGTERM, SIGKILL; the watcher,
-sagenb/reaper.py, ends the pool): seconds from the signal until no process of the pool runs and
+sagenb/pool/reaper.py, ends the pool): seconds from the signal until no process of the pool runs and
 none of its ports listens. The pool's controller killed mid-run: seconds from the kill to
 `PoolDiedError` in the cell, to the last of the old pool's processes gone, and the next run's
 wait for its first step (a new pool started on the way).
@@ -21,7 +21,7 @@ from pathlib import Path
 import psutil
 
 import sagenb
-from sagenb import cluster
+from sagenb.pool import cluster
 
 #: trains a step every 50 ms or so; %r is a file it touches once it runs on the engines
 CELL = (

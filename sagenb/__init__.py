@@ -32,12 +32,12 @@ _PUBLIC = {
     "JobError": "sagenb.job",
     "TrainResult": "sagenb.result",
     "EquivalenceWarning": "sagenb.engine.equivalence",
-    "start_pool": "sagenb.cluster",
-    "stop_pool": "sagenb.cluster",
-    "restart_pool": "sagenb.cluster",
-    "current_pool": "sagenb.cluster",
-    "attach_pool": "sagenb.cluster",
-    "prewarm": "sagenb.cluster",
+    "start_pool": "sagenb.pool.cluster",
+    "stop_pool": "sagenb.pool.cluster",
+    "restart_pool": "sagenb.pool.cluster",
+    "current_pool": "sagenb.pool.cluster",
+    "attach_pool": "sagenb.pool.cluster",
+    "prewarm": "sagenb.pool.cluster",
     "Dashboard": "sagenb.dashboard",
     "plan": "sagenb.planner",
     # sagenb.estimates, not sagenb.estimate: a submodule of that name would replace the
@@ -70,7 +70,7 @@ def load_ipython_extension(ipython: Any) -> None:
     and starts the default engine pool in the background (SAGENB_PREWARM=0 in the environment
     turns that off), so that the seconds a pool takes to start (benchmarks/results/first_step.md)
     pass while the first cell is written."""
-    from sagenb import cluster
+    from sagenb.pool import cluster
 
     with cluster.IMPORTS:  # the start's first seconds overlap this thread's import of torch
         if cluster.prewarm_wanted():

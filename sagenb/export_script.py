@@ -26,10 +26,10 @@ from typing import Any
 import torch
 
 import sagenb
-from sagenb import cluster
 from sagenb.config import ConfigError, EngineConfig, TrainConfig, describe, notebook_only_flags
 from sagenb.cost import InstancePrice, check_price, meter_for, price_table
 from sagenb.job import Job, JobError
+from sagenb.pool import cluster
 
 __all__ = ["TARGETS", "Exported", "ExportError", "export", "render_script", "render_sagemaker"]
 

@@ -18,10 +18,10 @@ from typing import Any
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 
-from sagenb import cluster
 from sagenb.config import ConfigError, TrainConfig, describe, flag_arguments
 from sagenb.export_script import TARGETS, ExportError, export
 from sagenb.job import JobError
+from sagenb.pool import cluster
 from sagenb.result import TrainResult
 from sagenb.session import train
 

@@ -16,7 +16,6 @@ from typing import Any
 
 import ipywidgets as widgets
 
-from sagenb import cluster
 from sagenb.config import (
     PARTITION_METHODS,
     PRECISIONS,
@@ -27,6 +26,7 @@ from sagenb.config import (
     strategy_names,
 )
 from sagenb.cost import check_price, price_table
+from sagenb.pool import cluster
 
 __all__ = ["ControlPanel", "current_panel"]
 

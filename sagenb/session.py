@@ -19,7 +19,7 @@ from typing import Any
 from ipyparallel.error import EngineError
 from torch.distributed import TCPStore
 
-from sagenb import cluster, event_log, stacks
+from sagenb import event_log, stacks
 from sagenb import metric_keys as keys
 from sagenb.checkpoints import resume_warnings
 from sagenb.config import ConfigError, TrainConfig, describe
@@ -39,6 +39,7 @@ from sagenb.failures import (
 )
 from sagenb.job import Job, JobError
 from sagenb.metrics import History, MetricSink, RankStream
+from sagenb.pool import cluster
 from sagenb.result import TrainResult
 
 __all__ = ["train", "prepare", "TrainingError", "TrainingInterrupted"]

@@ -8,7 +8,7 @@ import signal
 import pytest
 import torch
 
-from sagenb import cluster
+from sagenb.pool import cluster
 
 from .reference import POOL_THREADS
 

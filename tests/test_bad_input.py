@@ -192,7 +192,7 @@ def test_a_checkpoint_dir_that_is_a_file_is_refused_before_training(tmp_path):
 def test_a_price_table_of_the_wrong_shape_is_refused(tmp_path, content, message):
     """Refused by sagenb.train before any pool starts (the table is read there, not in the
     config's validation, which reads no file)."""
-    from sagenb import cluster
+    from sagenb.pool import cluster
 
     config = sagenb.TrainConfig(price_table=_table(tmp_path, content), instance="ml.x")
     running = cluster.current_pool()

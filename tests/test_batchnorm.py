@@ -15,10 +15,10 @@ import torch
 from torch import nn
 
 import sagenb
-from sagenb import cluster
 from sagenb.config import TrainConfig
 from sagenb.engine.equivalence import EquivalenceWarning, equivalence_warnings
 from sagenb.engine.rendezvous import bound_store
+from sagenb.pool import cluster
 
 from .conftest import REGRESSION_CELL, SGD_MOMENTUM
 from .helpers import check_equal

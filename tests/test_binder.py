@@ -20,7 +20,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from sagenb import cluster
+from sagenb.pool import cluster
 
 ROOT = Path(__file__).resolve().parent.parent
 BINDER = ROOT / "binder"

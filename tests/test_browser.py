@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from sagenb import cluster, svg_figure
+from sagenb import svg_figure
+from sagenb.pool import cluster
 
 from .lab import (
     ALL_RAN,

@@ -10,10 +10,10 @@ import pytest
 import torch
 
 import sagenb
-from sagenb import cluster
 from sagenb.config import ConfigError
 from sagenb.engine import loader
 from sagenb.engine.data import plan_steps
+from sagenb.pool import cluster
 
 from .helpers import assert_params_equal, check_equal
 from .models import llama_cell

@@ -8,8 +8,8 @@ import sys
 import pytest
 
 import sagenb
-from sagenb import cluster
 from sagenb.config import ConfigError, TrainConfig
+from sagenb.pool import cluster
 
 from .conftest import REGRESSION_CELL
 

@@ -6,9 +6,9 @@ import pytest
 from IPython.core.error import UsageError
 
 import sagenb
-from sagenb import cluster
 from sagenb.config import TrainConfig, flag_name
 from sagenb.magics import parse_train_line, train_parser
+from sagenb.pool import cluster
 from sagenb.result import TrainResult
 
 from .conftest import REGRESSION_CELL, SGD_MOMENTUM

@@ -17,7 +17,7 @@ import ipyparallel as ipp
 import pytest
 
 import sagenb
-from sagenb import cluster
+from sagenb.pool import cluster
 
 from .helpers import assert_params_equal
 from .models import SEQUENTIAL_CELL

@@ -1,5 +1,5 @@
 """Nothing outlives its kernel: a pool whose starting process dies by SIGTERM or SIGKILL (no
-atexit runs) is ended by the watcher (sagenb/reaper.py) within seconds: no controller, engine
+atexit runs) is ended by the watcher (sagenb/pool/reaper.py) within seconds: no controller, engine
 or nanny process, and no port they listened on, left. Real processes, real signals."""
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ def test_a_dead_controller_ends_the_run_with_a_clear_error(pool, tmp_path):
     import threading
 
     import sagenb
-    from sagenb import cluster
+    from sagenb.pool import cluster
 
     from .conftest import REGRESSION_CELL
 

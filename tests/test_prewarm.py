@@ -20,7 +20,7 @@ import pytest
 from IPython.core.interactiveshell import InteractiveShell
 
 import sagenb.magics  # noqa: F401 - imported here, so %load_ext's time is the start's alone
-from sagenb import cluster
+from sagenb.pool import cluster
 
 from .conftest import REGRESSION_CELL
 from .helpers import wait_clean

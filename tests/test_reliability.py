@@ -12,7 +12,6 @@ import psutil
 import pytest
 
 import sagenb
-from sagenb import cluster
 from sagenb.failures import (
     EngineDiedError,
     OutOfMemoryError,
@@ -20,6 +19,7 @@ from sagenb.failures import (
     TrainingError,
     TrainingInterrupted,
 )
+from sagenb.pool import cluster
 
 from .conftest import REGRESSION_CELL
 from .helpers import LONG, assert_params_equal, fault_cell, interrupt_after

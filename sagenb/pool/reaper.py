@@ -5,7 +5,7 @@ managers, CI timeouts) or by SIGKILL (what Jupyter sends a busy kernel that will
 runs no cleanup at all, and its controller, engines and nannies, each in a session of its own
 (ipyparallel starts them with `start_new_session=True`), would run on, holding memory and ports.
 
-So the first pool a process starts also starts this watcher: `python -m sagenb.reaper`, in a
+So the first pool a process starts also starts this watcher: `python -m sagenb.pool.reaper`, in a
 session of its own, reading the pool's processes from a pipe whose other end only the starting
 process holds. The operating system closes that end when the process dies, by any signal, so
 the watcher's next read ends (no polling), and it ends the processes it was told of: the process
@@ -75,7 +75,7 @@ def _send(message: dict[str, Any]) -> None:
     global _pipe
     if _pipe is None or _pipe.closed:
         watcher = subprocess.Popen(
-            [sys.executable, "-m", "sagenb.reaper", str(os.getpid()), str(os.getpgrp())],
+            [sys.executable, "-m", "sagenb.pool.reaper", str(os.getpid()), str(os.getpgrp())],
             stdin=subprocess.PIPE,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,

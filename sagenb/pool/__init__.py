@@ -1,0 +1,1 @@
+"""The engine pool: ipyparallel engines started, attached to, kept warm and watched."""
