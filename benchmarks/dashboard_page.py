@@ -43,7 +43,7 @@ sys.path.insert(0, str(ROOT))
 
 from workload import BATCH, CELL  # noqa: E402
 
-from sagenb.live_figure import _ESM  # noqa: E402
+from sagenb.display.live_figure import _ESM  # noqa: E402
 from tests.lab import (  # noqa: E402
     CHROMIUM,
     KERNEL_READY,
@@ -79,8 +79,8 @@ VARIANTS = {
 def notebook(rounds: int, seconds: float) -> dict:
     names = ["idle", *VARIANTS]
     setup = f"""import json, time, traitlets
-import sagenb, sagenb.dashboard as D, sagenb.live_figure as LF
-from sagenb.cost import meter_for
+import sagenb, sagenb.display.dashboard as D, sagenb.display.live_figure as LF
+from sagenb.sizing.cost import meter_for
 from IPython.display import clear_output
 ESMS = {VARIANTS!r}
 sagenb.start_pool(2)

@@ -1,4 +1,4 @@
-"""How close the estimate (sagenb/engine/footprint.py) comes to what the engines hold and do.
+"""How close the estimate (sagenb/sizing/footprint.py) comes to what the engines hold and do.
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/estimate_accuracy.py [--steps 3] [--skip-train]
 
@@ -31,8 +31,8 @@ from pathlib import Path
 
 from sagenb import metric_keys as keys
 from sagenb.config import EngineConfig
-from sagenb.engine.footprint import footprint
 from sagenb.examples import gpt_cell
+from sagenb.sizing.footprint import footprint
 
 LAYERS, WIDTH, HEADS, VOCAB, CONTEXT = 4, 128, 4, 512, 64
 GPT = gpt_cell(layers=LAYERS, width=WIDTH, heads=HEADS, vocab=VOCAB, context=CONTEXT, samples=256)
@@ -57,7 +57,7 @@ BIG_SCRIPT = """
 import json, resource, sys, time
 t0 = time.perf_counter()
 from sagenb.config import EngineConfig
-from sagenb.engine.footprint import footprint
+from sagenb.sizing.footprint import footprint
 from sagenb.examples import gpt_cell
 imported = time.perf_counter()
 f = footprint(gpt_cell(**json.loads(sys.argv[1])), EngineConfig(strategy="sharded",
@@ -143,7 +143,7 @@ def table(results: dict) -> str:
         "",
         f"GPT cell: {LAYERS} layers, width {WIDTH}, vocab {VOCAB}, context {CONTEXT}, global "
         f"batch {BATCH}, SGD with momentum. Max relative error over ranks, estimate "
-        "(`sagenb/engine/footprint.py`, fake tensors) against the engines' exact accounting "
+        "(`sagenb/sizing/footprint.py`, fake tensors) against the engines' exact accounting "
         "(`engine/memory.py`). Limits: params/grads/optimizer 2%, activations 20%.",
         "",
         "| case | engines | " + " | ".join(short.values()) + " | within | estimate s |",

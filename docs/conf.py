@@ -44,7 +44,7 @@ nb_execution_timeout = 300  # per cell, as tests/test_notebooks.py's nbclient ha
 nb_execution_show_tb = True
 nb_kernel_rgx_aliases = {".*": "python3"}  # the kernel of the Python that builds, sagenb in it
 # A finished dashboard's output carries the live widget and a static HTML copy of its charts
-# (sagenb/dashboard.py); a page has no kernel, so it shows the copy. Its plotly.js comes from
+# (sagenb/display/dashboard.py); a page has no kernel, so it shows the copy. Its plotly.js comes from
 # the CDN, as the copy asks. Widgets with no copy (the control panel): WidgetsWithoutCopy.
 nb_mime_priority_overrides = [("html", "application/vnd.jupyter.widget-view+json", None)]
 

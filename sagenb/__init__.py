@@ -38,22 +38,20 @@ _PUBLIC = {
     "current_pool": "sagenb.pool.cluster",
     "attach_pool": "sagenb.pool.cluster",
     "prewarm": "sagenb.pool.cluster",
-    "Dashboard": "sagenb.dashboard",
-    "plan": "sagenb.planner",
-    # sagenb.estimates, not sagenb.estimate: a submodule of that name would replace the
-    # function on the package once imported
-    "estimate": "sagenb.estimates",
-    "Estimate": "sagenb.estimates",
+    "Dashboard": "sagenb.display.dashboard",
+    "plan": "sagenb.sizing.planner",
+    "estimate": "sagenb.sizing.estimates",
+    "Estimate": "sagenb.sizing.estimates",
     "load_checkpoint": "sagenb.checkpoints",
     "CheckpointError": "sagenb.checkpoints",
     "ControlPanel": "sagenb.panel",
-    "fit_scaling": "sagenb.whatif",
-    "Scaling": "sagenb.whatif",
-    "what_if": "sagenb.whatif",
-    "teaching_case": "sagenb.whatif",
-    "Plan": "sagenb.planner",
+    "fit_scaling": "sagenb.sizing.whatif",
+    "Scaling": "sagenb.sizing.whatif",
+    "what_if": "sagenb.sizing.whatif",
+    "teaching_case": "sagenb.sizing.whatif",
+    "Plan": "sagenb.sizing.planner",
     "export": "sagenb.export_script",
-    "compare": "sagenb.comparison",
+    "compare": "sagenb.display.comparison",
 }
 
 __all__ = [*sorted(_PUBLIC), "load_ipython_extension"]

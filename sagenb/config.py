@@ -434,14 +434,14 @@ class TrainConfig(EngineConfig):
     price_table: str | None = _opt(
         "cost",
         None,
-        "a JSON price table of your own (the shape of sagenb/data/prices.json)",
+        "a JSON price table of your own (the shape of sagenb/sizing/tables/prices.json)",
         shown="package's",
     )
     hardware_table: str | None = _opt(
         "cost",
         None,
         "a JSON hardware table of your own (peak TFLOPS, accelerator memory, bandwidths: the "
-        "shape of sagenb/data/hardware.json), for %%%%smp_plan's estimate",
+        "shape of sagenb/sizing/tables/hardware.json), for %%%%smp_plan's estimate",
         shown="package's",
     )
     spot_discount: float = _opt(

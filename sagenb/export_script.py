@@ -27,9 +27,9 @@ import torch
 
 import sagenb
 from sagenb.config import ConfigError, EngineConfig, TrainConfig, describe, notebook_only_flags
-from sagenb.cost import InstancePrice, check_price, meter_for, price_table
 from sagenb.job import Job, JobError
 from sagenb.pool import cluster
+from sagenb.sizing.cost import InstancePrice, check_price, meter_for, price_table
 
 __all__ = ["TARGETS", "Exported", "ExportError", "export", "render_script", "render_sagemaker"]
 

@@ -286,7 +286,7 @@ class SmpMagics(Magics):
         config = parse_train_line(line)
         if config is None:
             return
-        from sagenb.estimates import estimate
+        from sagenb.sizing.estimates import estimate
 
         pool = cluster.current_pool()
         try:
@@ -303,7 +303,7 @@ class SmpMagics(Magics):
                 "on an engine: %smp_cluster start, then %%smp_plan again (or sagenb.plan)"
             )
             return
-        from sagenb.planner import plan
+        from sagenb.sizing.planner import plan
 
         try:
             result = plan(cell, config, pool=pool)
@@ -337,7 +337,7 @@ def _plan_config(config: TrainConfig, pool: cluster.EnginePool | None) -> TrainC
 def _show(answer: Any, figure: Any) -> None:
     """The answer's text, and its chart where a kernel shows it."""
     print(answer.table())
-    from sagenb.dashboard import _in_kernel
+    from sagenb.display.dashboard import _in_kernel
 
     if _in_kernel():
         from IPython.display import display

@@ -1,7 +1,7 @@
 """The names of the metrics: what the engines publish each step and what the notebook reads.
 
 One name, one constant: the engines (engine/loop.py, memory.py, the pipeline strategy) write
-these keys, the notebook (metrics.py, dashboard.py, charts.py, result.py, whatif.py) reads them,
+these keys, the notebook (metrics.py, display/dashboard.py, display/charts.py, result.py, sizing/whatif.py) reads them,
 and a misspelt constant fails at import where a misspelt string read nothing (issue 18: the keys
 were string literals in 11 modules). The values are part of the public surface: `result.metrics`,
 `result.history`, the torchrun script's JSON lines and saved checkpoints carry them, so they never

@@ -25,8 +25,8 @@ from sagenb.config import (
     describe,
     strategy_names,
 )
-from sagenb.cost import check_price, price_table
 from sagenb.pool import cluster
+from sagenb.sizing.cost import check_price, price_table
 
 __all__ = ["ControlPanel", "current_panel"]
 
@@ -172,8 +172,8 @@ class ControlPanel:
         cfg = self.config
         if cfg is None:
             return f"fix the options first: {self.error}"
-        from sagenb.cost import meter_for
-        from sagenb.planner import bubble_fraction
+        from sagenb.sizing.cost import meter_for
+        from sagenb.sizing.planner import bubble_fraction
 
         meter = meter_for(cfg, cfg.engines or 2)
         lines = [
@@ -186,7 +186,7 @@ class ControlPanel:
             bubble = bubble_fraction(cfg.partitions, cfg.microbatches, virtual)
             lines.append(f"pipeline bubble (p-1)/(v m+p-1): {bubble:.1%}")
             if self.job is not None:
-                from sagenb.planner import plan
+                from sagenb.sizing.planner import plan
 
                 lines.append(plan(self.job, cfg).table())
         return "\n".join(lines)

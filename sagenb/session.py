@@ -19,11 +19,11 @@ from typing import Any
 from ipyparallel.error import EngineError
 from torch.distributed import TCPStore
 
-from sagenb import event_log, stacks
 from sagenb import metric_keys as keys
+from sagenb import stacks
 from sagenb.checkpoints import resume_warnings
 from sagenb.config import ConfigError, TrainConfig, describe
-from sagenb.cost import CostMeter, check_price, meter_for
+from sagenb.display import event_log
 from sagenb.engine import stopping
 from sagenb.engine.entry import RankResult, RankSpec, merge_states, run_rank
 from sagenb.engine.equivalence import EquivalenceWarning
@@ -41,6 +41,7 @@ from sagenb.job import Job, JobError
 from sagenb.metrics import History, MetricSink, RankStream
 from sagenb.pool import cluster
 from sagenb.result import TrainResult
+from sagenb.sizing.cost import CostMeter, check_price, meter_for
 
 __all__ = ["train", "prepare", "TrainingError", "TrainingInterrupted"]
 
@@ -592,12 +593,14 @@ def _projection(job: Job, config: TrainConfig) -> tuple[float, float] | None:
     """Seconds per step on --instance from the last estimate of this job with these options
     (%%smp_plan, sagenb.estimate), if one was made: a run never computes one itself, as that
     would run the cell in the notebook."""
-    estimates = sys.modules.get("sagenb.estimates")
+    estimates = sys.modules.get("sagenb.sizing.estimates")
     found = estimates.last_estimate(job, config) if estimates is not None else None
     return found.step_time_s if found is not None else None
 
 
 def _make_dashboard(config: TrainConfig, cost: CostMeter, history: History, live: bool | None):
-    from sagenb.dashboard import Dashboard  # plotly is imported only when a dashboard is shown
+    from sagenb.display.dashboard import (
+        Dashboard,  # plotly is imported only when a dashboard is shown
+    )
 
     return Dashboard(config, cost, history=history, live=live)

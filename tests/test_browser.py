@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from sagenb import svg_figure
+from sagenb.display import svg_figure
 from sagenb.pool import cluster
 
 from .lab import (
@@ -97,8 +97,8 @@ MEMORY = """() => [...document.querySelectorAll(
     const box = rect.getBoundingClientRect();
     return [box.x + box.width / 2, box.height];
   }))"""
-# The finished dashboard: the static copy (sagenb/svg_figure.py) that replaced the live chart,
-# with the same facts: loss vertices per loss line, memory bar segments, engine labels.
+# The finished dashboard: the static copy (sagenb/display/svg_figure.py) that replaced the live
+# chart, with the same facts: loss vertices per loss line, memory bar segments, engine labels.
 STATIC = """() => {
   const svg = document.querySelector('.smp-static-copy svg.smp-static');
   const q = s => svg ? [...svg.querySelectorAll(s)] : [];

@@ -12,11 +12,11 @@ import sys
 import numpy as np
 import pytest
 
-from sagenb import charts, svg_figure
 from sagenb import metric_keys as keys
 from sagenb.config import TrainConfig
-from sagenb.cost import CostMeter, instance_price
-from sagenb.dashboard import Dashboard
+from sagenb.display import charts, svg_figure
+from sagenb.display.dashboard import Dashboard
+from sagenb.sizing.cost import CostMeter, instance_price
 
 STEPS = 12
 KINDS = dict(zip(keys.MEMORY_KINDS, (1.0, 2.0, 3.0, 4.0)))  # MiB per kind on rank 0; +rank
@@ -122,7 +122,7 @@ def test_the_gradient_norm_is_promised_only_when_it_is_recorded(clip):
 
 
 def expected(board: Dashboard) -> dict[str, dict[str, list]]:
-    """Each trace's data worked out from what `run` logged, independently of charts.py."""
+    """Each trace's data worked out from what `run` logged, independently of display/charts.py."""
     steps = list(range(1, STEPS + 1))
     smoothed, value = [], None
     for step in steps:  # the global loss: the mean of the two ranks' 1/step and 1/step + 0.1
@@ -239,7 +239,7 @@ def test_lines_kept_as_the_run_grows_equal_lines_drawn_from_scratch():
 
 
 def test_a_rate_key_learnt_late_smooths_the_whole_run_again():
-    from sagenb.step_columns import StepColumns, smoothed
+    from sagenb.display.step_columns import StepColumns, smoothed
 
     rows = [
         {keys.STEP: s, keys.LOSS: 1.0, keys.RANK_LOSSES: [1.0], keys.STEP_TIME: 0.1,

@@ -7,8 +7,8 @@ import pytest
 
 import sagenb
 from sagenb import metric_keys as keys
-from sagenb.comparison import compare, labels
 from sagenb.config import TrainConfig
+from sagenb.display.comparison import compare, labels
 from sagenb.metrics import History
 from sagenb.result import TrainResult
 

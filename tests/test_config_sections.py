@@ -65,7 +65,7 @@ def test_flags_follow_from_the_fields(options):
 def test_validation_reads_no_file(tmp_path):
     """A missing price table or an instance it lacks is refused where the table is read
     (cost.check_price: sagenb.train, plan, export, the panel), not when the config is built."""
-    from sagenb.cost import check_price
+    from sagenb.sizing.cost import check_price
 
     table = tmp_path / "prices.json"
     table.write_text(json.dumps({"instances": {"my.box": {"usd_per_hour": 1, "accelerators": 0}}}))

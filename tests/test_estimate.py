@@ -13,12 +13,12 @@ from IPython.core.error import UsageError
 import sagenb
 from sagenb import metric_keys as keys
 from sagenb.config import ConfigError, TrainConfig
-from sagenb.cost import CostMeter, instance_price
-from sagenb.dashboard import Dashboard
+from sagenb.display.dashboard import Dashboard
 from sagenb.examples import gpt_cell
-from sagenb.hardware import hardware_table
 from sagenb.pool import cluster
-from sagenb.step_model import MFU_RANGE, memory_limit_mib
+from sagenb.sizing.cost import CostMeter, instance_price
+from sagenb.sizing.hardware import hardware_table
+from sagenb.sizing.step_model import MFU_RANGE, memory_limit_mib
 
 from .conftest import REGRESSION_CELL
 from .models import GPT_CELL

@@ -1,4 +1,4 @@
-"""The estimate's attribution (sagenb/engine/footprint.py, issue 16): hand-computed bytes per
+"""The estimate's attribution (sagenb/sizing/footprint.py, issue 16): hand-computed bytes per
 rank for each strategy, FLOPs against torch's counter on a real run, nothing allocated for a
 big model, clear errors, and one comparison with the engines' own accounting."""
 
@@ -16,8 +16,8 @@ from torch.utils.flop_counter import FlopCounterMode
 import sagenb
 from sagenb import metric_keys as keys
 from sagenb.config import ConfigError, EngineConfig
-from sagenb.engine.footprint import chunk_sizes, footprint
 from sagenb.examples import gpt_cell
+from sagenb.sizing.footprint import chunk_sizes, footprint
 from tests.conftest import REGRESSION_CELL, SGD_MOMENTUM
 
 MIB = 2**20
@@ -103,7 +103,7 @@ def test_a_big_model_is_never_allocated():
     script = (
         "import json, resource, sys\n"
         "from sagenb.config import EngineConfig\n"
-        "from sagenb.engine.footprint import footprint\n"
+        "from sagenb.sizing.footprint import footprint\n"
         "f = footprint(sys.argv[1], EngineConfig(strategy='sharded', batch_size=8), 8)\n"
         "print(json.dumps([f.params, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss]))\n"
     )

@@ -1,7 +1,7 @@
-"""The live dashboard's redraws (sagenb/live_figure.py): a redraw sends only the panels whose
-drawing changed, the loss panel alone every second; what the page ends up showing equals the
-finished figure drawn afresh; the static copy (sagenb/svg_figure.py) draws every trace of the
-spec. Pool-free, like test_charts."""
+"""The live dashboard's redraws (sagenb/display/live_figure.py): a redraw sends only the panels
+whose drawing changed, the loss panel alone every second; what the page ends up showing equals
+the finished figure drawn afresh; the static copy (sagenb/display/svg_figure.py) draws every
+trace of the spec. Pool-free, like test_charts."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import time
 
 import plotly.graph_objects as go
 
-from sagenb import charts
-from sagenb.dashboard import REDRAW_S
-from sagenb.svg_figure import Drawing
+from sagenb.display import charts
+from sagenb.display.dashboard import REDRAW_S
+from sagenb.display.svg_figure import Drawing
 
 from .test_charts import CONFIGS, new_board, run
 

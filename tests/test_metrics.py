@@ -59,9 +59,9 @@ def test_live_dashboard_redraws_are_throttled():
     import time
 
     from sagenb.config import TrainConfig
-    from sagenb.cost import CostMeter, instance_price
-    from sagenb.dashboard import REDRAW_S, Dashboard, figure_period
-    from sagenb.svg_figure import MAX_POINTS
+    from sagenb.display.dashboard import REDRAW_S, Dashboard, figure_period
+    from sagenb.display.svg_figure import MAX_POINTS
+    from sagenb.sizing.cost import CostMeter, instance_price
 
     config = TrainConfig(engines=2, batch_size=8)
     board = Dashboard(config, CostMeter(instance_price(config.instance), 2), live=True)
@@ -120,8 +120,8 @@ def test_pipeline_dashboard_draws_the_schedule_and_the_cost(pool):
 
 def test_a_resumed_run_counts_its_progress_from_its_checkpoint():
     from sagenb.config import TrainConfig
-    from sagenb.cost import CostMeter, instance_price
-    from sagenb.dashboard import Dashboard
+    from sagenb.display.dashboard import Dashboard
+    from sagenb.sizing.cost import CostMeter, instance_price
 
     config = TrainConfig(engines=1, batch_size=8)
     board = Dashboard(config, CostMeter(instance_price(config.instance), 1), live=False)

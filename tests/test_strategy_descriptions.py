@@ -11,7 +11,7 @@ import pytest
 
 import sagenb
 from sagenb.config import ConfigError, TrainConfig
-from sagenb.dashboard import layout_text
+from sagenb.display.dashboard import layout_text
 from sagenb.engine import strategies
 from sagenb.magics import parse_train_line
 

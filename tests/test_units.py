@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from sagenb.config import ConfigError, TrainConfig
-from sagenb.cost import CostMeter, instance_price
 from sagenb.engine.data import plan_steps
 from sagenb.engine.precision import LossScaler, check_supported
 from sagenb.engine.tp_plan import check_plan, derive_plan, split_heads
 from sagenb.job import Job, JobError, defined_names
+from sagenb.sizing.cost import CostMeter, instance_price
 
 from .models import SPLIT_GPT_CELL
 
@@ -125,7 +125,7 @@ def test_memory_budget_moves_the_cut():
 
 
 def test_bubble_formula():
-    from sagenb.planner import bubble_fraction
+    from sagenb.sizing.planner import bubble_fraction
 
     assert bubble_fraction(2, 4) == pytest.approx(1 / 5)
     assert bubble_fraction(4, 4) == pytest.approx(3 / 7)
@@ -135,7 +135,7 @@ def test_bubble_formula():
 def test_own_price_table_and_price(tmp_path):
     import json
 
-    from sagenb.cost import meter_for
+    from sagenb.sizing.cost import meter_for
 
     table = tmp_path / "prices.json"
     table.write_text(
@@ -217,7 +217,7 @@ def test_precision_and_loss_scaler():
 
 
 def test_dashboard_header_names_the_layout():
-    from sagenb.dashboard import layout_text
+    from sagenb.display.dashboard import layout_text
 
     tensor = TrainConfig(strategy="tensor", engines=4, tensor_parallel=2, precision="bf16")
     assert layout_text(tensor) == "tensor: 2-way layer splits x 2 replicas, bf16"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import sagenb
-from sagenb.whatif import Scaling, fit_scaling, teaching_case, what_if
+from sagenb.sizing.whatif import Scaling, fit_scaling, teaching_case, what_if
 
 from .conftest import REGRESSION_CELL
 

@@ -49,7 +49,7 @@ def profile_blocks(
     passes after one untimed pass (first calls pay for allocation and kernel selection).
 
     The microbatch's inputs are also the example torch.export traces on when torch.fx cannot
-    trace the model (engine/export_split.py): one piece per block either way."""
+    trace the model (export_split.py): one piece per block either way."""
     n = len(find_blocks(model))
     args, kwargs, targets = objective.split(batch, labels_in=False)
     pieces, _ = split_model(model, list(range(n)), (args, kwargs))

@@ -13,7 +13,7 @@ older one when the newest cannot be read (a disk that filled up, a copy cut shor
 damaged since): `choose` skips it, saying why.
 
 Nothing in a checkpoint is unpickled beyond tensors, DCP's metadata and plain values
-(engine/checkpoint_reader.py): resuming from a checkpoint runs no code it holds.
+(checkpoint_reader.py): resuming from a checkpoint runs no code it holds.
 """
 
 from __future__ import annotations
@@ -146,7 +146,7 @@ def save(
     """Write the checkpoint of `step` (a collective: every rank calls it). Returns None, or
     why it could not be written: this rank's error, or "" where only another rank failed.
     Every rank learns of a failure at each phase, so all of them stop together and the run
-    keeps what it trained (engine/loop.py); none is left waiting in a collective."""
+    keeps what it trained (loop.py); none is left waiting in a collective."""
     root = Path(directory)
     name = f"step-{step:08d}"
     tmp = root / f".{name}.tmp"

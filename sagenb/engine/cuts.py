@@ -1,11 +1,11 @@
 """Where the pipeline is cut: one choice for the trainer (strategies/pipeline.py) and the
-planner (engine/planning.py), so that `%%smp_plan` shows the cut points `%%smp_train` with the
+planner (planning.py), so that `%%smp_plan` shows the cut points `%%smp_train` with the
 same flags will use (sagenb issue 18).
 
 The choice depends on the options only through `--partition-by`, `--cuts`, `--memory-budget`
 and `--delay-init`: with delay-init the parameters are on the meta device, which can be
 counted but not run, so `auto` (measured time) becomes `parameters` and the profile is the
-parameter bytes alone (engine/balance.py static_profile). balance.py holds the methods
+parameter bytes alone (balance.py static_profile). balance.py holds the methods
 themselves; this module decides which one runs, on what profile, and checks `--cuts` against
 the model's blocks before anything is measured.
 """

@@ -180,7 +180,7 @@ def require_map_style(name: str, data: Any) -> None:
 
 def fetch(dataset: Any, indices: torch.Tensor) -> Any:
     """Load and collate the samples at `indices` (TensorDataset is indexed in one go): in the
-    training thread, or in a --data-workers process (engine/loader.py)."""
+    training thread, or in a --data-workers process (loader.py)."""
     if isinstance(dataset, TensorDataset):
         return tuple(t[indices] for t in dataset.tensors)
     return default_collate([dataset[i] for i in indices.tolist()])

@@ -57,7 +57,7 @@ class RankSpec:
     #: the engine's position among the run's engines on its host, and how many there are
     local_rank: int = 0
     local_size: int = 1
-    #: the run's random token: only messages carrying it can stop the run (engine/stopping.py)
+    #: the run's random token: only messages carrying it can stop the run (stopping.py)
     token: str = ""
 
 
@@ -103,7 +103,7 @@ def run_rank(spec: RankSpec, publish: Publisher | None = None) -> RankResult:
 
 
 def _tracer(spec: RankSpec) -> Tracer | None:
-    """The rank's Tracer (engine/tracing.py); None when it cannot be set up: a run that
+    """The rank's Tracer (tracing.py); None when it cannot be set up: a run that
     cannot show where it stalled still runs."""
     try:
         return Tracer(
@@ -118,7 +118,7 @@ def _tracer(spec: RankSpec) -> Tracer | None:
 
 def train_rank(spec: RankSpec, publish: Publisher) -> RankResult:
     """One rank's whole run (process group, the cell, the strategy, the loop), whoever
-    launched the process: an ipyparallel engine (run_rank) or torchrun (engine/launch.py)."""
+    launched the process: an ipyparallel engine (run_rank) or torchrun (launch.py)."""
     torch.set_num_threads(spec.threads)
     device = process_group.pick_device(spec.local_rank, spec.local_size)
     process_group.init_process_group(

@@ -166,7 +166,7 @@ def _accumulate(ws, strategy, meter, batches, loss_scale):
     autocast leaves backward's dtypes to those of the forward ops).
 
     Each slice's loss enters the gradient weighted by the targets it counts over the targets
-    the whole global batch counts (engine/objective.py), times the replicas the gradients are
+    the whole global batch counts (objective.py), times the replicas the gradients are
     then averaged over: so the step's gradient is that of the loss one process would compute
     over the global batch, whatever each slice holds. Returns the loss (this engine's share),
     its counted targets, samples and tokens."""

@@ -56,7 +56,7 @@ class _Saved:
 class MemoryMeter:
     """Counts one engine's training memory; `track()` wraps each forward+backward.
 
-    The estimate (engine/footprint_trace.py) counts fake tensors with the same hooks, keyed
+    The estimate (sizing/footprint_trace.py) counts fake tensors with the same hooks, keyed
     by a storage identity that fake storages have (they have no data pointer)."""
 
     #: (a key identifying a tensor's memory, its bytes); key 0 is memory that is not counted

@@ -1,6 +1,6 @@
 """Splitting a model into pipeline stages at block boundaries.
 
-A model is split where its repeated blocks are (engine/blocks.py: the children of an
+A model is split where its repeated blocks are (blocks.py: the children of an
 `nn.Sequential`, the items of the largest `nn.ModuleList`, or the children of the top-most
 Sequentials, as a ResNet's layer1..layer4). Two front ends cut it:
 
@@ -8,7 +8,7 @@ Sequentials, as a ResNet's layer1..layer4). Two front ends cut it:
   path to the blocks and keeping every other module whole, so the graph reads embeddings,
   block 0, block 1, ..., norm, head. Stage s gets the graph nodes from its first block's call
   up to the next stage's, and passes on every value that a later stage still needs.
-* torch.export (engine/export_split.py), when fx cannot trace the forward (library models
+* torch.export (export_split.py), when fx cannot trace the forward (library models
   such as transformers'), given an example microbatch.
 Where neither can, the error names where each stopped.
 

@@ -1,5 +1,5 @@
 """The planner's engine side: build the cell's model as training would, profile its blocks and
-cut it every way, with the trainer's own choice of cut points (engine/cuts.py)."""
+cut it every way, with the trainer's own choice of cut points (cuts.py)."""
 
 from __future__ import annotations
 

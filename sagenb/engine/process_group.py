@@ -40,7 +40,7 @@ def init_process_group(
     The rendezvous store is hosted by the notebook (session.py), already listening before any
     engine connects: with rank 0 hosting it, the other ranks could arrive first and back off
     for ~0.5 s before retrying. `token` is the run's own, which every stop message carries
-    (engine/stopping.py).
+    (stopping.py).
     """
     if dist.is_initialized():  # a previous run on this engine died before cleaning up
         shutdown()
@@ -85,5 +85,5 @@ def shutdown() -> None:
 
 
 def stop_requested(step: int) -> bool:
-    """Whether every rank is to stop after `step` (engine/stopping.py)."""
+    """Whether every rank is to stop after `step` (stopping.py)."""
     return _stop_watch is not None and _stop_watch.should_stop(step)

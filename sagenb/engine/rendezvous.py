@@ -105,7 +105,7 @@ _WAIT = timedelta(hours=1)
 
 def wait_for_key(store: dist.Store, key: str) -> bool:
     """Block until `key` is set in `store`: True then, False when the store is gone (the run
-    is over). For the ranks' listening threads (engine/stopping.py, engine/tracing.py), each on
+    is over). For the ranks' listening threads (stopping.py, tracing.py), each on
     a connection of its own: a store client is not shared between threads."""
     while True:
         try:

@@ -13,10 +13,10 @@ Where the plan comes from (`plan_for`), in order:
    parallelize_module takes it) to a style name or a torch ParallelStyle, e.g.
    `tp_plan = {"blocks.*.mlp.0": "colwise", "blocks.*.mlp.2": "rowwise"}`. Used as given.
 2. Shipped: a transformers model, or one held by the cell's model as a submodule, brings its
-   own `_tp_plan` (sagenb/engine/tp_hf.py); its style names are translated to torch styles
-   (sagenb/engine/tp_styles.py). Tied embedding/head entries are dropped (left whole).
+   own `_tp_plan` (tp_hf.py); its style names are translated to torch styles
+   (tp_styles.py). Tied embedding/head entries are dropped (left whole).
 3. Derived, for the rest of the model (`derive_plan`): attention from names (below), then
-   column/row groups from the dataflow of each traced module (sagenb/engine/tp_dataflow.py).
+   column/row groups from the dataflow of each traced module (tp_dataflow.py).
 
 Attention from names: in every module, Linear children named like q/k/v projections (q, k,
 v, query, key, value, wq, wk, wv, q_proj, k_proj, v_proj) beside one output projection (o,
@@ -29,7 +29,7 @@ nn.MultiheadAttention) stay whole: a column split would give each engine a slice
 side by side, not its own heads; GPT-2's MLP (Conv1D c_fc, c_proj) is split. Layers whose
 weight is tied to another parameter stay whole.
 
-Every plan is checked before the first step (sagenb/engine/tp_check.py).
+Every plan is checked before the first step (tp_check.py).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ on the same host; the file's first line names the thread that runs the rank.
 
 The collectives: torch's flight recorder keeps the last collectives of every process group
 (2000 by default in torch 2.13, gloo included; `TORCH_FR_BUFFER_SIZE` sets how many). A
-thread of the rank, blocked in the run's store like engine/stopping.py's, dumps the ones not
+thread of the rank, blocked in the run's store like stopping.py's, dumps the ones not
 yet retired into the store when the notebook asks (a signal handler cannot: Python handlers run
 only when the main thread gets back to Python, and a rank blocked in a collective does not).
 """

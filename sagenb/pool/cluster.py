@@ -9,10 +9,10 @@ Engines are started by ipyparallel's own launchers: `local` (the default; everyt
 the controller listens beyond loopback. A pool someone started with `ipcluster start` is
 attached to by profile and cluster id, and left running when the notebook lets go of it.
 A pool started here ends with the process that started it, even one killed by a signal
-(sagenb/pool/reaper.py).
+(reaper.py).
 
 Cold start: `%load_ext sagenb` starts the default pool in a background thread (`prewarm`; off
-with SAGENB_PREWARM=0; sagenb/pool/prewarm.py), so the seconds a pool takes to start
+with SAGENB_PREWARM=0; prewarm.py), so the seconds a pool takes to start
 (benchmarks/results/first_step.md) pass while the user writes the first cell; the first run that
 needs a pool waits for that one (`ensure_pool`), and starting, stopping or attaching another
 pool cancels it first, so two pools of ours never run at once. A start's time goes to the

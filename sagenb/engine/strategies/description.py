@@ -53,7 +53,7 @@ class Description:
     #: BatchNorm statistics are synchronised across every engine that takes its own samples,
     #: so a BatchNorm model trains as in one process (engine/sync_batchnorm.py)
     syncs_norm: ClassVar[bool] = False
-    #: how its ranks hold the model, for the estimate (engine/footprint.py): "replicated",
+    #: how its ranks hold the model, for the estimate (sizing/footprint.py): "replicated",
     #: "sharded", "tensor" or "pipeline"; None: no estimate for this strategy
     layout_kind: ClassVar[str | None] = None
     #: options only this strategy (and others listing them) accepts; any other strategy

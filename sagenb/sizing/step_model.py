@@ -1,6 +1,6 @@
 """One optimizer step's time on an instance, and whether each rank fits its memory, from a
-footprint's FLOPs and bytes (sagenb/engine/footprint.py) and the hardware table
-(sagenb/hardware.py). Plain arithmetic: no engine, no tensor, no plotly.
+footprint's FLOPs and bytes (footprint.py) and the hardware table
+(hardware.py). Plain arithmetic: no engine, no tensor, no plotly.
 
 Compute: the step's FLOPs shared equally by the ranks, at the accelerator's peak for the
 precision times a model FLOPs utilisation (MFU) range. 0.3-0.5 is what well-tuned dense
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from sagenb import metric_keys as keys
-from sagenb.hardware import Hardware
+from sagenb.sizing.hardware import Hardware
 
 __all__ = [
     "MFU_RANGE",

@@ -1,8 +1,8 @@
 """What an instance's accelerators can do: peak dense TFLOPS per precision, memory, and the
 bandwidths between them, from a small dated table beside the price table (issue 16).
 
-sagenb/data/hardware.json has one row per instance of sagenb/data/prices.json, each with its
-sources (vendor datasheets, AWS instance pages); `--hardware-table FILE` replaces it with a
+tables/hardware.json (beside this module) has one row per instance of tables/prices.json, each with
+its sources (vendor datasheets, AWS instance pages); `--hardware-table FILE` replaces it with a
 file of the same shape. As with the prices, the file is read where it is used
 (`check_hardware`, before any engine starts or any estimate is made), never in the config's
 validation.
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
-from sagenb.cost import read_table
+from sagenb.sizing.cost import read_table
 
 __all__ = ["Hardware", "hardware_table", "check_hardware", "GPU_ONLY_PRECISIONS"]
 
@@ -88,7 +88,7 @@ def _check_table(raw: Any) -> None:
         raise ValueError(
             'must be a JSON object with "instances": {name: {"accelerators": integer, '
             '"accelerator_memory_gib": number, "fp32_tflops": number, ...}, ...} (the shape '
-            "of sagenb/data/hardware.json)"
+            "of sagenb/sizing/tables/hardware.json)"
         )
     for name, row in instances.items():
         if not isinstance(row, dict):

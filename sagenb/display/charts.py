@@ -30,13 +30,13 @@ from plotly.subplots import make_subplots
 
 from sagenb import metric_keys as keys
 from sagenb.config import describe
-from sagenb.step_columns import SMOOTHING, StepColumns, smoothed
-from sagenb.svg_figure import thinned
+from sagenb.display.step_columns import SMOOTHING, StepColumns, smoothed
+from sagenb.display.svg_figure import thinned
 
 if TYPE_CHECKING:
     from sagenb.config import TrainConfig
-    from sagenb.cost import CostMeter
     from sagenb.metrics import History
+    from sagenb.sizing.cost import CostMeter
 
 __all__ = [
     "panels",

@@ -14,13 +14,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from sagenb.config import ConfigError, TrainConfig, describe, strategy_names
-from sagenb.cost import check_price
 from sagenb.engine.balance import BlockProfile
 from sagenb.engine.cuts import MEMORY_FACTOR
 from sagenb.engine.planning import plan_on_engine
 from sagenb.job import JobError
 from sagenb.pool import cluster
 from sagenb.session import prepare
+from sagenb.sizing.cost import check_price
 
 __all__ = ["Plan", "StagePlan", "plan", "bubble_fraction"]
 

@@ -43,10 +43,11 @@ class InstancePrice:
 
 
 def read_table(packaged: str, path: str | None) -> Any:
-    """A JSON table: the file at `path`, else the package's sagenb/data/`packaged` (the
+    """A JSON table: the file at `path`, else the package's sagenb/sizing/tables/`packaged` (the
     price table here, the hardware table in hardware.py: one shape of loading for both)."""
     if path is None:
-        return json.loads(resources.files("sagenb").joinpath(f"data/{packaged}").read_text())
+        table = resources.files("sagenb.sizing").joinpath(f"tables/{packaged}")
+        return json.loads(table.read_text())
     return json.loads(Path(path).read_text())
 
 
@@ -77,7 +78,7 @@ def _check_table(raw: Any) -> None:
     if not isinstance(instances, dict) or not instances:
         raise ValueError(
             'must be a JSON object with "instances": {name: {"usd_per_hour": number, '
-            '"accelerators": integer}, ...} (the shape of sagenb/data/prices.json)'
+            '"accelerators": integer}, ...} (the shape of sagenb/sizing/tables/prices.json)'
         )
     for name, row in instances.items():
         price = row.get("usd_per_hour") if isinstance(row, dict) else None

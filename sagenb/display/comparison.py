@@ -21,7 +21,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from sagenb import metric_keys as keys
-from sagenb.step_columns import smoothed
+from sagenb.display.step_columns import smoothed
 
 if TYPE_CHECKING:
     from sagenb.result import TrainResult
@@ -34,7 +34,7 @@ KIND_PATTERNS = ("", "/", ".", "x")  # one per keys.MEMORY_KINDS: the run keeps 
 
 def labels(results: Sequence[TrainResult]) -> list[str]:
     """Each run's layout; runs of the same layout are told apart by their order ('#2')."""
-    from sagenb.dashboard import layout_text
+    from sagenb.display.dashboard import layout_text
 
     texts = [layout_text(r.config) for r in results]
     return [
@@ -80,7 +80,7 @@ class ComparisonFigure(go.Figure):
     with no network and no plotly.js. `.show()` draws the interactive figure."""
 
     def _repr_mimebundle_(self, *args: Any, **kwargs: Any) -> dict[str, str]:
-        from sagenb.svg_figure import to_svg
+        from sagenb.display.svg_figure import to_svg
 
         return {"text/html": f"<div class='smp-static-copy'>{to_svg(self)}</div>"}
 

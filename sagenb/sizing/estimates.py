@@ -7,10 +7,10 @@ the run takes and what it costs, without starting an engine and without allocati
 `%%smp_plan --instance I --engines N` shows the same. (The module is `estimates`: a
 submodule named `estimate` would replace the function `sagenb.estimate` once imported.)
 
-The memory per rank and the FLOPs and bytes of a step come from `sagenb.engine.footprint`
+The memory per rank and the FLOPs and bytes of a step come from `sagenb.sizing.footprint`
 (the cell's model on fake tensors at the requested world size); the hardware from
-sagenb/data/hardware.json (`--hardware-table`); the step time from sagenb/step_model.py;
-prices from sagenb/data/prices.json. Every figure is a (low, high) range, and `assumptions`
+sagenb/sizing/tables/hardware.json (`--hardware-table`); the step time from step_model.py;
+prices from sagenb/sizing/tables/prices.json. Every figure is a (low, high) range, and `assumptions`
 says what it rests on.
 """
 
@@ -24,11 +24,11 @@ from typing import Any
 
 from sagenb import metric_keys as keys
 from sagenb.config import ConfigError, TrainConfig, describe
-from sagenb.cost import CostMeter, InstancePrice, check_price
-from sagenb.engine.footprint import Footprint, footprint
-from sagenb.hardware import Hardware, check_hardware
 from sagenb.job import Job
-from sagenb.step_model import (
+from sagenb.sizing.cost import CostMeter, InstancePrice, check_price
+from sagenb.sizing.footprint import Footprint, footprint
+from sagenb.sizing.hardware import Hardware, check_hardware
+from sagenb.sizing.step_model import (
     MEMORY_OVERHEAD_GIB,
     MEMORY_USABLE_FRACTION,
     MFU_RANGE,
@@ -145,7 +145,7 @@ class Estimate:
     def figure(self) -> Any:
         """Hours and dollars (on-demand and spot) on 1, 2, 4, 8 instances, as ranges (plotly:
         notebook side only)."""
-        from sagenb.estimate_chart import scaling_figure
+        from sagenb.display.estimate_chart import scaling_figure
 
         return scaling_figure(self)
 
@@ -243,7 +243,7 @@ def _steps(config: TrainConfig, samples: int | None, fp: Footprint) -> int | Non
 def _bubble(config: TrainConfig) -> float:
     if not describe(config.strategy).pipelined:
         return 0.0
-    from sagenb.planner import bubble_fraction
+    from sagenb.sizing.planner import bubble_fraction
 
     virtual = config.stages // config.partitions
     return bubble_fraction(config.partitions, config.microbatches, virtual)

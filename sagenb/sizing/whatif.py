@@ -15,11 +15,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from sagenb import metric_keys as keys
-from sagenb.cost import CostMeter, instance_price
 from sagenb.result import TrainResult
+from sagenb.sizing.cost import CostMeter, instance_price
 
 if TYPE_CHECKING:
-    from sagenb.estimates import Estimate
+    from sagenb.sizing.estimates import Estimate
 
 __all__ = ["Scaling", "fit_scaling", "what_if", "teaching_case"]
 

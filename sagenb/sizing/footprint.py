@@ -1,7 +1,7 @@
 """What each rank of a run would hold and compute, found in one process without engines and
 without allocating the model (sagenb issue 16).
 
-The cell runs under torch's FakeTensorMode (engine/footprint_trace.py): its model, dataset and
+The cell runs under torch's FakeTensorMode (footprint_trace.py): its model, dataset and
 optimizer state are tensors with shapes and no storage, so a 1-billion-parameter GPT costs the
 memory of its metadata. One microbatch-shaped example goes through forward and backward,
 counted for FLOPs and saved activations as the engines count them; the bytes are then
@@ -51,7 +51,6 @@ from sagenb.engine.balance import static_profile
 from sagenb.engine.blocks import find_blocks
 from sagenb.engine.cuts import choose_cuts
 from sagenb.engine.data import fetch
-from sagenb.engine.footprint_trace import Trace, optimizer_state, trace_step
 from sagenb.engine.objective import batch_size_of, model_inputs
 from sagenb.engine.partition import split_model
 from sagenb.engine.precision import autocast
@@ -61,6 +60,7 @@ from sagenb.engine.tp_plan import plan_for
 from sagenb.engine.tp_styles import is_conv1d, splits
 from sagenb.engine.workspace import Workspace, build_workspace
 from sagenb.job import Job, JobError
+from sagenb.sizing.footprint_trace import Trace, optimizer_state, trace_step
 
 __all__ = ["Footprint", "footprint", "chunk_sizes"]
 

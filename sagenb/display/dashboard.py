@@ -25,13 +25,13 @@ from typing import Any
 
 import plotly.graph_objects as go
 
-from sagenb import charts, svg_figure
 from sagenb import metric_keys as keys
 from sagenb.config import TrainConfig, describe
-from sagenb.cost import CostMeter
-from sagenb.live_figure import LiveFigure
+from sagenb.display import charts, svg_figure
+from sagenb.display.live_figure import LiveFigure
+from sagenb.display.step_columns import StepColumns
 from sagenb.metrics import History
-from sagenb.step_columns import StepColumns
+from sagenb.sizing.cost import CostMeter
 
 __all__ = ["Dashboard", "layout_text", "figure_period"]
 

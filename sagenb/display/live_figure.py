@@ -26,7 +26,7 @@ from typing import Any
 import anywidget
 import traitlets
 
-from sagenb.svg_figure import Drawing
+from sagenb.display.svg_figure import Drawing
 
 __all__ = ["LiveFigure"]
 
