@@ -101,7 +101,7 @@ def test_sagemaker_launcher_names_the_instances(tmp_path):
     assert "estimator.fit()" in text
     assert "psutil" in (folder / "requirements.txt").read_text()
     assert (folder / "sagenb" / "engine" / "launch.py").exists()  # the code the script runs
-    assert (folder / "sagenb" / "data" / "prices.json").exists()
+    assert (folder / "sagenb" / "sizing" / "tables" / "prices.json").exists()
     sagenb.export(SEQUENTIAL_CELL, folder / "train.py", to="sagemaker", **options)  # again
 
 
