@@ -25,9 +25,9 @@ from pathlib import Path
 ROOT = Path(__file__).parent.parent
 sys.path.insert(0, str(ROOT))
 
-from sagenb import metric_keys as keys  # noqa: E402
 from sagenb.config import TrainConfig  # noqa: E402
 from sagenb.display.dashboard import Dashboard  # noqa: E402
+from sagenb.metrics import keys  # noqa: E402
 from sagenb.sizing.cost import CostMeter, instance_price  # noqa: E402
 
 STEPS_PER_REDRAW = 30  # ~one second of the peers' workload on this machine

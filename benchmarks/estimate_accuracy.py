@@ -29,9 +29,9 @@ import sys
 import time
 from pathlib import Path
 
-from sagenb import metric_keys as keys
 from sagenb.config import EngineConfig
-from sagenb.examples import gpt_cell
+from sagenb.metrics import keys
+from sagenb.notebook.examples import gpt_cell
 from sagenb.sizing.footprint import footprint
 
 LAYERS, WIDTH, HEADS, VOCAB, CONTEXT = 4, 128, 4, 512, 64
@@ -58,7 +58,7 @@ import json, resource, sys, time
 t0 = time.perf_counter()
 from sagenb.config import EngineConfig
 from sagenb.sizing.footprint import footprint
-from sagenb.examples import gpt_cell
+from sagenb.notebook.examples import gpt_cell
 imported = time.perf_counter()
 f = footprint(gpt_cell(**json.loads(sys.argv[1])), EngineConfig(strategy="sharded",
               batch_size=64, precision="bf16"), 8)

@@ -18,7 +18,7 @@ import statistics
 from pathlib import Path
 
 import sagenb
-from sagenb.examples import gpt_cell
+from sagenb.notebook.examples import gpt_cell
 from sagenb.pool import cluster
 
 # GPT-shaped, with attention that tensor parallel can split by heads; SGD with momentum

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 import sagenb
-from sagenb.examples import gpt_cell
+from sagenb.notebook.examples import gpt_cell
 
 CUDA = torch.cuda.is_available()
 # ~40 M parameters, 256 tokens a sample on the GPU; a toy on the CPU

@@ -27,8 +27,8 @@ import time
 from pathlib import Path
 
 import sagenb
-from sagenb import failures
 from sagenb.engine.checkpoint import latest
+from sagenb.run import failures
 
 sys.path.insert(0, str(Path(__file__).parent))
 import pool_loss  # noqa: E402 - a sibling file of this script

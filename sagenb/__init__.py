@@ -20,17 +20,17 @@ from typing import Any
 __version__ = "0.1.0"
 
 _PUBLIC = {
-    "train": "sagenb.session",
-    "TrainingError": "sagenb.failures",
-    "TrainingInterrupted": "sagenb.failures",
-    "OutOfMemoryError": "sagenb.failures",
-    "EngineDiedError": "sagenb.failures",
-    "StalledError": "sagenb.failures",
-    "PoolDiedError": "sagenb.failures",
+    "train": "sagenb.run.session",
+    "TrainingError": "sagenb.run.failures",
+    "TrainingInterrupted": "sagenb.run.failures",
+    "OutOfMemoryError": "sagenb.run.failures",
+    "EngineDiedError": "sagenb.run.failures",
+    "StalledError": "sagenb.run.failures",
+    "PoolDiedError": "sagenb.run.failures",
     "TrainConfig": "sagenb.config",
     "ConfigError": "sagenb.config",
     "JobError": "sagenb.job",
-    "TrainResult": "sagenb.result",
+    "TrainResult": "sagenb.metrics.result",
     "EquivalenceWarning": "sagenb.engine.equivalence",
     "start_pool": "sagenb.pool.cluster",
     "stop_pool": "sagenb.pool.cluster",
@@ -42,15 +42,15 @@ _PUBLIC = {
     "plan": "sagenb.sizing.planner",
     "estimate": "sagenb.sizing.estimates",
     "Estimate": "sagenb.sizing.estimates",
-    "load_checkpoint": "sagenb.checkpoints",
-    "CheckpointError": "sagenb.checkpoints",
-    "ControlPanel": "sagenb.panel",
+    "load_checkpoint": "sagenb.run.checkpoints",
+    "CheckpointError": "sagenb.run.checkpoints",
+    "ControlPanel": "sagenb.notebook.panel",
     "fit_scaling": "sagenb.sizing.whatif",
     "Scaling": "sagenb.sizing.whatif",
     "what_if": "sagenb.sizing.whatif",
     "teaching_case": "sagenb.sizing.whatif",
     "Plan": "sagenb.sizing.planner",
-    "export": "sagenb.export_script",
+    "export": "sagenb.notebook.export",
     "compare": "sagenb.display.comparison",
 }
 
@@ -74,6 +74,6 @@ def load_ipython_extension(ipython: Any) -> None:
         if cluster.prewarm_wanted():
             # a failing start never breaks %load_ext: its error is raised by the first run
             cluster.prewarm()
-        from sagenb.magics import SmpMagics
+        from sagenb.notebook.magics import SmpMagics
 
     ipython.register_magics(SmpMagics)

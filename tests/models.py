@@ -1,7 +1,7 @@
 """Model cells shared by the tests: an nn.Sequential, two small GPTs, a ResNet, a map-style
 dataset, a model with nowhere to cut, and transformers' Llama, GPT-2 and BERT from tiny configs."""
 
-from sagenb.examples import gpt_cell
+from sagenb.notebook.examples import gpt_cell
 
 SEQUENTIAL_CELL = """
 import torch

@@ -12,10 +12,10 @@ from hypothesis import strategies as st
 from IPython.core.error import UsageError
 
 import sagenb
-from sagenb import session
 from sagenb.config import ConfigError
 from sagenb.job import JobError
-from sagenb.magics import parse_cluster_line, parse_train_line
+from sagenb.notebook.magics import parse_cluster_line, parse_train_line
+from sagenb.run import session
 
 from .conftest import REGRESSION_CELL
 

@@ -12,10 +12,10 @@ import sys
 import numpy as np
 import pytest
 
-from sagenb import metric_keys as keys
 from sagenb.config import TrainConfig
 from sagenb.display import charts, svg_figure
 from sagenb.display.dashboard import Dashboard
+from sagenb.metrics import keys
 from sagenb.sizing.cost import CostMeter, instance_price
 
 STEPS = 12
@@ -170,7 +170,7 @@ def test_a_redraw_updates_each_trace_by_its_name(monkeypatch):
 
 def test_metric_keys_import_nothing_and_keep_their_values():
     code = (
-        "import sys, json; import sagenb.metric_keys as k; "
+        "import sys, json; import sagenb.metrics.keys as k; "
         "heavy = [m for m in ('torch', 'plotly', 'IPython', 'ipywidgets') if m in sys.modules]; "
         "print(json.dumps([heavy, {n: v for n, v in vars(k).items() if n.isupper()}]))"
     )

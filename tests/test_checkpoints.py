@@ -20,7 +20,7 @@ import sagenb
 from sagenb.config import ConfigError
 from sagenb.engine.checkpoint import candidates, latest
 from sagenb.engine.checkpoint_reader import CheckpointError, SafePlanner, SafeReader
-from sagenb.failures import EngineDiedError, TrainingError, TrainingInterrupted
+from sagenb.run.failures import EngineDiedError, TrainingError, TrainingInterrupted
 
 from .conftest import REGRESSION_CELL
 from .helpers import LONG, assert_params_equal, fault_cell, interrupt_after
@@ -250,7 +250,7 @@ def test_a_crafted_checkpoint_runs_nothing(pool, tmp_path, monkeypatch, where):
     with pytest.raises(sagenb.CheckpointError, match=refused):  # in the notebook, early
         sagenb.train(REGRESSION_CELL, steps=9, checkpoint_dir=str(directory), resume=True, **SHORT)
     # the engines refuse it too (under torchrun no notebook looks first)
-    monkeypatch.setattr("sagenb.session.resume_warnings", lambda config: [])
+    monkeypatch.setattr("sagenb.run.session.resume_warnings", lambda config: [])
     with pytest.raises(TrainingError, match=refused):
         sagenb.train(REGRESSION_CELL, steps=9, checkpoint_dir=str(directory), resume=True, **SHORT)
     # the reader and planner themselves, past the checks (defence in depth)

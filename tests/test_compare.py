@@ -6,11 +6,11 @@ from __future__ import annotations
 import pytest
 
 import sagenb
-from sagenb import metric_keys as keys
 from sagenb.config import TrainConfig
 from sagenb.display.comparison import compare, labels
-from sagenb.metrics import History
-from sagenb.result import TrainResult
+from sagenb.metrics import keys
+from sagenb.metrics.result import TrainResult
+from sagenb.metrics.stream import History
 
 
 def recorded(strategy: str, engines: int, steps: int, step_s: float, **options) -> TrainResult:

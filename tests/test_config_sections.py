@@ -11,7 +11,7 @@ import pytest
 
 import sagenb
 from sagenb.config import SECTIONS, ConfigError, EngineConfig, TrainConfig, notebook_only_flags
-from sagenb.magics import parse_train_line
+from sagenb.notebook.magics import parse_train_line
 
 from .conftest import REGRESSION_CELL
 

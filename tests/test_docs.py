@@ -91,7 +91,7 @@ def test_the_flag_reference_is_generated_from_the_config():
     fields (regenerate: replace the tables with its output), and so documents every flag the
     magic takes, in the config's sections."""
     from sagenb.config import flag_reference
-    from sagenb.magics import train_parser
+    from sagenb.notebook.magics import train_parser
 
     page = (ROOT / "docs" / "flags.md").read_text()
     reference = flag_reference()

@@ -11,10 +11,10 @@ import pytest
 from IPython.core.error import UsageError
 
 import sagenb
-from sagenb import metric_keys as keys
 from sagenb.config import ConfigError, TrainConfig
 from sagenb.display.dashboard import Dashboard
-from sagenb.examples import gpt_cell
+from sagenb.metrics import keys
+from sagenb.notebook.examples import gpt_cell
 from sagenb.pool import cluster
 from sagenb.sizing.cost import CostMeter, instance_price
 from sagenb.sizing.hardware import hardware_table

@@ -15,7 +15,7 @@ from IPython.core.error import UsageError
 
 import sagenb
 from sagenb.config import ConfigError, EngineConfig, TrainConfig
-from sagenb.export_script import ExportError
+from sagenb.notebook.export import ExportError
 
 from .conftest import REGRESSION_CELL
 from .helpers import TORCHRUN, assert_params_equal, run

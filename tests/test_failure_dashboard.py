@@ -9,7 +9,7 @@ import math
 import pytest
 
 import sagenb
-from sagenb.failures import (
+from sagenb.run.failures import (
     EngineDiedError,
     OutOfMemoryError,
     StalledError,

@@ -14,9 +14,9 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 import sagenb
-from sagenb import metric_keys as keys
 from sagenb.config import ConfigError, EngineConfig
-from sagenb.examples import gpt_cell
+from sagenb.metrics import keys
+from sagenb.notebook.examples import gpt_cell
 from sagenb.sizing.footprint import chunk_sizes, footprint
 from tests.conftest import REGRESSION_CELL, SGD_MOMENTUM
 

@@ -7,9 +7,9 @@ from IPython.core.error import UsageError
 
 import sagenb
 from sagenb.config import TrainConfig, flag_name
-from sagenb.magics import parse_train_line, train_parser
+from sagenb.metrics.result import TrainResult
+from sagenb.notebook.magics import parse_train_line, train_parser
 from sagenb.pool import cluster
-from sagenb.result import TrainResult
 
 from .conftest import REGRESSION_CELL, SGD_MOMENTUM
 from .helpers import assert_params_equal

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import sagenb
-from sagenb.failures import TrainingError
 from sagenb.job import JobError
+from sagenb.run.failures import TrainingError
 
 from .helpers import assert_params_equal, check_equal
 from .models import MAP_STYLE_CELL, SEQUENTIAL_CELL, SPLIT_GPT_CELL, UNSPLITTABLE_CELL

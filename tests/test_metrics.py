@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import sagenb
-from sagenb import session
+from sagenb.run import session
 
 from .conftest import REGRESSION_CELL
 

@@ -8,8 +8,8 @@ from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell
 
 import sagenb
-from sagenb.magics import parse_train_line
-from sagenb.result import TrainResult
+from sagenb.metrics.result import TrainResult
+from sagenb.notebook.magics import parse_train_line
 
 from .conftest import REGRESSION_CELL
 

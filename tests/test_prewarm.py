@@ -19,7 +19,7 @@ import psutil
 import pytest
 from IPython.core.interactiveshell import InteractiveShell
 
-import sagenb.magics  # noqa: F401 - imported here, so %load_ext's time is the start's alone
+import sagenb.notebook.magics  # noqa: F401 - imported here, so %load_ext's time is the start's alone
 from sagenb.pool import cluster
 
 from .conftest import REGRESSION_CELL

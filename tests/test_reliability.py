@@ -12,14 +12,14 @@ import psutil
 import pytest
 
 import sagenb
-from sagenb.failures import (
+from sagenb.pool import cluster
+from sagenb.run.failures import (
     EngineDiedError,
     OutOfMemoryError,
     StalledError,
     TrainingError,
     TrainingInterrupted,
 )
-from sagenb.pool import cluster
 
 from .conftest import REGRESSION_CELL
 from .helpers import LONG, assert_params_equal, fault_cell, interrupt_after

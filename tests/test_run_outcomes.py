@@ -8,7 +8,7 @@ import psutil
 import pytest
 
 import sagenb
-from sagenb.failures import TrainingError
+from sagenb.run.failures import TrainingError
 
 from .conftest import REGRESSION_CELL
 from .helpers import assert_params_equal, fault_cell

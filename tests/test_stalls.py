@@ -10,8 +10,8 @@ import time
 import pytest
 
 import sagenb
-from sagenb.failures import StalledError
-from sagenb.stacks import CELL_FILE, Frame, RankTrace, culprits
+from sagenb.run.failures import StalledError
+from sagenb.run.stacks import CELL_FILE, Frame, RankTrace, culprits
 
 from .conftest import REGRESSION_CELL
 from .helpers import fault_cell
@@ -76,7 +76,7 @@ def test_a_rank_stuck_in_a_loop_is_named_with_its_stack(pool):
 
 def test_when_every_rank_waits_the_ranks_behind_are_named():
     """Ranks in different collectives (a deadlock) all wait: the stuck ones are those whose
-    last reported step is lowest. (Pure: what sagenb/stacks.py reads from dumps.)"""
+    last reported step is lowest. (Pure: what sagenb/run/stacks.py reads from dumps.)"""
     torch_frame = Frame("/x/torch/distributed/distributed_c10d.py", 1, "recv")
     cell = Frame(CELL_FILE, 3, "loss_fn")
     p2p = {"op": "gloo:recv", "seq": 1, "sizes": [[3]], "group": "default_pg"}

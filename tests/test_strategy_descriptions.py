@@ -13,7 +13,7 @@ import sagenb
 from sagenb.config import ConfigError, TrainConfig
 from sagenb.display.dashboard import layout_text
 from sagenb.engine import strategies
-from sagenb.magics import parse_train_line
+from sagenb.notebook.magics import parse_train_line
 
 from .conftest import REGRESSION_CELL
 from .helpers import check_equal

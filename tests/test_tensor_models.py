@@ -10,8 +10,8 @@ import torch
 
 import sagenb
 from sagenb.engine.tp_plan import derive_plan, plan_for
-from sagenb.failures import TrainingError
 from sagenb.job import JobError
+from sagenb.run.failures import TrainingError
 
 from .helpers import check_equal
 

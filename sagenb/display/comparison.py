@@ -20,11 +20,11 @@ from typing import TYPE_CHECKING, Any
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from sagenb import metric_keys as keys
 from sagenb.display.step_columns import smoothed
+from sagenb.metrics import keys
 
 if TYPE_CHECKING:
-    from sagenb.result import TrainResult
+    from sagenb.metrics.result import TrainResult
 
 __all__ = ["compare", "labels"]
 

@@ -25,12 +25,12 @@ from typing import Any
 
 import plotly.graph_objects as go
 
-from sagenb import metric_keys as keys
 from sagenb.config import TrainConfig, describe
 from sagenb.display import charts, svg_figure
 from sagenb.display.live_figure import LiveFigure
 from sagenb.display.step_columns import StepColumns
-from sagenb.metrics import History
+from sagenb.metrics import keys
+from sagenb.metrics.stream import History
 from sagenb.sizing.cost import CostMeter
 
 __all__ = ["Dashboard", "layout_text", "figure_period"]

@@ -23,9 +23,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from sagenb import metric_keys as keys
 from sagenb.config import ConfigError, TrainConfig, describe
-from sagenb.metrics import History
+from sagenb.metrics import keys
+from sagenb.metrics.stream import History
 
 __all__ = ["EventLog", "check_available", "run_folder"]
 

@@ -16,7 +16,7 @@ import math
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from sagenb import metric_keys as keys
+from sagenb.metrics import keys
 
 __all__ = ["SMOOTHING", "Smoothed", "smoothed", "StepColumns"]
 

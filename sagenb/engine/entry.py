@@ -18,7 +18,6 @@ from datetime import timedelta
 
 import torch
 
-from sagenb import metric_keys as keys
 from sagenb.config import ConfigError, EngineConfig
 from sagenb.engine import process_group
 from sagenb.engine.equivalence import EquivalenceWarning, equivalence_warnings
@@ -30,6 +29,7 @@ from sagenb.engine.strategies import make_strategy
 from sagenb.engine.tracing import Tracer
 from sagenb.engine.workspace import build_workspace
 from sagenb.job import Job, JobError
+from sagenb.metrics import keys
 
 __all__ = [
     "RankSpec",
@@ -160,7 +160,7 @@ def train_rank(spec: RankSpec, publish: Publisher) -> RankResult:
 
 def _first_step_with(notes: list[str], publish: Publisher) -> Callable[[dict], None]:
     """`publish`, adding `notes` to the first step's metrics as "warnings" (the notebook shows
-    them, session.py); also warned here, for a script under torchrun (launch.py)."""
+    them, run/session.py); also warned here, for a script under torchrun (launch.py)."""
     for note in notes:
         warnings.warn(note, EquivalenceWarning, stacklevel=2)
     pending = list(notes)

@@ -26,14 +26,14 @@ from typing import Any, TextIO
 import torch
 import torch.distributed as dist
 
-from sagenb import metric_keys as keys
 from sagenb.config import ConfigError, EngineConfig
 from sagenb.engine import process_group
 from sagenb.engine.entry import RankResult, RankSpec, merge_states, train_rank
 from sagenb.engine.publish import Publisher
 from sagenb.engine.rendezvous import bound_store
 from sagenb.job import Job, JobError
-from sagenb.metrics import History
+from sagenb.metrics import keys
+from sagenb.metrics.stream import History
 
 __all__ = ["TorchrunEnv", "main", "parse_args"]
 

@@ -17,7 +17,6 @@ from typing import Any, TypedDict
 import torch
 import torch.distributed as dist
 
-from sagenb import metric_keys as keys
 from sagenb.config import EngineConfig
 from sagenb.engine import checkpoint
 from sagenb.engine.data import plan_steps, total_steps
@@ -27,6 +26,7 @@ from sagenb.engine.objective import batch_size_of, model_inputs
 from sagenb.engine.precision import LossScaler, autocast
 from sagenb.engine.strategies import Strategy
 from sagenb.engine.workspace import Workspace
+from sagenb.metrics import keys
 
 __all__ = ["train_loop", "make_optimizer"]
 
@@ -60,7 +60,7 @@ def train_loop(
     """Train to the end of the plan, publishing one metrics dict per step, or until
     `should_stop(step)` after a step, or until a checkpoint cannot be written. Returns the
     number of the last step done, and why its checkpoint could not be written, if it could
-    not (checkpoint.save; the run then fails keeping the parameters it trained, session.py)."""
+    not (checkpoint.save; the run then fails keeping the parameters it trained, run/session.py)."""
     optimizer = make_optimizer(ws, strategy, config.lr)
     scheduler = ws.make_scheduler(optimizer) if ws.make_scheduler is not None else None
     objects = _Saved(strategy=strategy, optimizer=optimizer, scheduler=scheduler, rank=rank)

@@ -21,8 +21,8 @@ from contextlib import AbstractContextManager, nullcontext
 import torch
 from torch import nn
 
-from sagenb import metric_keys as keys
 from sagenb.engine.dtensors import local
+from sagenb.metrics import keys
 
 __all__ = ["MemoryMeter"]
 

@@ -37,7 +37,7 @@ def init_process_group(
 ) -> None:
     """nccl when every engine has its own CUDA device, gloo otherwise.
 
-    The rendezvous store is hosted by the notebook (session.py), already listening before any
+    The rendezvous store is hosted by the notebook (run/session.py), already listening before any
     engine connects: with rank 0 hosting it, the other ranks could arrive first and back off
     for ~0.5 s before retrying. `token` is the run's own, which every stop message carries
     (stopping.py).

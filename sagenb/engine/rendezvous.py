@@ -1,6 +1,6 @@
 """Where a run's ranks meet: the rendezvous store's address, and the interface to talk on.
 
-On one machine the notebook hosts the store on 127.0.0.1 (session.py). With engines on several
+On one machine the notebook hosts the store on 127.0.0.1 (run/session.py). With engines on several
 hosts, the rank-0 engine hosts it on its own reachable address, on a port its host picks, and
 every rank (and the notebook, for interrupts) connects to it there.
 

@@ -22,9 +22,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from sagenb import metric_keys as keys
 from sagenb.config import ConfigError, TrainConfig, describe
 from sagenb.job import Job
+from sagenb.metrics import keys
 from sagenb.sizing.cost import CostMeter, InstancePrice, check_price
 from sagenb.sizing.footprint import Footprint, footprint
 from sagenb.sizing.hardware import Hardware, check_hardware

@@ -45,7 +45,6 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from sagenb import metric_keys as keys
 from sagenb.config import ConfigError, EngineConfig, describe, strategy_names
 from sagenb.engine.balance import static_profile
 from sagenb.engine.blocks import find_blocks
@@ -60,6 +59,7 @@ from sagenb.engine.tp_plan import plan_for
 from sagenb.engine.tp_styles import is_conv1d, splits
 from sagenb.engine.workspace import Workspace, build_workspace
 from sagenb.job import Job, JobError
+from sagenb.metrics import keys
 from sagenb.sizing.footprint_trace import Trace, optimizer_state, trace_step
 
 __all__ = ["Footprint", "footprint", "chunk_sizes"]
@@ -72,7 +72,7 @@ class Footprint:
     """One run's memory per rank and work per optimizer step, as estimated."""
 
     world_size: int
-    #: one dict per rank, keys sagenb.metric_keys.MEMORY_PARAMS/GRADS/OPTIMIZER/ACTIVATIONS, MiB
+    #: one dict per rank, keys sagenb.metrics.keys.MEMORY_PARAMS/GRADS/OPTIMIZER/ACTIVATIONS, MiB
     ranks: list[dict[str, float]]
     #: forward + backward (+ the recompute of --activation-checkpointing) of one optimizer
     #: step over the whole global batch, all ranks together

@@ -19,7 +19,7 @@ from sagenb.engine.cuts import MEMORY_FACTOR
 from sagenb.engine.planning import plan_on_engine
 from sagenb.job import JobError
 from sagenb.pool import cluster
-from sagenb.session import prepare
+from sagenb.run.session import prepare
 from sagenb.sizing.cost import check_price
 
 __all__ = ["Plan", "StagePlan", "plan", "bubble_fraction"]

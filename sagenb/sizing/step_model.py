@@ -28,7 +28,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from sagenb import metric_keys as keys
+from sagenb.metrics import keys
 from sagenb.sizing.hardware import Hardware
 
 __all__ = [

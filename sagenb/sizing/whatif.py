@@ -14,8 +14,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from sagenb import metric_keys as keys
-from sagenb.result import TrainResult
+from sagenb.metrics import keys
+from sagenb.metrics.result import TrainResult
 from sagenb.sizing.cost import CostMeter, instance_price
 
 if TYPE_CHECKING:

@@ -34,7 +34,6 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
 )
 
-from sagenb import metric_keys as keys
 from sagenb.config import ConfigError, EngineConfig
 from sagenb.engine.blocks import find_blocks, tied_groups
 from sagenb.engine.cuts import MEMORY_FACTOR, check_blocks, choose_cuts
@@ -48,6 +47,7 @@ from sagenb.engine.strategies.description import Description, plural
 from sagenb.engine.tensor_messages import broadcast_ints_or_error, recv_tensors, send_tensors
 from sagenb.engine.workspace import Workspace
 from sagenb.job import JobError
+from sagenb.metrics import keys
 
 __all__ = ["DESCRIPTIONS", "Pipeline", "MEMORY_FACTOR"]
 

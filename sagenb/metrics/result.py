@@ -7,9 +7,9 @@ from typing import Any
 
 import torch
 
-from sagenb import metric_keys as keys
 from sagenb.config import TrainConfig
-from sagenb.metrics import StepMetrics
+from sagenb.metrics import keys
+from sagenb.metrics.stream import StepMetrics
 
 __all__ = ["TrainResult"]
 

@@ -1,6 +1,6 @@
 """Example cells to try the strategies on: a small GPT, as `%%smp_train` cell source.
 
-    from sagenb.examples import gpt_cell
+    from sagenb.notebook.examples import gpt_cell
     sagenb.train(gpt_cell(layers=4, width=128), strategy="tensor", batch_size=32, steps=20)
 
 The tests, the benchmarks and the notebooks' reference checks use the same source. The cell

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from sagenb import metric_keys as keys
+from sagenb.metrics import keys
 
 __all__ = ["StepMetrics", "MetricSink", "RankStream", "History"]
 

@@ -19,16 +19,20 @@ from typing import Any
 from ipyparallel.error import EngineError
 from torch.distributed import TCPStore
 
-from sagenb import metric_keys as keys
-from sagenb import stacks
-from sagenb.checkpoints import resume_warnings
 from sagenb.config import ConfigError, TrainConfig, describe
 from sagenb.display import event_log
 from sagenb.engine import stopping
 from sagenb.engine.entry import RankResult, RankSpec, merge_states, run_rank
 from sagenb.engine.equivalence import EquivalenceWarning
 from sagenb.engine.rendezvous import bound_store, host_for_run
-from sagenb.failures import (
+from sagenb.job import Job, JobError
+from sagenb.metrics import keys
+from sagenb.metrics.result import TrainResult
+from sagenb.metrics.stream import History, MetricSink, RankStream
+from sagenb.pool import cluster
+from sagenb.run import stacks
+from sagenb.run.checkpoints import resume_warnings
+from sagenb.run.failures import (
     DEAD_ENGINE,
     PoolDiedError,
     StalledError,
@@ -37,10 +41,6 @@ from sagenb.failures import (
     classify,
     lost_a_peer,
 )
-from sagenb.job import Job, JobError
-from sagenb.metrics import History, MetricSink, RankStream
-from sagenb.pool import cluster
-from sagenb.result import TrainResult
 from sagenb.sizing.cost import CostMeter, check_price, meter_for
 
 __all__ = ["train", "prepare", "TrainingError", "TrainingInterrupted"]
@@ -483,7 +483,7 @@ class _Run:
         return {}
 
     def _stall(self) -> None:
-        """Read where every running rank is (engine/tracing.py, sagenb/stacks.py), then
+        """Read where every running rank is (engine/tracing.py, stacks.py), then
         interrupt them: a rank in a Python loop or a sleep ends at once and releases its
         peers, so the engines stay and the pool needs no repair (engines are killed and
         replaced only when they do not end, as after any failure)."""

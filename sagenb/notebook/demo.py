@@ -1,6 +1,6 @@
 """The quick start's main job: a real data-parallel training on a local pool of engines.
 
-    python -m sagenb.demo [--engines 2] [--epochs 3] [--html artifacts/dashboard.html]
+    python -m sagenb.notebook.demo [--engines 2] [--epochs 3] [--html artifacts/dashboard.html]
 
 Starts a pool, trains a small classifier on a synthetic two-spirals data set with
 DistributedDataParallel, checks that the result equals single-process training, writes the
@@ -37,7 +37,7 @@ loss_fn = nn.functional.cross_entropy
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        prog="python -m sagenb.demo", description=__doc__.split("\n")[0]
+        prog="python -m sagenb.notebook.demo", description=__doc__.split("\n")[0]
     )
     parser.add_argument("--engines", type=int, default=2)
     parser.add_argument("--epochs", type=int, default=4)

@@ -1,11 +1,12 @@
 """The names of the metrics: what the engines publish each step and what the notebook reads.
 
 One name, one constant: the engines (engine/loop.py, memory.py, the pipeline strategy) write
-these keys, the notebook (metrics.py, display/dashboard.py, display/charts.py, result.py, sizing/whatif.py) reads them,
-and a misspelt constant fails at import where a misspelt string read nothing (issue 18: the keys
-were string literals in 11 modules). The values are part of the public surface: `result.metrics`,
-`result.history`, the torchrun script's JSON lines and saved checkpoints carry them, so they never
-change. A unit rides in the name, as TensorBoard-style tags do: "step_time(s)", "memory/...(MiB)".
+these keys, the notebook (stream.py, result.py, display/dashboard.py, display/charts.py,
+sizing/whatif.py) reads them, and a misspelt constant fails at import where a misspelt string read
+nothing (issue 18: the keys were string literals in 11 modules). The values are part of the
+public surface: `result.metrics`, `result.history`, the torchrun script's JSON lines and saved
+checkpoints carry them, so they never change. A unit rides in the name, as TensorBoard-style
+tags do: "step_time(s)", "memory/...(MiB)".
 
 Pure Python, importing nothing: the engine side imports it without IPython or plotly.
 """

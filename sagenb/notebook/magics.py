@@ -19,11 +19,11 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 
 from sagenb.config import ConfigError, TrainConfig, describe, flag_arguments
-from sagenb.export_script import TARGETS, ExportError, export
 from sagenb.job import JobError
+from sagenb.metrics.result import TrainResult
+from sagenb.notebook.export import TARGETS, ExportError, export
 from sagenb.pool import cluster
-from sagenb.result import TrainResult
-from sagenb.session import train
+from sagenb.run.session import train
 
 __all__ = [
     "SmpMagics",
@@ -155,7 +155,7 @@ def _parse(parser: MagicParser, line: str) -> argparse.Namespace | None:
 
 
 def _panel_config(line: str) -> TrainConfig:
-    from sagenb.panel import current_panel
+    from sagenb.notebook.panel import current_panel
 
     if len(line.split()) > 2:
         raise UsageError("%%smp_train --config panel takes no other flags: set them in the panel")

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from sagenb import metric_keys as keys
+from sagenb.metrics import keys
 
 __all__ = [
     "TrainingError",
