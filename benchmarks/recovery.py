@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 import sagenb
-from sagenb.engine.checkpoint import latest
+from sagenb.engine.checkpoint.distributed import latest
 from sagenb.run import failures
 
 sys.path.insert(0, str(Path(__file__).parent))

@@ -31,7 +31,7 @@ _PUBLIC = {
     "ConfigError": "sagenb.config",
     "JobError": "sagenb.job",
     "TrainResult": "sagenb.metrics.result",
-    "EquivalenceWarning": "sagenb.engine.equivalence",
+    "EquivalenceWarning": "sagenb.engine.model.equivalence",
     "start_pool": "sagenb.pool.cluster",
     "stop_pool": "sagenb.pool.cluster",
     "restart_pool": "sagenb.pool.cluster",

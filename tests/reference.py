@@ -36,9 +36,9 @@ def namespace(cell: str, seed: int, delay_init: bool = False) -> dict:
     if not delay_init:
         exec(cell, ns)
         return ns
-    # --delay-init defines its own initial values (sagenb/engine/delayed.py): take them from
+    # --delay-init defines its own initial values (sagenb/engine/model/delayed.py): take them from
     # there, materialising the whole model in this one process; the training below is plain
-    from sagenb.engine.delayed import materialize, meta_parameters
+    from sagenb.engine.model.delayed import materialize, meta_parameters
 
     with meta_parameters():
         exec(cell, ns)

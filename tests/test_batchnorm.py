@@ -2,7 +2,7 @@
 
 Without synchronisation each engine's BatchNorm normalises its own share of the batch and a
 data-parallel ResNet ends far from one process's (0.11 in the issue); GlobalBatchNorm
-(engine/sync_batchnorm.py) normalises over the global batch. What no engine can fix
+(engine/model/sync_batchnorm.py) normalises over the global batch. What no engine can fix
 (BatchNorm per accumulation slice or microbatch, dropout drawn per engine) is warned.
 """
 
@@ -16,8 +16,8 @@ from torch import nn
 
 import sagenb
 from sagenb.config import TrainConfig
-from sagenb.engine.equivalence import EquivalenceWarning, equivalence_warnings
-from sagenb.engine.rendezvous import bound_store
+from sagenb.engine.model.equivalence import EquivalenceWarning, equivalence_warnings
+from sagenb.engine.wire.rendezvous import bound_store
 from sagenb.pool import cluster
 
 from .conftest import REGRESSION_CELL, SGD_MOMENTUM
@@ -90,8 +90,8 @@ CASES = [
 
 def _rank_pass(rank: int, port: int) -> list[dict]:
     """On an engine: two training steps of each case's GlobalBatchNorm on this rank's share."""
-    from sagenb.engine import process_group
-    from sagenb.engine.sync_batchnorm import sync_batchnorm
+    from sagenb.engine.model.sync_batchnorm import sync_batchnorm
+    from sagenb.engine.wire import process_group
 
     process_group.init_process_group(
         rank=rank,
@@ -202,8 +202,8 @@ def test_transformers_config_dropout_warns():
 
 
 def test_a_checkpointed_batchnorm_recomputes_the_global_forward():
-    from sagenb.engine.recompute import checkpoint_blocks
-    from sagenb.engine.sync_batchnorm import GlobalBatchNorm, sync_batchnorm
+    from sagenb.engine.model.recompute import checkpoint_blocks
+    from sagenb.engine.model.sync_batchnorm import GlobalBatchNorm, sync_batchnorm
 
     model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 1))
     checkpoint_blocks(model)  # wraps each block's forward on the instance, before strategies

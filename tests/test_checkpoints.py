@@ -18,8 +18,8 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 import sagenb
 from sagenb.config import ConfigError
-from sagenb.engine.checkpoint import candidates, latest
-from sagenb.engine.checkpoint_reader import CheckpointError, SafePlanner, SafeReader
+from sagenb.engine.checkpoint.distributed import candidates, latest
+from sagenb.engine.checkpoint.reader import CheckpointError, SafePlanner, SafeReader
 from sagenb.run.failures import EngineDiedError, TrainingError, TrainingInterrupted
 
 from .conftest import REGRESSION_CELL

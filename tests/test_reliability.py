@@ -132,7 +132,7 @@ def test_interrupt_stops_every_rank_and_keeps_the_work(pool):
 
 def test_interrupt_stops_four_pipeline_ranks_at_one_step(pool4):
     """Hybrid 2 x 2: rank 3 meets rank 0 in no collective of its own, only through ranks 1 and
-    2; all four still stop after the same step (engine/stopping.py)."""
+    2; all four still stop after the same step (engine/wire/stopping.py)."""
     cell = SEQUENTIAL_CELL.replace("lr=0.05", "lr=0.005")  # stable over hundreds of steps
     options = dict(strategy="hybrid", partitions=2, microbatches=2, batch_size=8, epochs=400)
     interrupt_after(4.0)

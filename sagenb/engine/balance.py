@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from sagenb.engine.blocks import find_blocks
+from sagenb.engine.model.blocks import find_blocks
 from sagenb.engine.objective import Objective
 from sagenb.engine.partition import split_model
 

@@ -18,7 +18,7 @@ from torch import nn
 
 from sagenb.config import EngineConfig
 from sagenb.engine.balance import BlockProfile, choose_starts, profile_blocks, static_profile
-from sagenb.engine.blocks import find_blocks
+from sagenb.engine.model.blocks import find_blocks
 from sagenb.engine.objective import Objective
 from sagenb.job import JobError
 

@@ -19,14 +19,14 @@ from datetime import timedelta
 import torch
 
 from sagenb.config import ConfigError, EngineConfig
-from sagenb.engine import process_group
-from sagenb.engine.equivalence import EquivalenceWarning, equivalence_warnings
 from sagenb.engine.loop import train_loop
+from sagenb.engine.model.equivalence import EquivalenceWarning, equivalence_warnings
+from sagenb.engine.model.recompute import checkpoint_blocks
 from sagenb.engine.precision import check_supported
-from sagenb.engine.publish import Publisher
-from sagenb.engine.recompute import checkpoint_blocks
 from sagenb.engine.strategies import make_strategy
-from sagenb.engine.tracing import Tracer
+from sagenb.engine.wire import process_group
+from sagenb.engine.wire.publish import Publisher
+from sagenb.engine.wire.tracing import Tracer
 from sagenb.engine.workspace import build_workspace
 from sagenb.job import Job, JobError
 from sagenb.metrics import keys

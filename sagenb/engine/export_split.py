@@ -35,7 +35,7 @@ from torch import fx, nn
 from torch.distributed.pipelining import SplitPoint
 from torch.distributed.pipelining._IR import MultiUseParameterConfig, Pipe, annotate_split_points
 
-from sagenb.engine.blocks import Blocks, tied_groups
+from sagenb.engine.model.blocks import Blocks, tied_groups
 from sagenb.job import JobError
 
 __all__ = ["export_stages"]

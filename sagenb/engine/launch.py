@@ -27,10 +27,10 @@ import torch
 import torch.distributed as dist
 
 from sagenb.config import ConfigError, EngineConfig
-from sagenb.engine import process_group
 from sagenb.engine.entry import RankResult, RankSpec, merge_states, train_rank
-from sagenb.engine.publish import Publisher
-from sagenb.engine.rendezvous import bound_store
+from sagenb.engine.wire import process_group
+from sagenb.engine.wire.publish import Publisher
+from sagenb.engine.wire.rendezvous import bound_store
 from sagenb.job import Job, JobError
 from sagenb.metrics import keys
 from sagenb.metrics.stream import History

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from sagenb.config import EngineConfig
-from sagenb.engine import checkpoint
+from sagenb.engine.checkpoint import distributed as checkpoint
 from sagenb.engine.data import plan_steps, total_steps
 from sagenb.engine.loader import batches_of
 from sagenb.engine.memory import MemoryMeter

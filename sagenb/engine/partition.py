@@ -26,7 +26,7 @@ from functools import partial
 import torch
 from torch import fx, nn
 
-from sagenb.engine.blocks import Blocks, find_blocks, tied_groups
+from sagenb.engine.model.blocks import Blocks, find_blocks, tied_groups
 from sagenb.job import JobError
 
 __all__ = ["Blocks", "find_blocks", "split_model", "tied_groups", "stage_of_pieces"]

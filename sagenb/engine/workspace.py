@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from sagenb.engine.data import require_map_style
-from sagenb.engine.delayed import meta_parameters
+from sagenb.engine.model.delayed import meta_parameters
 from sagenb.engine.objective import Objective
 from sagenb.job import Job, JobError
 

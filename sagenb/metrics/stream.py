@@ -1,6 +1,6 @@
 """Metrics on the notebook side: read the engines' streams in order, aggregate, fan out to sinks.
 
-Each rank publishes one dict per step under its sequence number (engine/publish.py). A
+Each rank publishes one dict per step under its sequence number (engine/wire/publish.py). A
 `RankStream` reads them back in order from the rank's AsyncResult, so nothing is lost however
 slowly the notebook polls. Sinks (the dashboard, the history) receive `(metrics, step, rank)`.
 """
@@ -73,7 +73,7 @@ class History:
         """After a failure: close the steps that every rank finished although the ranks in
         `lost` (whose engines died or were killed) could not send their metrics for them.
 
-        A rank sends its steps in batches (engine/publish.py), so an engine killed outright
+        A rank sends its steps in batches (engine/wire/publish.py), so an engine killed outright
         takes up to half a second of its steps with it, in a fast run most of the run
         (issue 17: a run killed in step 23 showed step 1). Every step ends in a collective
         of all ranks (gradient all-reduce or reduce-scatter, the pipeline's backward sends),

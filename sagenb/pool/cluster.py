@@ -288,7 +288,7 @@ class EnginePool:
 
     def send_signal(self, engine_ids: Sequence[int], sig: int) -> None:
         """Send `sig` to engines, without waiting for them (SIGUSR1: dump the running
-        rank's stack, engine/tracing.py)."""
+        rank's stack, engine/wire/tracing.py)."""
         for eid in engine_ids:
             self._signal(eid, sig)
 
@@ -392,7 +392,7 @@ def _engine_side() -> tuple[Callable[[], None], Callable[[str], Any]]:
     """The engine functions a start sends: warm (imports) and locate (host, address)."""
     with IMPORTS:
         from sagenb.engine.entry import warm
-        from sagenb.engine.rendezvous import locate
+        from sagenb.engine.wire.rendezvous import locate
     return warm, locate
 
 

@@ -12,8 +12,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from sagenb.engine.checkpoint import choose, load_newest
-from sagenb.engine.checkpoint_reader import CheckpointError, SafePlanner, SafeReader
+from sagenb.engine.checkpoint.distributed import choose, load_newest
+from sagenb.engine.checkpoint.reader import CheckpointError, SafePlanner, SafeReader
 
 __all__ = ["load_checkpoint", "resume_warnings", "CheckpointError"]
 
@@ -23,7 +23,7 @@ def load_checkpoint(directory: str | os.PathLike) -> dict[str, torch.Tensor]:
     checkpoint in `directory`, whatever strategy wrote it (a newer one that cannot be read is
     skipped with a RuntimeWarning, as --resume does). Tensors are read with
     torch.load(weights_only=True), the metadata and the key order without unpickling
-    anything else (engine/checkpoint_reader.py). Raises CheckpointError (an Exception) naming
+    anything else (engine/checkpoint/reader.py). Raises CheckpointError (an Exception) naming
     the directory and the cause when no checkpoint there can be read."""
     if not Path(directory).is_dir():
         raise CheckpointError(f"load_checkpoint: {directory} is not a directory")

@@ -21,10 +21,10 @@ from torch.distributed import TCPStore
 
 from sagenb.config import ConfigError, TrainConfig, describe
 from sagenb.display import event_log
-from sagenb.engine import stopping
 from sagenb.engine.entry import RankResult, RankSpec, merge_states, run_rank
-from sagenb.engine.equivalence import EquivalenceWarning
-from sagenb.engine.rendezvous import bound_store, host_for_run
+from sagenb.engine.model.equivalence import EquivalenceWarning
+from sagenb.engine.wire import stopping
+from sagenb.engine.wire.rendezvous import bound_store, host_for_run
 from sagenb.job import Job, JobError
 from sagenb.metrics import keys
 from sagenb.metrics.result import TrainResult
@@ -109,7 +109,7 @@ def _resolve_engines(config: TrainConfig, pool: cluster.EnginePool) -> TrainConf
 def _rendezvous(pool: cluster.EnginePool, world_size: int, timeout_s: float) -> TCPStore:
     """A fresh torch.distributed store for one run, on a port its host picks: hosted here on
     127.0.0.1 when every engine is on this machine, else by the rank-0 engine on its
-    reachable address (engine/rendezvous.py), this notebook connecting to it as a client."""
+    reachable address (engine/wire/rendezvous.py), this notebook connecting to it as a client."""
     if not pool.multi_host:
         return bound_store(cluster.LOOPBACK, world_size, timeout_s)
     rank0 = pool.client[pool.engine_ids[0]]
@@ -153,7 +153,7 @@ class _Run:
         self.first_step_s: float | None = None
         self.ended: float | None = None  # when the run ended (before any repair of the pool)
         self.last_progress = time.monotonic()
-        #: why this run cannot train as one process would (engine/equivalence.py), as warned
+        #: why this run cannot train as one process would (engine/model/equivalence.py), as warned
         self.warnings: list[str] = []
         #: why the run ended before its last step, when it did without an interrupt
         self.stop_reason: str | None = None
@@ -483,7 +483,7 @@ class _Run:
         return {}
 
     def _stall(self) -> None:
-        """Read where every running rank is (engine/tracing.py, stacks.py), then
+        """Read where every running rank is (engine/wire/tracing.py, stacks.py), then
         interrupt them: a rank in a Python loop or a sleep ends at once and releases its
         peers, so the engines stay and the pool needs no repair (engines are killed and
         replaced only when they do not end, as after any failure)."""
@@ -522,7 +522,7 @@ class _Run:
         return last
 
     def _interrupted(self) -> TrainResult:
-        """Ask every rank to stop after the same step (engine/stopping.py);
+        """Ask every rank to stop after the same step (engine/wire/stopping.py);
         if they have not within STOP_S, interrupt and contain them. Return what was done."""
         self._notice("interrupted")
         results = None

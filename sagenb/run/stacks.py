@@ -1,6 +1,6 @@
 """Where the ranks of a stalled run are, read before any of them is stopped: each rank's
 Python stack (dumped by faulthandler on SIGUSR1) and the collectives it has started and not
-finished (torch's flight recorder), as engine/tracing.py leaves them.
+finished (torch's flight recorder), as engine/wire/tracing.py leaves them.
 
 A rank whose innermost frame is in torch and that has a collective in flight is *waiting*: the
 victim of a peer that does not reach the same collective. A rank busy anywhere else (the cell's
@@ -17,7 +17,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from sagenb.engine.tracing import STACK_SIGNAL, collectives_key, request_key, stack_path
+from sagenb.engine.wire.tracing import STACK_SIGNAL, collectives_key, request_key, stack_path
 
 __all__ = ["RankTrace", "collect", "describe", "CELL_FILE"]
 

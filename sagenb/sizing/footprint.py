@@ -47,13 +47,13 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from sagenb.config import ConfigError, EngineConfig, describe, strategy_names
 from sagenb.engine.balance import static_profile
-from sagenb.engine.blocks import find_blocks
 from sagenb.engine.cuts import choose_cuts
 from sagenb.engine.data import fetch
+from sagenb.engine.model.blocks import find_blocks
+from sagenb.engine.model.recompute import checkpoint_blocks
 from sagenb.engine.objective import batch_size_of, model_inputs
 from sagenb.engine.partition import split_model
 from sagenb.engine.precision import autocast
-from sagenb.engine.recompute import checkpoint_blocks
 from sagenb.engine.tp_check import matches
 from sagenb.engine.tp_plan import plan_for
 from sagenb.engine.tp_styles import is_conv1d, splits

@@ -18,10 +18,10 @@ from torch.nn.parallel import DistributedDataParallel
 
 from sagenb.config import EngineConfig
 from sagenb.engine.data import fetch, to_device
-from sagenb.engine.delayed import materialize
+from sagenb.engine.model.delayed import materialize
+from sagenb.engine.model.sync_batchnorm import sync_batchnorm
 from sagenb.engine.objective import Objective, piece_loss, weighted
 from sagenb.engine.strategies.description import Description
-from sagenb.engine.sync_batchnorm import sync_batchnorm
 from sagenb.engine.workspace import Workspace
 
 __all__ = ["DESCRIPTIONS", "DataParallel", "eval_sums"]

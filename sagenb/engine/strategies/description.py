@@ -51,7 +51,7 @@ class Description:
     #: the cut options apply, `%%smp_plan` plans it, the dashboard draws the schedule
     pipelined: ClassVar[bool] = False
     #: BatchNorm statistics are synchronised across every engine that takes its own samples,
-    #: so a BatchNorm model trains as in one process (engine/sync_batchnorm.py)
+    #: so a BatchNorm model trains as in one process (engine/model/sync_batchnorm.py)
     syncs_norm: ClassVar[bool] = False
     #: how its ranks hold the model, for the estimate (sizing/footprint.py): "replicated",
     #: "sharded", "tensor" or "pipeline"; None: no estimate for this strategy

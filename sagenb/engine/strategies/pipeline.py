@@ -35,10 +35,10 @@ from torch.distributed.pipelining import (
 )
 
 from sagenb.config import ConfigError, EngineConfig
-from sagenb.engine.blocks import find_blocks, tied_groups
 from sagenb.engine.cuts import MEMORY_FACTOR, check_blocks, choose_cuts
 from sagenb.engine.data import fetch, to_device
-from sagenb.engine.delayed import materialize, release_others
+from sagenb.engine.model.blocks import find_blocks, tied_groups
+from sagenb.engine.model.delayed import materialize, release_others
 from sagenb.engine.objective import Objective, logits_of, weighted
 from sagenb.engine.partition import split_model
 from sagenb.engine.prefetch_schedule import PrefetchingSchedule

@@ -23,7 +23,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from sagenb.config import DEFAULT_ENGINES, ConfigError, EngineConfig
 from sagenb.engine import dtensors
-from sagenb.engine.delayed import materialize
+from sagenb.engine.model.delayed import materialize
 from sagenb.engine.objective import Objective, piece_loss
 from sagenb.engine.strategies.description import Description, plural
 from sagenb.engine.strategies.split_params import SplitParameters

@@ -8,8 +8,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from sagenb.engine.rendezvous import use_interface
-from sagenb.engine.stopping import StopWatch
+from sagenb.engine.wire.rendezvous import use_interface
+from sagenb.engine.wire.stopping import StopWatch
 
 __all__ = ["init_process_group", "shutdown", "pick_device", "stop_requested"]
 

@@ -27,7 +27,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from sagenb.engine.rendezvous import wait_for_key
+from sagenb.engine.wire.rendezvous import wait_for_key
 
 __all__ = ["STACK_SIGNAL", "Tracer", "stack_path", "request_key", "collectives_key"]
 

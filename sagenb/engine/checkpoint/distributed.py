@@ -31,7 +31,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from sagenb.engine.checkpoint_reader import CheckpointError, SafePlanner, SafeReader, check, reason
+from sagenb.engine.checkpoint.reader import CheckpointError, SafePlanner, SafeReader, check, reason
 
 __all__ = ["save", "load", "latest", "candidates", "choose", "load_newest", "KEEP"]
 

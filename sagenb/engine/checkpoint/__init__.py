@@ -1,0 +1,2 @@
+"""Checkpoints: written and resumed by every strategy, read without unpickling arbitrary objects.
+"""
