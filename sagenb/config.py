@@ -377,7 +377,7 @@ class EngineConfig:
 
     def _check_pipeline(self) -> None:
         """The pipeline options' types and choices, for every strategy; the strategies that
-        run pipelines check the rest (engine/strategies/pipeline.py)."""
+        run pipelines check the rest (engine/strategies/pipeline/strategy.py)."""
         for name in ("partitions", "microbatches", "virtual_stages"):
             _check_int(self, name, minimum=1)
         _check_choice(self, "schedule", SCHEDULES)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import sagenb
-from sagenb.engine.tp_plan import derive_plan, plan_for
+from sagenb.engine.strategies.tensor.plan import derive_plan, plan_for
 from sagenb.job import JobError
 from sagenb.run.failures import TrainingError
 

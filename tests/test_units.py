@@ -8,7 +8,7 @@ import torch
 from sagenb.config import ConfigError, TrainConfig
 from sagenb.engine.data import plan_steps
 from sagenb.engine.precision import LossScaler, check_supported
-from sagenb.engine.tp_plan import check_plan, derive_plan, split_heads
+from sagenb.engine.strategies.tensor.plan import check_plan, derive_plan, split_heads
 from sagenb.job import Job, JobError, defined_names
 from sagenb.sizing.cost import CostMeter, instance_price
 
@@ -92,8 +92,8 @@ loss_fn = nn.functional.mse_loss
 
 
 def test_auto_partitioning_balances_unequal_layers():
-    from sagenb.engine.balance import choose_starts, profile_blocks
     from sagenb.engine.objective import Objective
+    from sagenb.engine.strategies.pipeline.balance import choose_starts, profile_blocks
 
     ns: dict = {}
     torch.manual_seed(0)
@@ -114,7 +114,7 @@ def test_auto_partitioning_balances_unequal_layers():
 
 
 def test_memory_budget_moves_the_cut():
-    from sagenb.engine.balance import BlockProfile, choose_starts
+    from sagenb.engine.strategies.pipeline.balance import BlockProfile, choose_starts
 
     # four equal-time blocks; block 0 is memory-heavy
     profile = BlockProfile((1.0, 1.0, 1.0, 1.0), (100, 10, 10, 10), (0, 0, 0, 0))
@@ -251,7 +251,7 @@ def test_prefetching_schedule_posts_receives_first_and_pairs_them_in_order(kind)
     """Each stage posts all of its receives before its first compute; the receives from a
     neighbour come in the order it sends (gloo matches them in order); each microbatch's
     backward follows its forward; 1F1B holds at most p - stage microbatches' activations."""
-    from sagenb.engine.prefetch_schedule import action_lists, compute_order
+    from sagenb.engine.strategies.pipeline.prefetch_schedule import action_lists, compute_order
 
     p, m = 4, 8
     lists = action_lists(kind, p, m)

@@ -21,7 +21,7 @@ from contextlib import AbstractContextManager, nullcontext
 import torch
 from torch import nn
 
-from sagenb.engine.dtensors import local
+from sagenb.engine.strategies.dtensors import local
 from sagenb.metrics import keys
 
 __all__ = ["MemoryMeter"]

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from sagenb.config import ConfigError
-from sagenb.engine.dtensors import local
+from sagenb.engine.strategies.dtensors import local
 
 __all__ = ["autocast", "check_supported", "LossScaler", "DTYPES"]
 

@@ -53,7 +53,7 @@ MEMORY_RSS: Final = memory("rss")  # the process's resident set, read every few 
 MEMORY_DEVICE_PEAK: Final = memory("device_peak")  # CUDA only
 MEMORY_DEVICE_CAPACITY: Final = memory("device_capacity")  # CUDA only
 
-# -- pipelines (engine/strategies/pipeline.py) ------------------------------------------------
+# -- pipelines (engine/strategies/pipeline/) ---------------------------------------------------
 STAGES: Final = "stages"  # the pipeline stages this rank holds
 BUSY_FORWARD: Final = "busy/forward(s)"
 BUSY_BACKWARD: Final = "busy/backward(s)"

@@ -22,7 +22,8 @@ VOCAB, CONTEXT, WIDTH, HEADS, LAYERS = {vocab}, {context}, {width}, {heads}, {la
 """
 
 # q, k, v and the output projection as separate Linear layers and a head count: the shapes
-# tensor parallel splits by heads (sagenb/engine/tp_plan.py); views sized from n_head and -1
+# tensor parallel splits by heads (sagenb/engine/strategies/tensor/plan.py); views sized from
+# n_head and -1
 SPLIT_ATTENTION = """
 class Attention(nn.Module):
     def __init__(self):

@@ -13,12 +13,14 @@ attributed to ranks by the strategy's own layout, computed with the functions tr
   torch.chunk's pieces, as `fully_shard` splits them (strategies/sharded.py); activations as
   data parallel. ZeRO-3's transiently gathered block is not in the figures (the engines'
   accounting counts the local shards too); its size is in the notes;
-- tensor: the plan of engine/tp_plan.py (the one training applies), each split weight divided
-  on its split dim among the T engines of a group; activations between a column-wise and a
-  row-wise layer divided by T (Megatron-LM, arXiv:1909.08053), data parallel across groups;
-- model / hybrid: the cut points of engine/cuts.py, the model split by engine/partition.py's
-  split_model, each rank holding its stages' parameters; activations of the microbatches in
-  flight (GPipe: all M; 1F1B: P - position; Narayanan et al. 2021, arXiv:2104.04473, 2.2).
+- tensor: the plan of engine/strategies/tensor/plan.py (the one training applies), each split
+  weight divided on its split dim among the T engines of a group; activations between a
+  column-wise and a row-wise layer divided by T (Megatron-LM, arXiv:1909.08053), data parallel
+  across groups;
+- model / hybrid: the cut points of engine/strategies/pipeline/cuts.py, the model split by
+  split_model (pipeline/partition.py), each rank holding its stages' parameters; activations of
+  the microbatches in flight (GPipe: all M; 1F1B: P - position; Narayanan et al. 2021,
+  arXiv:2104.04473, 2.2).
 
 Communication, bytes each rank sends per optimizer step (ring collectives, where each rank
 sends (N-1)/N of the buffer per all-gather or reduce-scatter and twice that per all-reduce:
@@ -46,17 +48,17 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from sagenb.config import ConfigError, EngineConfig, describe, strategy_names
-from sagenb.engine.balance import static_profile
-from sagenb.engine.cuts import choose_cuts
 from sagenb.engine.data import fetch
 from sagenb.engine.model.blocks import find_blocks
 from sagenb.engine.model.recompute import checkpoint_blocks
 from sagenb.engine.objective import batch_size_of, model_inputs
-from sagenb.engine.partition import split_model
 from sagenb.engine.precision import autocast
-from sagenb.engine.tp_check import matches
-from sagenb.engine.tp_plan import plan_for
-from sagenb.engine.tp_styles import is_conv1d, splits
+from sagenb.engine.strategies.pipeline.balance import static_profile
+from sagenb.engine.strategies.pipeline.cuts import choose_cuts
+from sagenb.engine.strategies.pipeline.partition import split_model
+from sagenb.engine.strategies.tensor.check import matches
+from sagenb.engine.strategies.tensor.plan import plan_for
+from sagenb.engine.strategies.tensor.styles import is_conv1d, splits
 from sagenb.engine.workspace import Workspace, build_workspace
 from sagenb.job import Job, JobError
 from sagenb.metrics import keys

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from sagenb.config import ConfigError, TrainConfig, describe, strategy_names
-from sagenb.engine.balance import BlockProfile
-from sagenb.engine.cuts import MEMORY_FACTOR
-from sagenb.engine.planning import plan_on_engine
+from sagenb.engine.strategies.pipeline.balance import BlockProfile
+from sagenb.engine.strategies.pipeline.cuts import MEMORY_FACTOR
+from sagenb.engine.strategies.pipeline.planning import plan_on_engine
 from sagenb.job import JobError
 from sagenb.pool import cluster
 from sagenb.run.session import prepare

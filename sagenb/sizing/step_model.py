@@ -14,7 +14,7 @@ collective runs at the accelerators' link (NVLink/NVSwitch, or PCIe); once a run
 instances, a ring collective is as slow as its inter-instance hops, where every rank of an
 instance shares the instance's network (inter Gbit/s / engines per instance). Pipeline
 point-to-point stays inside an instance when each pipeline does (ranks are replica-major:
-rank = replica x partitions + stage, engine/strategies/pipeline.py).
+rank = replica x partitions + stage, engine/strategies/pipeline/strategy.py).
 
 The range: low = compute at the high MFU, with communication hidden behind it (DDP's
 gradient buckets and FSDP's prefetch overlap backward); high = compute at the low MFU plus

@@ -21,7 +21,7 @@ from torch import nn
 from torch.nn.modules.dropout import _DropoutNd
 
 from sagenb.config import EngineConfig, describe
-from sagenb.engine.partition import find_blocks
+from sagenb.engine.strategies.pipeline.partition import find_blocks
 from sagenb.job import JobError
 
 __all__ = ["EquivalenceWarning", "equivalence_warnings"]

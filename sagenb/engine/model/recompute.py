@@ -18,7 +18,7 @@ from functools import partial
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from sagenb.engine.partition import find_blocks
+from sagenb.engine.strategies.pipeline.partition import find_blocks
 from sagenb.job import JobError
 
 __all__ = ["checkpoint_blocks"]

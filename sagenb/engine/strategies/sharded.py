@@ -22,8 +22,8 @@ from sagenb.config import EngineConfig
 from sagenb.engine.model.delayed import materialize
 from sagenb.engine.model.sync_batchnorm import sync_batchnorm
 from sagenb.engine.objective import Objective, piece_loss
-from sagenb.engine.partition import find_blocks
 from sagenb.engine.strategies.description import Description, plural
+from sagenb.engine.strategies.pipeline.partition import find_blocks
 from sagenb.engine.strategies.split_params import SplitParameters
 from sagenb.engine.workspace import Workspace
 from sagenb.job import JobError

@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from sagenb.engine import dtensors
 from sagenb.engine.objective import Objective
+from sagenb.engine.strategies import dtensors
 from sagenb.engine.strategies.data_parallel import DataParallel, eval_sums
 
 __all__ = ["SplitParameters"]

@@ -26,6 +26,7 @@ from functools import partial
 import torch
 from torch import fx, nn
 
+import sagenb
 from sagenb.engine.model.blocks import Blocks, find_blocks, tied_groups
 from sagenb.job import JobError
 
@@ -109,7 +110,7 @@ def split_model(
 def _export_or_explain(
     model: nn.Module, blocks: Blocks, starts: list[int], example: tuple, fx_exc: Exception
 ) -> list[nn.Module]:
-    from sagenb.engine.export_split import export_stages
+    from sagenb.engine.strategies.pipeline.export_split import export_stages
 
     try:
         return export_stages(model, blocks, starts, example)
@@ -128,7 +129,7 @@ def _where(exc: BaseException, limit: int = 240) -> str:
     """'file, line N, in fn (source): Error: message' for the innermost frame outside torch
     and sagenb (the code the tracer was running when it gave up), the message cut to its
     first line."""
-    skip = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(__file__)))
+    skip = (os.path.dirname(torch.__file__), os.path.dirname(sagenb.__file__))
     frames: list[traceback.FrameSummary] = []
     cause: BaseException | None = exc
     while not frames and cause is not None:

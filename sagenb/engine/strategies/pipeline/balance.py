@@ -20,7 +20,7 @@ from torch import nn
 
 from sagenb.engine.model.blocks import find_blocks
 from sagenb.engine.objective import Objective
-from sagenb.engine.partition import split_model
+from sagenb.engine.strategies.pipeline.partition import split_model
 
 __all__ = ["BlockProfile", "profile_blocks", "choose_starts", "contiguous_min_max"]
 

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-from sagenb.engine.tp_styles import is_conv1d
+from sagenb.engine.strategies.tensor.styles import is_conv1d
 
 __all__ = ["dataflow_pairs", "is_splittable", "features"]
 

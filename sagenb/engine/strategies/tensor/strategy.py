@@ -1,7 +1,7 @@
 """Tensor parallel: single Linear layers split across T engines, data parallel across the rest.
 
 The engines form groups of T (--tensor-parallel): within a group every engine sees the same
-samples and holds 1/T of each split layer. The plan (sagenb/engine/tp_plan.py) is the cell's
+samples and holds 1/T of each split layer. The plan (plan.py) is the cell's
 `tp_plan`, else the plan a transformers model ships plus one derived from the dataflow of the
 rest; it is checked against the layers' shapes, and after `parallelize_module` has turned those
 weights into DTensors and inserted the all-reduces Megatron-LM needs, by a trial forward on one
@@ -22,13 +22,13 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import parallelize_module
 
 from sagenb.config import DEFAULT_ENGINES, ConfigError, EngineConfig
-from sagenb.engine import dtensors
 from sagenb.engine.model.delayed import materialize
 from sagenb.engine.objective import Objective, piece_loss
+from sagenb.engine.strategies import dtensors
 from sagenb.engine.strategies.description import Description, plural
 from sagenb.engine.strategies.split_params import SplitParameters
-from sagenb.engine.tp_check import trial_forward
-from sagenb.engine.tp_plan import plan_for, split_heads
+from sagenb.engine.strategies.tensor.check import trial_forward
+from sagenb.engine.strategies.tensor.plan import plan_for, split_heads
 from sagenb.engine.workspace import Workspace
 from sagenb.job import JobError
 

@@ -1,10 +1,10 @@
 """Pipeline model parallel (and hybrid: data parallel across pipeline replicas).
 
 The model is split at block boundaries into `partitions x virtual stages` stages
-(engine/partition.py); engine r holds stages r, r + P, ... of its replica and runs them with
+(partition.py); engine r holds stages r, r + P, ... of its replica and runs them with
 torch.distributed.pipelining's PipelineStage and schedules (GPipe, 1F1B, interleaved 1F1B); on
 gloo, GPipe and 1F1B run with every receive posted at the start of the step
-(engine/prefetch_schedule.py).
+(prefetch_schedule.py).
 
 Why the gradients equal one process's: the schedule's loss for a microbatch is scaled by
 1 / (microbatches x grad-accum) and gradient scaling is left off (it would also rescale the
@@ -35,16 +35,20 @@ from torch.distributed.pipelining import (
 )
 
 from sagenb.config import ConfigError, EngineConfig
-from sagenb.engine.cuts import MEMORY_FACTOR, check_blocks, choose_cuts
 from sagenb.engine.data import fetch, to_device
 from sagenb.engine.model.blocks import find_blocks, tied_groups
 from sagenb.engine.model.delayed import materialize, release_others
 from sagenb.engine.objective import Objective, logits_of, weighted
-from sagenb.engine.partition import split_model
-from sagenb.engine.prefetch_schedule import PrefetchingSchedule
 from sagenb.engine.strategies.base import Strategy
 from sagenb.engine.strategies.description import Description, plural
-from sagenb.engine.tensor_messages import broadcast_ints_or_error, recv_tensors, send_tensors
+from sagenb.engine.strategies.pipeline.cuts import MEMORY_FACTOR, check_blocks, choose_cuts
+from sagenb.engine.strategies.pipeline.partition import split_model
+from sagenb.engine.strategies.pipeline.prefetch_schedule import PrefetchingSchedule
+from sagenb.engine.strategies.pipeline.tensor_messages import (
+    broadcast_ints_or_error,
+    recv_tensors,
+    send_tensors,
+)
 from sagenb.engine.workspace import Workspace
 from sagenb.job import JobError
 from sagenb.metrics import keys
@@ -104,13 +108,13 @@ class Pipeline:
     def _example(self, ws: Workspace) -> Any:
         """The dataset's first samples, one microbatch of the size the schedule runs: what
         profiling times, and what torch.export traces on when torch.fx cannot trace the model
-        (its shapes may be specialised to this size; engine/export_split.py)."""
+        (its shapes may be specialised to this size; export_split.py)."""
         cfg = self.config
         mb = cfg.batch_size // (self.D * cfg.grad_accum * cfg.microbatches)
         return fetch(ws.dataset, torch.arange(min(mb, len(ws.dataset))))
 
     def _choose_starts(self, ws: Workspace, example: Any) -> list[int]:
-        """The cut points of engine/cuts.py, the planner's too: checked on every rank, chosen
+        """The cut points of cuts.py, the planner's too: checked on every rank, chosen
         (and measured, when the method needs it) on rank 0 only, which all ranks then use."""
         check_blocks(self.config, len(find_blocks(ws.model)))
         chosen: list[int] | Exception | None = None
@@ -508,7 +512,7 @@ def _check_interleaved(config: EngineConfig) -> None:
 
 def _check_cuts(config: EngineConfig) -> None:
     """--cuts: one increasing block index >= 1 per stage after the first (the model's block
-    count is checked on the engines, engine/cuts.py check_blocks)."""
+    count is checked on the engines, cuts.py check_blocks)."""
     cuts = config.cuts
     if config.partition_by != "manual":
         return

@@ -9,9 +9,14 @@ from typing import Any
 import torch
 
 from sagenb.config import PARTITION_METHODS, EngineConfig
-from sagenb.engine.cuts import check_blocks, choose_cuts, cut_profile, partition_method
 from sagenb.engine.data import fetch
-from sagenb.engine.partition import find_blocks
+from sagenb.engine.strategies.pipeline.cuts import (
+    check_blocks,
+    choose_cuts,
+    cut_profile,
+    partition_method,
+)
+from sagenb.engine.strategies.pipeline.partition import find_blocks
 from sagenb.engine.workspace import build_workspace
 from sagenb.job import Job, JobError
 

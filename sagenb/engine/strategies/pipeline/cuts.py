@@ -1,4 +1,4 @@
-"""Where the pipeline is cut: one choice for the trainer (strategies/pipeline.py) and the
+"""Where the pipeline is cut: one choice for the trainer (strategies/pipeline/strategy.py) and the
 planner (planning.py), so that `%%smp_plan` shows the cut points `%%smp_train` with the
 same flags will use (sagenb issue 18).
 
@@ -17,9 +17,14 @@ from typing import Any
 from torch import nn
 
 from sagenb.config import EngineConfig
-from sagenb.engine.balance import BlockProfile, choose_starts, profile_blocks, static_profile
 from sagenb.engine.model.blocks import find_blocks
 from sagenb.engine.objective import Objective
+from sagenb.engine.strategies.pipeline.balance import (
+    BlockProfile,
+    choose_starts,
+    profile_blocks,
+    static_profile,
+)
 from sagenb.job import JobError
 
 __all__ = ["MEMORY_FACTOR", "check_blocks", "partition_method", "cut_profile", "choose_cuts"]
