@@ -13,7 +13,7 @@ from IPython.core.error import UsageError
 
 import sagenb
 from sagenb.config import ConfigError
-from sagenb.job import JobError
+from sagenb.config.job import JobError
 from sagenb.notebook.magics import parse_cluster_line, parse_train_line
 from sagenb.run import session
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
+from pathlib import Path
 
 
 def test_engine_side_imports_no_notebook_libraries():
@@ -19,3 +21,160 @@ def test_engine_side_imports_no_notebook_libraries():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["[]", "[]"]
+
+
+# -- the layout: roles as folders, imports one way (docs/architecture.md) ------------------------
+
+SAGENB = Path(__file__).resolve().parent.parent / "sagenb"
+#: the notebook's roles, which the engine side never imports
+NOTEBOOK_SIDE = ("notebook", "display", "pool", "run", "sizing")
+#: strategies kept as folders: others reach them only through the folder's face (__init__.py)
+STRATEGY_FOLDERS = ("sagenb.engine.strategies.pipeline", "sagenb.engine.strategies.tensor")
+MAX_MODULES = 12  # in one folder, __init__.py not counted
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for path in SAGENB.rglob("*.py"):
+        parts = list(path.relative_to(SAGENB.parent).with_suffix("").parts)
+        found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def _typing_only(tree: ast.AST) -> set[int]:
+    """The nodes under `if TYPE_CHECKING:`: imports for annotations, never run."""
+    return {
+        id(node)
+        for block in ast.walk(tree)
+        if isinstance(block, ast.If) and ast.unparse(block.test).endswith("TYPE_CHECKING")
+        for stmt in block.body
+        for node in ast.walk(stmt)
+    }
+
+
+def import_graph() -> dict[str, set[str]]:
+    """module -> the sagenb modules it imports, at its top or inside a function (a lazy import
+    that breaks a cycle at run time is still a cycle), annotation-only imports left out;
+    `from P import name` is an edge to P.name where that is a module, else to P."""
+    modules = _modules()
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for module, path in modules.items():
+        package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+        tree = ast.parse(path.read_text())
+        skip = _typing_only(tree)
+        for node in ast.walk(tree):
+            if id(node) in skip:
+                continue
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[: package.count(".") + 2 - node.level]
+                    base = ".".join(up + [base] if base else up)
+                targets = [
+                    f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base
+                    for a in node.names
+                ]
+            else:
+                continue
+            graph[module] |= {t for t in targets if t in modules and t != module}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan, iteratively)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def _edges(graph, source=lambda m: True, target=lambda t: True) -> list[str]:
+    return sorted(f"{m} -> {t}" for m, ts in graph.items() if source(m) for t in ts if target(t))
+
+
+def test_the_checker_sees_a_cycle_and_a_lazy_import():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert cycles(graph) == [["a", "b", "c"]]
+    assert cycles({"a": {"b"}, "b": set()}) == []
+    # function-level imports count: the description's registry once was one
+    assert "sagenb.pool.cluster" in import_graph()["sagenb"]  # load_ipython_extension's
+
+
+def test_no_import_cycle():
+    assert cycles(import_graph()) == []
+
+
+def test_the_engine_side_imports_none_of_the_notebook_roles():
+    side = tuple(f"sagenb.{role}" for role in NOTEBOOK_SIDE)
+    assert (
+        _edges(
+            import_graph(), lambda m: m.startswith("sagenb.engine"), lambda t: t.startswith(side)
+        )
+        == []
+    )
+
+
+def test_the_display_never_imports_a_strategy():
+    assert (
+        _edges(
+            import_graph(),
+            lambda m: m.startswith("sagenb.display"),
+            lambda t: t.startswith("sagenb.engine.strategies"),
+        )
+        == []
+    )
+
+
+def test_a_strategy_folder_is_reached_only_through_its_face():
+    for folder in STRATEGY_FOLDERS:
+        inside = lambda m, folder=folder: m == folder or m.startswith(folder + ".")  # noqa: E731
+        helpers = lambda t, folder=folder: t.startswith(folder + ".")  # noqa: E731
+        assert _edges(import_graph(), lambda m, inside=inside: not inside(m), helpers) == []
+
+
+def test_each_folder_holds_a_handful_of_modules():
+    counts: dict[str, int] = {}
+    for path in SAGENB.rglob("*.py"):
+        if path.name != "__init__.py":
+            folder = path.parent.relative_to(SAGENB.parent).as_posix()
+            counts[folder] = counts.get(folder, 0) + 1
+    assert {f: n for f, n in counts.items() if n > MAX_MODULES} == {}
+
+
+def test_the_paths_exported_scripts_import_still_work():
+    """Scripts `%%smp_export` wrote before the folders were laid out import these two."""
+    code = "from sagenb.config import EngineConfig; from sagenb.engine.launch import main; print(1)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "1"

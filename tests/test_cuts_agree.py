@@ -10,7 +10,7 @@ import re
 import pytest
 
 import sagenb
-from sagenb.job import JobError
+from sagenb.config.job import JobError
 
 from .models import LM_CELLS as CELLS
 

@@ -166,7 +166,7 @@ class Pids(torch.utils.data.Dataset):
 
 
 def _cell_dataset():
-    ns = {"__name__": "__smp_cell__"}  # as sagenb/job.py runs a cell: not importable
+    ns = {"__name__": "__smp_cell__"}  # as sagenb/config/job.py runs a cell: not importable
     exec(CELL_DATASET, ns)
     return ns["Pids"]()
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import sagenb
-from sagenb.job import JobError
+from sagenb.config.job import JobError
 from sagenb.run.failures import TrainingError
 
 from .helpers import assert_params_equal, check_equal

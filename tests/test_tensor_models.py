@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import sagenb
+from sagenb.config.job import JobError
 from sagenb.engine.strategies.tensor.plan import derive_plan, plan_for
-from sagenb.job import JobError
 from sagenb.run.failures import TrainingError
 
 from .helpers import check_equal

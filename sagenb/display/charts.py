@@ -28,13 +28,13 @@ import numpy as np
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from sagenb.config import describe
+from sagenb.config.options import describe
 from sagenb.display.step_columns import SMOOTHING, StepColumns, smoothed
 from sagenb.display.svg_figure import thinned
 from sagenb.metrics import keys
 
 if TYPE_CHECKING:
-    from sagenb.config import TrainConfig
+    from sagenb.config.options import TrainConfig
     from sagenb.metrics.stream import History
     from sagenb.sizing.cost import CostMeter
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import plotly.graph_objects as go
 
-from sagenb.config import TrainConfig, describe
+from sagenb.config.options import TrainConfig, describe
 from sagenb.display import charts, svg_figure
 from sagenb.display.live_figure import LiveFigure
 from sagenb.display.step_columns import StepColumns

@@ -23,7 +23,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from sagenb.config import ConfigError, TrainConfig, describe
+from sagenb.config.errors import ConfigError
+from sagenb.config.options import TrainConfig, describe
 from sagenb.metrics import keys
 from sagenb.metrics.stream import History
 

@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from torch.utils.data import IterableDataset, TensorDataset, default_collate
 
-from sagenb.job import JobError
+from sagenb.config.job import JobError
 
 __all__ = [
     "Step",

@@ -15,10 +15,12 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import torch
 
-from sagenb.config import ConfigError, EngineConfig
+from sagenb.config.errors import ConfigError
+from sagenb.config.job import Job, JobError
 from sagenb.engine.loop import train_loop
 from sagenb.engine.model.equivalence import EquivalenceWarning, equivalence_warnings
 from sagenb.engine.model.recompute import checkpoint_blocks
@@ -28,8 +30,10 @@ from sagenb.engine.wire import process_group
 from sagenb.engine.wire.publish import Publisher
 from sagenb.engine.wire.tracing import Tracer
 from sagenb.engine.workspace import build_workspace
-from sagenb.job import Job, JobError
 from sagenb.metrics import keys
+
+if TYPE_CHECKING:
+    from sagenb.config.options import EngineConfig
 
 __all__ = [
     "RankSpec",

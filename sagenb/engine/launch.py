@@ -21,19 +21,22 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 import torch
 import torch.distributed as dist
 
-from sagenb.config import ConfigError, EngineConfig
+from sagenb.config.errors import ConfigError
+from sagenb.config.job import Job, JobError
 from sagenb.engine.entry import RankResult, RankSpec, merge_states, train_rank
 from sagenb.engine.wire import process_group
 from sagenb.engine.wire.publish import Publisher
 from sagenb.engine.wire.rendezvous import bound_store
-from sagenb.job import Job, JobError
 from sagenb.metrics import keys
 from sagenb.metrics.stream import History
+
+if TYPE_CHECKING:
+    from sagenb.config.options import EngineConfig
 
 __all__ = ["TorchrunEnv", "main", "parse_args"]
 

@@ -11,7 +11,7 @@ per worker, pinned on CUDA, in order (`in_order=True`, the default), so the batc
 the training are the same as without workers.
 
 Worker processes are forked on Linux, on purpose. An engine is a long-lived ipyparallel process
-and the cell's Dataset class lives in the cell's namespace (`__smp_cell__`, sagenb/job.py), a
+and the cell's Dataset class lives in the cell's namespace (`__smp_cell__`, sagenb/config/job.py), a
 module no fresh interpreter can import: a spawned or forkserver worker could not unpickle the
 dataset by reference (see "Platform-specific behaviors" in the torch.utils.data docs). A fork
 inherits it (copy-on-write, nothing pickled, no per-run interpreter start); the worker runs

@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import Any, TypedDict
+from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
 import torch.distributed as dist
 
-from sagenb.config import EngineConfig
 from sagenb.engine.checkpoint import distributed as checkpoint
 from sagenb.engine.data import plan_steps, total_steps
 from sagenb.engine.loader import batches_of
@@ -27,6 +26,9 @@ from sagenb.engine.precision import LossScaler, autocast
 from sagenb.engine.strategies import Strategy
 from sagenb.engine.workspace import Workspace
 from sagenb.metrics import keys
+
+if TYPE_CHECKING:
+    from sagenb.config.options import EngineConfig
 
 __all__ = ["train_loop", "make_optimizer"]
 

@@ -28,7 +28,7 @@ from typing import Any, cast
 import torch
 from torch import nn
 
-from sagenb.job import JobError
+from sagenb.config.job import JobError
 
 __all__ = [
     "Objective",

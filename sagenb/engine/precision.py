@@ -18,7 +18,7 @@ from contextlib import AbstractContextManager, nullcontext
 import torch
 import torch.distributed as dist
 
-from sagenb.config import ConfigError
+from sagenb.config.errors import ConfigError
 from sagenb.engine.strategies.dtensors import local
 
 __all__ = ["autocast", "check_supported", "LossScaler", "DTYPES"]

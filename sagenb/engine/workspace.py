@@ -11,10 +11,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from sagenb.config.job import Job, JobError
 from sagenb.engine.data import require_map_style
 from sagenb.engine.model.delayed import meta_parameters
 from sagenb.engine.objective import Objective
-from sagenb.job import Job, JobError
 
 __all__ = ["Workspace", "build_workspace", "seed_everything"]
 

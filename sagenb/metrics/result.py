@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from sagenb.config import TrainConfig
+from sagenb.config.options import TrainConfig
 from sagenb.metrics import keys
 from sagenb.metrics.stream import StepMetrics
 

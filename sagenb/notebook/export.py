@@ -20,18 +20,22 @@ import os
 import shutil
 import sys
 from dataclasses import dataclass
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
 import torch
 
-import sagenb
-from sagenb.config import ConfigError, EngineConfig, TrainConfig, describe, notebook_only_flags
-from sagenb.job import Job, JobError
+from sagenb.config.errors import ConfigError
+from sagenb.config.job import Job, JobError
+from sagenb.config.options import EngineConfig, TrainConfig, describe, notebook_only_flags
 from sagenb.pool import cluster
 from sagenb.sizing.cost import InstancePrice, check_price, meter_for, price_table
 
 __all__ = ["TARGETS", "Exported", "ExportError", "export", "render_script", "render_sagemaker"]
+
+#: sagenb/ itself, copied beside a SageMaker job (this module is sagenb/notebook/export.py)
+SAGENB_DIR = Path(__file__).resolve().parents[1]
 
 TARGETS = ("torchrun", "sagemaker")
 #: marks a sagenb/ folder or requirements.txt as written by an export (so it may be replaced)
@@ -153,7 +157,7 @@ def render_script(cell: str, config: EngineConfig, *, name: str = "train.py") ->
     """The script's text: the cell and the config, readable, and checked to compile."""
     left_out = ", ".join(notebook_only_flags())
     text = SCRIPT.format(
-        version=sagenb.__version__,
+        version=version("sagenb"),
         flags=" ".join(config.to_flags().splitlines()),
         engines=config.engines,
         name=name,
@@ -359,7 +363,7 @@ def _check_replaceable(requirements: Path, package: Path) -> None:
 
 def _same_package(folder: Path) -> bool:
     """Whether `folder` is the installed sagenb package itself (exporting beside it)."""
-    return folder.resolve() == Path(sagenb.__file__).resolve().parent
+    return folder.resolve() == SAGENB_DIR
 
 
 def _copy_package(dest: Path) -> bool:
@@ -367,7 +371,7 @@ def _copy_package(dest: Path) -> bool:
     if _same_package(dest):
         return False
     shutil.rmtree(dest, ignore_errors=True)
-    source = Path(sagenb.__file__).resolve().parent
+    source = SAGENB_DIR
     shutil.copytree(source, dest, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     (dest / ".export").write_text(f"{MARK} from {source}\n")
     return True

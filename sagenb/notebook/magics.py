@@ -18,8 +18,9 @@ from typing import Any
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 
-from sagenb.config import ConfigError, TrainConfig, describe, flag_arguments
-from sagenb.job import JobError
+from sagenb.config.errors import ConfigError
+from sagenb.config.job import JobError
+from sagenb.config.options import TrainConfig, describe, flag_arguments
 from sagenb.metrics.result import TrainResult
 from sagenb.notebook.export import TARGETS, ExportError, export
 from sagenb.pool import cluster

@@ -16,11 +16,11 @@ from typing import Any
 
 import ipywidgets as widgets
 
-from sagenb.config import (
+from sagenb.config.errors import ConfigError
+from sagenb.config.options import (
     PARTITION_METHODS,
     PRECISIONS,
     SCHEDULES,
-    ConfigError,
     TrainConfig,
     describe,
     strategy_names,

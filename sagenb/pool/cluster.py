@@ -42,7 +42,7 @@ import ipyparallel as ipp
 import psutil
 from traitlets.config import Config
 
-from sagenb.config import DEFAULT_ENGINES
+from sagenb.config.options import DEFAULT_ENGINES
 from sagenb.pool import reaper
 from sagenb.pool.prewarm import BackgroundStart, prewarm_wanted
 

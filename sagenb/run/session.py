@@ -19,13 +19,14 @@ from typing import Any
 from ipyparallel.error import EngineError
 from torch.distributed import TCPStore
 
-from sagenb.config import ConfigError, TrainConfig, describe
+from sagenb.config.errors import ConfigError
+from sagenb.config.job import Job, JobError
+from sagenb.config.options import TrainConfig, describe
 from sagenb.display import event_log
 from sagenb.engine.entry import RankResult, RankSpec, merge_states, run_rank
 from sagenb.engine.model.equivalence import EquivalenceWarning
 from sagenb.engine.wire import stopping
 from sagenb.engine.wire.rendezvous import bound_store, host_for_run
-from sagenb.job import Job, JobError
 from sagenb.metrics import keys
 from sagenb.metrics.result import TrainResult
 from sagenb.metrics.stream import History, MetricSink, RankStream

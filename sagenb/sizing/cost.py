@@ -191,7 +191,7 @@ def check_price(config: Any) -> InstancePrice:
     ConfigError naming the option, its value and what is allowed. This reads the table, so
     it is not part of the config's validation (which reads no file): `sagenb.train`,
     `sagenb.plan`, the export and the control panel call it before any engine starts."""
-    from sagenb.config import ConfigError
+    from sagenb.config.errors import ConfigError
 
     try:
         table = price_table(config.price_table)

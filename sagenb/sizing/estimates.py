@@ -22,8 +22,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from sagenb.config import ConfigError, TrainConfig, describe
-from sagenb.job import Job
+from sagenb.config.errors import ConfigError
+from sagenb.config.job import Job
+from sagenb.config.options import TrainConfig, describe
 from sagenb.metrics import keys
 from sagenb.sizing.cost import CostMeter, InstancePrice, check_price
 from sagenb.sizing.footprint import Footprint, footprint

@@ -47,20 +47,17 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from sagenb.config import ConfigError, EngineConfig, describe, strategy_names
+from sagenb.config.errors import ConfigError
+from sagenb.config.job import Job, JobError
+from sagenb.config.options import EngineConfig, describe, strategy_names
 from sagenb.engine.data import fetch
 from sagenb.engine.model.blocks import find_blocks
 from sagenb.engine.model.recompute import checkpoint_blocks
 from sagenb.engine.objective import batch_size_of, model_inputs
 from sagenb.engine.precision import autocast
-from sagenb.engine.strategies.pipeline.balance import static_profile
-from sagenb.engine.strategies.pipeline.cuts import choose_cuts
-from sagenb.engine.strategies.pipeline.partition import split_model
-from sagenb.engine.strategies.tensor.check import matches
-from sagenb.engine.strategies.tensor.plan import plan_for
-from sagenb.engine.strategies.tensor.styles import is_conv1d, splits
+from sagenb.engine.strategies.pipeline import choose_cuts, split_model, static_profile
+from sagenb.engine.strategies.tensor import is_conv1d, matches, plan_for, splits
 from sagenb.engine.workspace import Workspace, build_workspace
-from sagenb.job import Job, JobError
 from sagenb.metrics import keys
 from sagenb.sizing.footprint_trace import Trace, optimizer_state, trace_step
 
@@ -134,7 +131,7 @@ class _Ranks:
 
 
 def footprint(job: Any, config: EngineConfig, world_size: int) -> Footprint:
-    """The footprint of training `job` (a sagenb.job.Job or cell source) with `config` on
+    """The footprint of training `job` (a sagenb.config.job.Job or cell source) with `config` on
     `world_size` ranks. Raises ConfigError (naming --engines) for a world size the strategy
     cannot use, JobError for a cell that cannot be built or split."""
     job = Job.from_cell(job) if isinstance(job, str) else job

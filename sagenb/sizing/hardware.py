@@ -122,7 +122,7 @@ def check_hardware(config: Any) -> Hardware:
     """The hardware row of `config.instance` for `config.precision`, or a ConfigError naming
     the option, its value and what to do: an unreadable --hardware-table, an instance it does
     not list, or a precision the instance cannot run (bf16/fp16 on a CPU-only instance)."""
-    from sagenb.config import ConfigError
+    from sagenb.config.errors import ConfigError
 
     path = getattr(config, "hardware_table", None)
     try:

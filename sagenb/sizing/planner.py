@@ -13,11 +13,10 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from sagenb.config import ConfigError, TrainConfig, describe, strategy_names
-from sagenb.engine.strategies.pipeline.balance import BlockProfile
-from sagenb.engine.strategies.pipeline.cuts import MEMORY_FACTOR
-from sagenb.engine.strategies.pipeline.planning import plan_on_engine
-from sagenb.job import JobError
+from sagenb.config.errors import ConfigError
+from sagenb.config.job import JobError
+from sagenb.config.options import TrainConfig, describe, strategy_names
+from sagenb.engine.strategies.pipeline import MEMORY_FACTOR, BlockProfile, plan_on_engine
 from sagenb.pool import cluster
 from sagenb.run.session import prepare
 from sagenb.sizing.cost import check_price

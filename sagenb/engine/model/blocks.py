@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from sagenb.job import JobError
+from sagenb.config.job import JobError
 
 __all__ = ["Blocks", "find_blocks", "tied_groups"]
 

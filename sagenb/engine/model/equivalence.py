@@ -15,14 +15,17 @@ strategies that do not synchronise it.
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 from torch.nn.modules.dropout import _DropoutNd
 
-from sagenb.config import EngineConfig, describe
-from sagenb.engine.strategies.pipeline.partition import find_blocks
-from sagenb.job import JobError
+from sagenb.config.job import JobError
+from sagenb.engine.model.blocks import find_blocks
+from sagenb.engine.strategies import describe
+
+if TYPE_CHECKING:
+    from sagenb.config.options import EngineConfig
 
 __all__ = ["EquivalenceWarning", "equivalence_warnings"]
 

@@ -18,8 +18,8 @@ from functools import partial
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from sagenb.engine.strategies.pipeline.partition import find_blocks
-from sagenb.job import JobError
+from sagenb.config.job import JobError
+from sagenb.engine.model.blocks import find_blocks
 
 __all__ = ["checkpoint_blocks"]
 

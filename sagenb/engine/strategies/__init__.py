@@ -8,16 +8,21 @@ new strategy is one new module (docs/architecture.md).
 
 from __future__ import annotations
 
+import copyreg
 import functools
 import importlib
 import pkgutil
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from sagenb.config import ConfigError, EngineConfig
+from sagenb.config.errors import ConfigError
 
 from .base import Strategy
 from .description import Description
+
+if TYPE_CHECKING:
+    from sagenb.config.options import EngineConfig
 
 __all__ = ["Description", "Strategy", "describe", "make_strategy", "names"]
 
@@ -34,7 +39,13 @@ def _registry() -> dict[str, Description]:
                     f"and {type(found[description.name]).__module__}"
                 )
             found[description.name] = description
+            # one instance per strategy, also after pickling: a description travels as its name
+            copyreg.pickle(type(description), _by_name)
     return dict(sorted(found.items(), key=lambda item: (item[1].menu_order, item[0])))
+
+
+def _by_name(description: Description) -> tuple[Any, tuple[str]]:
+    return describe, (description.name,)
 
 
 def names() -> tuple[str, ...]:

@@ -9,20 +9,22 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import nullcontext
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from sagenb.config import EngineConfig
 from sagenb.engine.data import fetch, to_device
 from sagenb.engine.model.delayed import materialize
 from sagenb.engine.model.sync_batchnorm import sync_batchnorm
 from sagenb.engine.objective import Objective, piece_loss, weighted
 from sagenb.engine.strategies.description import Description
 from sagenb.engine.workspace import Workspace
+
+if TYPE_CHECKING:
+    from sagenb.config.options import EngineConfig
 
 __all__ = ["DESCRIPTIONS", "DataParallel", "eval_sums"]
 

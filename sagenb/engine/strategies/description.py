@@ -19,14 +19,15 @@ shows one.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
-from sagenb.config import DEFAULT_ENGINES
+#: engines a pool starts with when nothing says otherwise
+DEFAULT_ENGINES = 2
 
 if TYPE_CHECKING:
     import torch
 
-    from sagenb.config import EngineConfig
+    from sagenb.config.options import EngineConfig
     from sagenb.engine.strategies.base import Strategy
 
 __all__ = ["DEFAULT_ENGINES", "Description", "plural"]
@@ -98,7 +99,3 @@ class Description:
     def __repr__(self) -> str:
         return f"<strategy {self.name}>"
 
-    def __reduce__(self) -> Any:  # one instance per strategy, also after pickling
-        from sagenb.engine.strategies import describe
-
-        return describe, (self.name,)

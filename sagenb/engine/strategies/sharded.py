@@ -11,22 +11,24 @@ one all-gather fewer per block). torch's FSDP2 tutorial and torchtitan apply it 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
-from sagenb.config import EngineConfig
+from sagenb.config.job import JobError
+from sagenb.engine.model.blocks import find_blocks
 from sagenb.engine.model.delayed import materialize
 from sagenb.engine.model.sync_batchnorm import sync_batchnorm
 from sagenb.engine.objective import Objective, piece_loss
 from sagenb.engine.strategies.description import Description, plural
-from sagenb.engine.strategies.pipeline.partition import find_blocks
 from sagenb.engine.strategies.split_params import SplitParameters
 from sagenb.engine.workspace import Workspace
-from sagenb.job import JobError
+
+if TYPE_CHECKING:
+    from sagenb.config.options import EngineConfig
 
 __all__ = ["DESCRIPTIONS", "Sharded"]
 

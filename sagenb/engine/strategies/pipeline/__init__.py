@@ -3,8 +3,26 @@ every helper it needs. The model is split into stages at block boundaries (by to
 `partition`, by torch.export in `export_split`), at cuts chosen from a profile (`balance`,
 `cuts`, shared with the planner through `planning`), and stepped by GPipe or 1F1B schedules
 (`prefetch_schedule` on gloo) whose messages carry tensors only (`tensor_messages`).
+
+What others may use of it is named here, and nothing else: the registry's DESCRIPTIONS, the
+options' choices, and what the planner and the estimate (sagenb/sizing/) ask of a pipeline: the
+cuts, the split and the profile the trainer itself would use.
 """
 
-from .strategy import DESCRIPTIONS
+from .balance import BlockProfile, static_profile
+from .cuts import MEMORY_FACTOR, PARTITION_METHODS, choose_cuts
+from .partition import split_model
+from .planning import plan_on_engine
+from .strategy import DESCRIPTIONS, SCHEDULES
 
-__all__ = ["DESCRIPTIONS"]
+__all__ = [
+    "DESCRIPTIONS",
+    "MEMORY_FACTOR",
+    "PARTITION_METHODS",
+    "SCHEDULES",
+    "BlockProfile",
+    "choose_cuts",
+    "plan_on_engine",
+    "split_model",
+    "static_profile",
+]

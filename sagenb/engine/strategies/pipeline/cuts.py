@@ -12,11 +12,11 @@ the model's blocks before anything is measured.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from sagenb.config import EngineConfig
+from sagenb.config.job import JobError
 from sagenb.engine.model.blocks import find_blocks
 from sagenb.engine.objective import Objective
 from sagenb.engine.strategies.pipeline.balance import (
@@ -25,9 +25,21 @@ from sagenb.engine.strategies.pipeline.balance import (
     profile_blocks,
     static_profile,
 )
-from sagenb.job import JobError
 
-__all__ = ["MEMORY_FACTOR", "check_blocks", "partition_method", "cut_profile", "choose_cuts"]
+if TYPE_CHECKING:
+    from sagenb.config.options import EngineConfig
+
+__all__ = [
+    "MEMORY_FACTOR",
+    "PARTITION_METHODS",
+    "check_blocks",
+    "partition_method",
+    "cut_profile",
+    "choose_cuts",
+]
+
+#: --partition-by: how the cuts are chosen (balance.py holds each method)
+PARTITION_METHODS = ("auto", "parameters", "uniform", "manual")
 
 #: bytes held per parameter byte, for the memory budget: the parameter, its gradient and
 #: AdamW's two moments (an upper bound for SGD with momentum, which keeps one)

@@ -35,8 +35,8 @@ from torch import fx, nn
 from torch.distributed.pipelining import SplitPoint
 from torch.distributed.pipelining._IR import MultiUseParameterConfig, Pipe, annotate_split_points
 
+from sagenb.config.job import JobError
 from sagenb.engine.model.blocks import Blocks, tied_groups
-from sagenb.job import JobError
 
 __all__ = ["export_stages"]
 

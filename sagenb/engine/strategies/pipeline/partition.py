@@ -22,13 +22,13 @@ from __future__ import annotations
 import os
 import traceback
 from functools import partial
+from pathlib import Path
 
 import torch
 from torch import fx, nn
 
-import sagenb
+from sagenb.config.job import JobError
 from sagenb.engine.model.blocks import Blocks, find_blocks, tied_groups
-from sagenb.job import JobError
 
 __all__ = ["Blocks", "find_blocks", "split_model", "tied_groups", "stage_of_pieces"]
 
@@ -125,11 +125,15 @@ def _export_or_explain(
         ) from None
 
 
+#: sagenb/ itself (this module is sagenb/engine/strategies/pipeline/partition.py)
+SAGENB_DIR = Path(__file__).resolve().parents[3]
+
+
 def _where(exc: BaseException, limit: int = 240) -> str:
     """'file, line N, in fn (source): Error: message' for the innermost frame outside torch
     and sagenb (the code the tracer was running when it gave up), the message cut to its
     first line."""
-    skip = (os.path.dirname(torch.__file__), os.path.dirname(sagenb.__file__))
+    skip = (os.path.dirname(torch.__file__), str(SAGENB_DIR))
     frames: list[traceback.FrameSummary] = []
     cause: BaseException | None = exc
     while not frames and cause is not None:

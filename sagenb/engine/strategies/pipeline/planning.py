@@ -4,13 +4,14 @@ cut it every way, with the trainer's own choice of cut points (cuts.py)."""
 from __future__ import annotations
 
 from dataclasses import asdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from sagenb.config import PARTITION_METHODS, EngineConfig
+from sagenb.config.job import Job, JobError
 from sagenb.engine.data import fetch
 from sagenb.engine.strategies.pipeline.cuts import (
+    PARTITION_METHODS,
     check_blocks,
     choose_cuts,
     cut_profile,
@@ -18,7 +19,9 @@ from sagenb.engine.strategies.pipeline.cuts import (
 )
 from sagenb.engine.strategies.pipeline.partition import find_blocks
 from sagenb.engine.workspace import build_workspace
-from sagenb.job import Job, JobError
+
+if TYPE_CHECKING:
+    from sagenb.config.options import EngineConfig
 
 __all__ = ["plan_on_engine"]
 

@@ -22,7 +22,7 @@ import sys
 import time
 from collections.abc import Iterator
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -34,7 +34,8 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
 )
 
-from sagenb.config import ConfigError, EngineConfig
+from sagenb.config.errors import ConfigError
+from sagenb.config.job import JobError
 from sagenb.engine.data import fetch, to_device
 from sagenb.engine.model.blocks import find_blocks, tied_groups
 from sagenb.engine.model.delayed import materialize, release_others
@@ -50,10 +51,16 @@ from sagenb.engine.strategies.pipeline.tensor_messages import (
     send_tensors,
 )
 from sagenb.engine.workspace import Workspace
-from sagenb.job import JobError
 from sagenb.metrics import keys
 
-__all__ = ["DESCRIPTIONS", "Pipeline", "MEMORY_FACTOR"]
+if TYPE_CHECKING:
+    from sagenb.config.options import EngineConfig
+
+__all__ = ["DESCRIPTIONS", "Pipeline", "MEMORY_FACTOR", "SCHEDULES"]
+
+#: --schedule: GPipe (all forwards, then all backwards), 1F1B, and interleaved 1F1B (virtual
+#: stages on each rank)
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
 
 class Pipeline:

@@ -2,8 +2,15 @@
 strategy and every helper it needs. Which layers split and how is a plan (`plan`): shipped by a
 transformers model (`hf_plan`), derived from the dataflow (`dataflow`), or given by the cell;
 its ParallelStyles are in `styles`, and `check` refuses a plan that cannot work before training.
+
+What others may use of it is named here, and nothing else: the registry's DESCRIPTIONS, and what
+the estimate (sagenb/sizing/footprint.py) asks: the plan training would apply, and how each
+planned layer splits.
 """
 
+from .check import matches
+from .plan import plan_for
 from .strategy import DESCRIPTIONS
+from .styles import is_conv1d, splits
 
-__all__ = ["DESCRIPTIONS"]
+__all__ = ["DESCRIPTIONS", "is_conv1d", "matches", "plan_for", "splits"]

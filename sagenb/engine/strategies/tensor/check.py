@@ -17,11 +17,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from sagenb.config.job import JobError
 from sagenb.engine.data import fetch, to_device
 from sagenb.engine.objective import Objective
 from sagenb.engine.strategies.tensor.dataflow import features, is_splittable
 from sagenb.engine.strategies.tensor.styles import splits
-from sagenb.job import JobError
 
 __all__ = ["check_shapes", "trial_forward", "matches", "path_matches"]
 

@@ -24,7 +24,7 @@ from typing import Any
 
 from torch import nn
 
-from sagenb.job import JobError
+from sagenb.config.job import JobError
 
 __all__ = ["shipped_plans"]
 

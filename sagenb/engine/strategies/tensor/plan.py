@@ -40,11 +40,11 @@ from typing import Any
 
 from torch import nn
 
+from sagenb.config.job import JobError
 from sagenb.engine.strategies.tensor.check import check_shapes, matches, path_matches
 from sagenb.engine.strategies.tensor.dataflow import dataflow_pairs, features, is_splittable
 from sagenb.engine.strategies.tensor.hf_plan import shipped_plans
 from sagenb.engine.strategies.tensor.styles import splits, to_styles
-from sagenb.job import JobError
 
 __all__ = ["Plan", "plan_for", "derive_plan", "check_plan", "to_styles", "split_heads"]
 __all__ += ["HEAD_ATTRS"]

@@ -14,23 +14,26 @@ neighbours: on a GPU machine the chatty tensor-parallel all-reduces stay within 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import parallelize_module
 
-from sagenb.config import DEFAULT_ENGINES, ConfigError, EngineConfig
+from sagenb.config.errors import ConfigError
+from sagenb.config.job import JobError
 from sagenb.engine.model.delayed import materialize
 from sagenb.engine.objective import Objective, piece_loss
 from sagenb.engine.strategies import dtensors
-from sagenb.engine.strategies.description import Description, plural
+from sagenb.engine.strategies.description import DEFAULT_ENGINES, Description, plural
 from sagenb.engine.strategies.split_params import SplitParameters
 from sagenb.engine.strategies.tensor.check import trial_forward
 from sagenb.engine.strategies.tensor.plan import plan_for, split_heads
 from sagenb.engine.workspace import Workspace
-from sagenb.job import JobError
+
+if TYPE_CHECKING:
+    from sagenb.config.options import EngineConfig
 
 __all__ = ["DESCRIPTIONS", "TensorParallel"]
 

@@ -24,7 +24,7 @@ from torch import nn
 from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
-from sagenb.job import JobError
+from sagenb.config.job import JobError
 
 __all__ = ["Colwise", "Rowwise", "STYLES", "is_conv1d", "to_styles", "splits"]
 

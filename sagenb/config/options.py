@@ -28,7 +28,17 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, TypeVar
 
+from sagenb.config.errors import ConfigError, flag_name
+from sagenb.engine.strategies import describe
+from sagenb.engine.strategies import names as strategy_names
+from sagenb.engine.strategies.description import DEFAULT_ENGINES
+from sagenb.engine.strategies.pipeline import PARTITION_METHODS, SCHEDULES
+
 __all__ = [
+    "DEFAULT_ENGINES",
+    "PARTITION_METHODS",
+    "PRECISIONS",
+    "SCHEDULES",
     "ConfigError",
     "EngineConfig",
     "SECTIONS",
@@ -37,19 +47,18 @@ __all__ = [
     "flag_arguments",
     "flag_name",
     "flag_reference",
+    "describe",
+    "notebook_only_flags",
+    "strategy_names",
 ]
 
 PRECISIONS = ("fp32", "bf16", "fp16")
-#: engines a pool starts with when nothing says otherwise
-DEFAULT_ENGINES = 2
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
 #: numpy seeds take 32 bits (the cell's RNGs are all seeded with --seed)
 MAX_SEED = 2**32 - 1
 #: beyond a week the process groups' own timeout (--timeout + 60 s) overflows gloo's
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
 #: torch threads per engine: more than any machine's cores only makes its thread pool fail
 MAX_THREADS = 1024
-PARTITION_METHODS = ("auto", "parameters", "uniform", "manual")
 _Config = TypeVar("_Config", bound="EngineConfig")
 
 
@@ -90,40 +99,12 @@ def parse_cuts(text: str | tuple[int, ...]) -> tuple[int, ...]:
         ) from None
 
 
-class ConfigError(ValueError):
-    """An option has a value that is not allowed; says which, the value and what is allowed."""
-
-    def __init__(self, name: str, value: Any, allowed: str) -> None:
-        self.name, self.value, self.allowed = name, value, allowed
-        super().__init__(f"{flag_name(name)} {value!r}: {allowed}")
-
-
-def flag_name(name: str) -> str:
-    """The magic's spelling of a config field: `batch_size` -> `--batch-size`."""
-    return "--" + name.replace("_", "-")
-
-
 def _opt(section: str, default: Any, help: str, **extra: Any) -> Any:
     """A field of `section` (SECTIONS). `extra`: `choices` (a tuple, or a function that
     returns one), `parse` (the flag's text -> the value), `shown` (the default as the flag
     reference words it, where the value alone would not say what it means)."""
     assert section in SECTIONS, section
     return field(default=default, metadata={"section": section, "help": help, **extra})
-
-
-def strategy_names() -> tuple[str, ...]:
-    """Every --strategy value: the strategies describe themselves (engine/strategies/)."""
-    from sagenb.engine.strategies import names
-
-    return names()
-
-
-def describe(name: str) -> Any:
-    """The description of strategy `name` (engine/strategies/description.py); imported here
-    on first use, as the strategy modules import this one."""
-    from sagenb.engine.strategies import describe as _describe
-
-    return _describe(name)
 
 
 @dataclass(frozen=True, kw_only=True)
