@@ -29,7 +29,7 @@ from workload import PIPELINE_CELL as EVEN  # noqa: E402
 from workload import rate  # noqa: E402
 
 import sagenb  # noqa: E402
-from sagenb.sizing.planner import bubble_fraction  # noqa: E402
+from sagenb.engine.strategies.pipeline import bubble_fraction  # noqa: E402
 
 # Heterogeneous: two heavy blocks (4 units of work each) then eight light ones (1 unit each):
 # a perfect split exists (the heavy pair | the light eight), equal block counts miss it.

@@ -175,12 +175,15 @@ def test_the_live_cost_keeps_this_run_and_the_projection_apart():
 def test_a_run_after_an_estimate_is_projected_from_it(pool):
     options = dict(engines=2, batch_size=32, steps=4, dashboard=False)
     est = sagenb.estimate(REGRESSION_CELL, **options)
-    result = sagenb.train(REGRESSION_CELL, **options)
+    result = sagenb.train(REGRESSION_CELL, estimate=est, **options)
     summary = result.summary()
     assert "this run:" in summary and f"on cpu (not a {P4D}" in summary
     low, high = (4 * s for s in est.step_time_s)
     assert f"projected on 1 x {P4D}: {low:.3g}-{high:.3g} s" in summary
-    plain = sagenb.train(REGRESSION_CELL, **{**options, "steps": 2})
+    # an estimate of other options does not project this run, nor does none
+    other = sagenb.train(REGRESSION_CELL, estimate=est, **{**options, "steps": 2})
+    assert "projected on ml.p4d.24xlarge: no estimate" in other.summary()
+    plain = sagenb.train(REGRESSION_CELL, **options)
     assert "projected on ml.p4d.24xlarge: no estimate" in plain.summary()
 
 

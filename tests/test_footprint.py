@@ -15,9 +15,10 @@ from torch.utils.flop_counter import FlopCounterMode
 
 import sagenb
 from sagenb.config import ConfigError, EngineConfig
+from sagenb.engine.strategies.attribution import chunk_sizes
 from sagenb.metrics import keys
 from sagenb.notebook.examples import gpt_cell
-from sagenb.sizing.footprint import chunk_sizes, footprint
+from sagenb.sizing.footprint import footprint
 from tests.conftest import REGRESSION_CELL, SGD_MOMENTUM
 
 MIB = 2**20

@@ -125,7 +125,7 @@ def test_memory_budget_moves_the_cut():
 
 
 def test_bubble_formula():
-    from sagenb.sizing.planner import bubble_fraction
+    from sagenb.engine.strategies.pipeline import bubble_fraction
 
     assert bubble_fraction(2, 4) == pytest.approx(1 / 5)
     assert bubble_fraction(4, 4) == pytest.approx(3 / 7)

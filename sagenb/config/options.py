@@ -369,6 +369,12 @@ class EngineConfig:
         if self.memory_budget is not None:
             _check_positive(self, "memory_budget")
 
+    def forward_size(self, engines: int) -> int:
+        """Samples in one forward of one engine on `engines` engines: the global batch cut
+        into the pieces its strategy splits it into (replicas x grad-accum slices, and each a
+        pipeline's microbatches), the one place this is computed."""
+        return self.batch_size // describe(self.strategy).split(self, engines)[0]
+
     def check_split(self, engines: int) -> None:
         """The global batch must split evenly into grad-accum slices across the replicas,
         and (for pipelines) each replica's slice into microbatches."""

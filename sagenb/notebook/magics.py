@@ -207,6 +207,10 @@ def _config(options: dict[str, Any], prog: str) -> TrainConfig:
 
 @magics_class
 class SmpMagics(Magics):
+    #: the last %%smp_plan's estimate: the next %%smp_train with the same flags is projected
+    #: on --instance from it (sagenb.train's `estimate`)
+    _estimate: Any = None
+
     @property
     def _user_ns(self) -> dict[str, Any]:
         """The kernel's namespace. Magics types its shell as optional; register_magics, which
@@ -258,7 +262,8 @@ class SmpMagics(Magics):
             return
         pool = cluster.current_pool()
         try:
-            result = train(cell, config, pool=pool)
+            # the last %%smp_plan's estimate projects the run when it has the same flags
+            result = train(cell, config, pool=pool, estimate=self._estimate)
         except BaseException as exc:
             self._keep_failed(exc, config.out)
             if isinstance(exc, (ConfigError, JobError)):
@@ -295,6 +300,7 @@ class SmpMagics(Magics):
         except (ConfigError, JobError) as exc:
             raise UsageError(f"%%smp_plan: {exc}") from None
         self._user_ns["smp_estimate"] = est
+        self._estimate = est
         _show(est, est.figure)
         if not describe(config.strategy).pipelined:
             return

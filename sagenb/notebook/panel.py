@@ -172,8 +172,8 @@ class ControlPanel:
         cfg = self.config
         if cfg is None:
             return f"fix the options first: {self.error}"
+        from sagenb.engine.strategies.pipeline import bubble_fraction
         from sagenb.sizing.cost import meter_for
-        from sagenb.sizing.planner import bubble_fraction
 
         meter = meter_for(cfg, cfg.engines or 2)
         lines = [

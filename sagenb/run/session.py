@@ -9,12 +9,11 @@ from __future__ import annotations
 import dataclasses
 import math
 import secrets
-import sys
 import time
 import warnings
 from collections.abc import Callable, Sequence
 from datetime import datetime, timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ipyparallel.error import EngineError
 from torch.distributed import TCPStore
@@ -44,6 +43,9 @@ from sagenb.run.failures import (
 )
 from sagenb.sizing.cost import CostMeter, check_price, meter_for
 
+if TYPE_CHECKING:
+    from sagenb.sizing.estimates import Estimate
+
 __all__ = ["train", "prepare", "TrainingError", "TrainingInterrupted"]
 
 POLL_S = 0.05  # metric polling period; the dashboard throttles its own redraws
@@ -71,6 +73,7 @@ def train(
     sinks: Sequence[MetricSink] = (),
     live: bool | None = None,
     on_failure: Callable[[str], None] | None = None,
+    estimate: Estimate | None = None,
     **options: Any,
 ) -> TrainResult:
     """Train `job` (cell source, or a callable returning {'model', 'dataset', 'loss_fn', ...}).
@@ -79,7 +82,10 @@ def train(
     Uses the running pool (or `pool`), starting one of `engines` engines when none runs.
     `live` shows the dashboard as a live widget (default: when running in a Jupyter kernel);
     `on_failure(kind)` is called when the notebook notices a failure ("rank failed", "stalled",
-    "controller died", "interrupted"), before it stops the ranks.
+    "controller died", "interrupted"), before it stops the ranks. `estimate` (from
+    `sagenb.estimate` or `%%smp_plan`) projects the run on --instance ("projected on I") when it
+    estimated this job with these options; a run never makes one itself, as that would run the
+    cell in the notebook.
     """
     if config is None:
         config = TrainConfig(**options)
@@ -92,7 +98,16 @@ def train(
         pool = cluster.ensure_pool(config.engines_to_start())
     pool.heal()  # engines lost in an earlier run's failure are replaced before this one
     config = _resolve_engines(config, pool)
-    return _Run(pool, config, prepared, list(sinks), live=live, on_failure=on_failure).execute()
+    run = _Run(
+        pool,
+        config,
+        prepared,
+        list(sinks),
+        live=live,
+        on_failure=on_failure,
+        projection=_projection(estimate, prepared, config),
+    )
+    return run.execute()
 
 
 def _resolve_engines(config: TrainConfig, pool: cluster.EnginePool) -> TrainConfig:
@@ -130,12 +145,13 @@ class _Run:
         *,
         live: bool | None = None,
         on_failure: Callable[[str], None] | None = None,
+        projection: tuple[float, float] | None = None,
     ) -> None:
         self.pool, self.config, self.job = pool, config, job
         self.on_failure = on_failure
         self.engines = config.engines or pool.size
         self.cost = meter_for(
-            config, self.engines, runs_on=_runs_on(pool), projection=_projection(job, config)
+            config, self.engines, runs_on=_runs_on(pool), projection=projection
         )
         self.history = History(self.engines, config.batch_size)
         self.dashboard = (
@@ -590,13 +606,14 @@ def _runs_on(pool: cluster.EnginePool) -> str | None:
     return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
 
 
-def _projection(job: Job, config: TrainConfig) -> tuple[float, float] | None:
-    """Seconds per step on --instance from the last estimate of this job with these options
-    (%%smp_plan, sagenb.estimate), if one was made: a run never computes one itself, as that
-    would run the cell in the notebook."""
-    estimates = sys.modules.get("sagenb.sizing.estimates")
-    found = estimates.last_estimate(job, config) if estimates is not None else None
-    return found.step_time_s if found is not None else None
+def _projection(
+    estimate: Estimate | None, job: Job, config: TrainConfig
+) -> tuple[float, float] | None:
+    """Seconds per step on --instance from `estimate`, when it estimated this job with these
+    options (engines resolved)."""
+    if estimate is None or not estimate.describes(job, config):
+        return None
+    return estimate.step_time_s
 
 
 def _make_dashboard(config: TrainConfig, cost: CostMeter, history: History, live: bool | None):

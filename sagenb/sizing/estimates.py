@@ -39,7 +39,7 @@ from sagenb.sizing.step_model import (
     step_time,
 )
 
-__all__ = ["Estimate", "ScalingRow", "estimate", "last_estimate"]
+__all__ = ["Estimate", "ScalingRow", "estimate"]
 
 Range = tuple[float, float]
 #: instance counts of the scaling table
@@ -89,10 +89,17 @@ class Estimate:
     scaling: list[ScalingRow]
     assumptions: list[str]
     footprint: Footprint = field(repr=False)
+    #: what was estimated (the session projects a run from this estimate only if it is the same)
+    job: Job | None = field(default=None, repr=False)
 
     @property
     def step_time_s(self) -> Range:
         return self.step.range_s
+
+    def describes(self, job: Job, config: TrainConfig) -> bool:
+        """Whether this estimates training `job` with `config` (engines resolved): the same
+        cell and every option that reaches the engines, on the same instance and table."""
+        return self.job is not None and _key(self.job, self.config) == _key(job, config)
 
     def rank_totals(self) -> list[float]:
         return [rank_total_mib(r) for r in self.ranks]
@@ -188,9 +195,6 @@ def _scaling_line(row: ScalingRow) -> str:
 
 # -- the estimate ---------------------------------------------------------------------------
 
-_LAST: dict[tuple[Any, ...], Estimate] = {}
-
-
 def estimate(
     job: Any, config: TrainConfig | None = None, *, samples: int | None = None, **options: Any
 ) -> Estimate:
@@ -210,10 +214,7 @@ def estimate(
     prepared = job if isinstance(job, Job) else _job(job)
     fp = footprint(prepared, config.for_engines(), engines)
     steps = _steps(config, samples, fp)
-    result = _assemble(prepared, config, hw, price, fp, steps)
-    _LAST.clear()  # the latest only: a run with the same flags picks it up (session)
-    _LAST[_key(prepared, config)] = result
-    return result
+    return dataclasses.replace(_assemble(prepared, config, hw, price, fp, steps), job=prepared)
 
 
 def _job(job: Any) -> Job:
@@ -224,10 +225,6 @@ def _key(job: Job, config: TrainConfig) -> tuple[Any, ...]:
     return (job.source, job.payload, config.for_engines(), config.instance, config.hardware_table)
 
 
-def last_estimate(job: Job, config: TrainConfig) -> Estimate | None:
-    """The last estimate made of this job with these options (engines resolved), if any: the
-    session projects a run on its instance from it ("projected on I")."""
-    return _LAST.get(_key(job, config))
 
 
 def _steps(config: TrainConfig, samples: int | None, fp: Footprint) -> int | None:
@@ -242,12 +239,7 @@ def _steps(config: TrainConfig, samples: int | None, fp: Footprint) -> int | Non
 
 
 def _bubble(config: TrainConfig) -> float:
-    if not describe(config.strategy).pipelined:
-        return 0.0
-    from sagenb.sizing.planner import bubble_fraction
-
-    virtual = config.stages // config.partitions
-    return bubble_fraction(config.partitions, config.microbatches, virtual)
+    return describe(config.strategy).bubble(config)
 
 
 def _money(
@@ -360,7 +352,7 @@ def _candidates(config: TrainConfig, hw: Hardware) -> list[tuple[str, dict[str, 
         singles.append(("--precision bf16", {"precision": "bf16"}))
     if not config.activation_checkpointing:
         singles.append(("--activation-checkpointing", {"activation_checkpointing": True}))
-    if describe(config.strategy).layout_kind == "replicated":  # every rank holds it all
+    if describe(config.strategy).whole_model_per_rank:
         singles.append(("--strategy sharded", {"strategy": "sharded"}))
     together: dict[str, Any] = {}
     for _, options in singles:

@@ -23,7 +23,6 @@ propagates the mark from the inputs of every aten op to its outputs.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -34,6 +33,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
 from sagenb.engine.memory import MemoryMeter
+from sagenb.engine.strategies.attribution import Trace
 
 __all__ = ["Trace", "trace_step", "optimizer_state", "storage_key"]
 
@@ -45,25 +45,6 @@ def storage_key(tensor: torch.Tensor) -> tuple[int, int]:
         return StorageWeakRef(storage).cdata, storage.nbytes()
     except (RuntimeError, NotImplementedError):
         return id(tensor), tensor.numel() * tensor.element_size()
-
-
-@dataclass
-class Trace:
-    """What one microbatch costs, before any attribution to ranks."""
-
-    #: FLOPs of forward + backward (+ recompute) of the example
-    flops: float = 0.0
-    #: peak bytes saved for backward, as engine/memory.py counts them
-    peak_activations: float = 0.0
-    #: bytes saved for backward by forward position (a block index; len(blocks) after the
-    #: last), split into [whole, split by tensor parallel]
-    saved: dict[int, list[float]] = field(default_factory=dict)
-    #: bytes of each block's output (the tensor a pipeline cut sends)
-    block_out: dict[int, float] = field(default_factory=dict)
-    #: tensor parallel's all-reduced bytes: row-wise outputs (forward), column-wise inputs'
-    #: gradients (backward)
-    rowwise_out: float = 0.0
-    colwise_in: float = 0.0
 
 
 class _Meter(MemoryMeter):

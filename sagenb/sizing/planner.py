@@ -2,9 +2,8 @@
 any training. `sagenb.plan(cell, strategy="model", partitions=2)` or `%%smp_plan` with the
 flags of `%%smp_train`.
 
-The pipeline bubble is the idle fraction of a GPipe/1F1B step, (p - 1) / (m + p - 1) for p
-stages and m microbatches (Huang et al. 2019, GPipe, section 2.2); interleaving v chunks per
-engine shrinks it to (p - 1) / (v m + p - 1) (Narayanan et al. 2021, section 2.2).
+The estimated step time divides by 1 - the pipeline's bubble, as its description states it
+(engine/strategies/pipeline/strategy.py, bubble_fraction).
 """
 
 from __future__ import annotations
@@ -21,13 +20,9 @@ from sagenb.pool import cluster
 from sagenb.run.session import prepare
 from sagenb.sizing.cost import check_price
 
-__all__ = ["Plan", "StagePlan", "plan", "bubble_fraction"]
+__all__ = ["Plan", "StagePlan", "plan"]
 
 MIB = 2**20
-
-
-def bubble_fraction(stages: int, microbatches: int, virtual: int = 1) -> float:
-    return (stages - 1) / (virtual * microbatches + stages - 1)
 
 
 @dataclass(frozen=True)
@@ -151,7 +146,7 @@ def plan(job: Any, config: TrainConfig | None = None, *, pool=None, **options: A
     config = config.with_engines(engines)
     threads = config.threads_per_engine(engines)
     task = pool.client[pool.engine_ids[0]].apply_async(
-        plan_on_engine, prepared, config.for_engines(), config.replicas(engines), threads
+        plan_on_engine, prepared, config.for_engines(), engines, threads
     )
     try:
         raw = task.get(timeout=600)
@@ -190,8 +185,7 @@ def _assemble(config: TrainConfig, raw: dict[str, Any]) -> Plan:
     per_engine = [0.0] * config.partitions
     for s in stages:
         per_engine[s.engine] += s.seconds_per_microbatch
-    virtual = config.stages // config.partitions
-    bubble = bubble_fraction(config.partitions, config.microbatches, virtual)
+    bubble = describe(config.strategy).bubble(config)
     slowest, mean = max(per_engine), sum(per_engine) / len(per_engine)
     return Plan(
         config=config,

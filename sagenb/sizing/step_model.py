@@ -19,7 +19,7 @@ rank = replica x partitions + stage, engine/strategies/pipeline/strategy.py).
 The range: low = compute at the high MFU, with communication hidden behind it (DDP's
 gradient buckets and FSDP's prefetch overlap backward); high = compute at the low MFU plus
 all communication, none hidden. A pipeline's compute is stretched by its bubble
-(planner.bubble_fraction).
+(the strategy description's `bubble`).
 """
 
 from __future__ import annotations

@@ -20,6 +20,14 @@ from sagenb.engine.data import fetch, to_device
 from sagenb.engine.model.delayed import materialize
 from sagenb.engine.model.sync_batchnorm import sync_batchnorm
 from sagenb.engine.objective import Objective, piece_loss, weighted
+from sagenb.engine.strategies.attribution import (
+    Attribution,
+    FakeModel,
+    Ranks,
+    Trace,
+    grad_bytes,
+    ring,
+)
 from sagenb.engine.strategies.description import Description
 from sagenb.engine.workspace import Workspace
 
@@ -120,12 +128,27 @@ class DataParallelDescription(Description):
     summary = "data parallel (DDP): the whole model on every engine"
     menu_order = 0
     syncs_norm = True
-    layout_kind = "replicated"
+    whole_model_per_rank = True
+
+    def attribution(self) -> Attribution:
+        return ReplicatedAttribution()
 
     def build(
         self, config: EngineConfig, *, rank: int, world_size: int, device: torch.device
     ) -> DataParallel:
         return DataParallel(rank=rank, world_size=world_size, device=device, seed=config.seed)
+
+
+class ReplicatedAttribution(Attribution):
+    """Every rank holds every parameter, gradient and optimizer state, and the activations of
+    its share of the batch; DDP all-reduces the gradients once per step (grad-accum's
+    no_sync): 2(N-1)/N x gradient bytes."""
+
+    def ranks(self, m: FakeModel, trace: Trace, layout: Any) -> Ranks:
+        held = {p: p.numel() for p in m.params}
+        act = trace.peak_activations * m.scale
+        send = {"all_reduce": ring("all_reduce", grad_bytes(held), m.world)}
+        return Ranks([held] * m.world, [act] * m.world, [send] * m.world)
 
 
 DESCRIPTIONS = (DataParallelDescription(),)

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     import torch
 
     from sagenb.config.options import EngineConfig
+    from sagenb.engine.strategies.attribution import Attribution
     from sagenb.engine.strategies.base import Strategy
 
 __all__ = ["DEFAULT_ENGINES", "Description", "plural"]
@@ -54,9 +55,9 @@ class Description:
     #: BatchNorm statistics are synchronised across every engine that takes its own samples,
     #: so a BatchNorm model trains as in one process (engine/model/sync_batchnorm.py)
     syncs_norm: ClassVar[bool] = False
-    #: how its ranks hold the model, for the estimate (sizing/footprint.py): "replicated",
-    #: "sharded", "tensor" or "pipeline"; None: no estimate for this strategy
-    layout_kind: ClassVar[str | None] = None
+    #: every rank holds the whole model and its optimizer state: where it does not fit, the
+    #: estimate suggests --strategy sharded
+    whole_model_per_rank: ClassVar[bool] = False
     #: options only this strategy (and others listing them) accepts; any other strategy
     #: refuses a value other than the default
     own_options: ClassVar[tuple[str, ...]] = ()
@@ -89,6 +90,16 @@ class Description:
         """The dashboard's one-line layout, without the memory savers ('data parallel on 2
         engines')."""
         return f"{self.name} parallel on {plural(engines, 'engine')}"
+
+    def attribution(self) -> Attribution | None:
+        """How its ranks hold the bytes of a traced step and what they send, for the estimate
+        (attribution.py, asked by sizing/footprint.py); None: no estimate."""
+        return None
+
+    def bubble(self, config: EngineConfig) -> float:
+        """The fraction of a step its schedule leaves each engine idle (a pipeline's bubble),
+        for the estimate and the planner; 0: every engine works the whole step."""
+        return 0.0
 
     def build(
         self, config: EngineConfig, *, rank: int, world_size: int, device: torch.device

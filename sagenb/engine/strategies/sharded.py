@@ -23,6 +23,17 @@ from sagenb.engine.model.blocks import find_blocks
 from sagenb.engine.model.delayed import materialize
 from sagenb.engine.model.sync_batchnorm import sync_batchnorm
 from sagenb.engine.objective import Objective, piece_loss
+from sagenb.engine.strategies.attribution import (
+    MIB,
+    Attribution,
+    FakeModel,
+    Ranks,
+    Trace,
+    chunk_sizes,
+    grad_bytes,
+    module_bytes,
+    ring,
+)
 from sagenb.engine.strategies.description import Description, plural
 from sagenb.engine.strategies.split_params import SplitParameters
 from sagenb.engine.workspace import Workspace
@@ -91,7 +102,9 @@ class ShardedDescription(Description):
     menu_order = 30
     syncs_norm = True
     own_options = ("reshard_after_forward",)
-    layout_kind = "sharded"
+
+    def attribution(self) -> Attribution:
+        return ShardedAttribution()
 
     def layout(self, config: EngineConfig, engines: int) -> str:
         zero = "ZeRO-3" if config.reshard_after_forward else "ZeRO-2"
@@ -107,6 +120,37 @@ class ShardedDescription(Description):
             seed=config.seed,
             reshard_after_forward=config.reshard_after_forward,
         )
+
+
+class ShardedAttribution(Attribution):
+    """Each parameter, its gradient and its optimizer state split on dim 0 in torch.chunk's
+    pieces, as `fully_shard` splits them; activations as data parallel. all_gather (N-1)/N x
+    parameter bytes, twice per slice with reshard-after-forward (ZeRO-3: forward and
+    backward), once without (ZeRO-2); reduce_scatter (N-1)/N x gradient bytes once per step:
+    together ZeRO's 3 x params against DDP's 2 x. The transiently gathered block is not in the
+    figures (the engines' accounting counts the local shards too); its size is in the notes."""
+
+    def ranks(self, m: FakeModel, trace: Trace, layout: Any) -> Ranks:
+        N, cfg = m.world, m.config
+        held: list[dict[nn.Parameter, int]] = [{} for _ in range(N)]
+        for p in m.params:
+            rows = chunk_sizes(p.shape[0], N) if p.dim() else [1] + [0] * (N - 1)
+            for r in range(N):
+                held[r][p] = rows[r] * (p.numel() // max(p.shape[0], 1) if p.dim() else 1)
+        whole = grad_bytes({p: p.numel() for p in m.params})
+        gathers = (2 if cfg.reshard_after_forward else 1) * cfg.grad_accum
+        send = {
+            "all_gather": gathers * ring("all_gather", whole, N),
+            "reduce_scatter": ring("reduce_scatter", whole, N),
+        }
+        biggest = max((module_bytes(b) for b in m.blocks), default=0)
+        m.notes.append(
+            f"sharded: params/grads/optimizer are each rank's shards; while a block computes "
+            f"its parameters are gathered whole (up to {biggest / MIB:.1f} MiB more, transient, "
+            "not in the figures)"
+        )
+        act = trace.peak_activations * m.scale
+        return Ranks(held, [act] * N, [dict(send) for _ in range(N)])
 
 
 DESCRIPTIONS = (ShardedDescription(),)

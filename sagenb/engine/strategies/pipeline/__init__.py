@@ -13,7 +13,7 @@ from .balance import BlockProfile, static_profile
 from .cuts import MEMORY_FACTOR, PARTITION_METHODS, choose_cuts
 from .partition import split_model
 from .planning import plan_on_engine
-from .strategy import DESCRIPTIONS, SCHEDULES
+from .strategy import DESCRIPTIONS, SCHEDULES, bubble_fraction
 
 __all__ = [
     "DESCRIPTIONS",
@@ -21,6 +21,7 @@ __all__ = [
     "PARTITION_METHODS",
     "SCHEDULES",
     "BlockProfile",
+    "bubble_fraction",
     "choose_cuts",
     "plan_on_engine",
     "split_model",

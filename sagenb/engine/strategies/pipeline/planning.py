@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 __all__ = ["plan_on_engine"]
 
 
-def plan_on_engine(job: Job, config: EngineConfig, replicas: int, threads: int) -> dict[str, Any]:
+def plan_on_engine(job: Job, config: EngineConfig, engines: int, threads: int) -> dict[str, Any]:
     """Cut points of `config` and of every other partition method, with the block profile.
 
     Profiled with the thread count training will use: with more threads than the engine will
@@ -38,7 +38,7 @@ def plan_on_engine(job: Job, config: EngineConfig, replicas: int, threads: int) 
     ws = build_workspace(job, config.seed, delay_init=config.delay_init)
     blocks = find_blocks(ws.model)
     check_blocks(config, len(blocks))  # the trainer's errors, before anything is measured
-    mb = config.batch_size // (replicas * config.grad_accum * config.microbatches)
+    mb = config.forward_size(engines)
     example = fetch(ws.dataset, torch.arange(min(mb, len(ws.dataset))))
     profile = cut_profile(ws.model, config, example, ws.objective)
 

@@ -42,6 +42,7 @@ from sagenb.engine.model.delayed import materialize, release_others
 from sagenb.engine.objective import Objective, logits_of, weighted
 from sagenb.engine.strategies.base import Strategy
 from sagenb.engine.strategies.description import Description, plural
+from sagenb.engine.strategies.pipeline.attribution import PipelineAttribution
 from sagenb.engine.strategies.pipeline.cuts import MEMORY_FACTOR, check_blocks, choose_cuts
 from sagenb.engine.strategies.pipeline.partition import split_model
 from sagenb.engine.strategies.pipeline.prefetch_schedule import PrefetchingSchedule
@@ -56,16 +57,23 @@ from sagenb.metrics import keys
 if TYPE_CHECKING:
     from sagenb.config.options import EngineConfig
 
-__all__ = ["DESCRIPTIONS", "Pipeline", "MEMORY_FACTOR", "SCHEDULES"]
+__all__ = ["DESCRIPTIONS", "Pipeline", "MEMORY_FACTOR", "SCHEDULES", "bubble_fraction"]
 
 #: --schedule: GPipe (all forwards, then all backwards), 1F1B, and interleaved 1F1B (virtual
 #: stages on each rank)
 SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
 
+def bubble_fraction(stages: int, microbatches: int, virtual: int = 1) -> float:
+    """The idle fraction of a GPipe/1F1B step, (p - 1) / (m + p - 1) for p stages and m
+    microbatches (Huang et al. 2019, GPipe, section 2.2); interleaving v chunks per engine
+    shrinks it to (p - 1) / (v m + p - 1) (Narayanan et al. 2021, section 2.2)."""
+    return (stages - 1) / (virtual * microbatches + stages - 1)
+
+
 class Pipeline:
     def __init__(self, config: EngineConfig, *, rank: int, world_size: int, device: torch.device):
-        self.config, self.rank, self.device = config, rank, device
+        self.config, self.rank, self.world_size, self.device = config, rank, world_size, device
         P = config.partitions
         self.P, self.S, self.D = P, config.stages, world_size // P
         self.replica, self.position = divmod(rank, P)
@@ -117,7 +125,7 @@ class Pipeline:
         profiling times, and what torch.export traces on when torch.fx cannot trace the model
         (its shapes may be specialised to this size; export_split.py)."""
         cfg = self.config
-        mb = cfg.batch_size // (self.D * cfg.grad_accum * cfg.microbatches)
+        mb = cfg.forward_size(self.world_size)
         return fetch(ws.dataset, torch.arange(min(mb, len(ws.dataset))))
 
     def _choose_starts(self, ws: Workspace, example: Any) -> list[int]:
@@ -323,10 +331,7 @@ class Pipeline:
         microbatch's size: stages split through torch.export are specialised to it, so the
         last chunk is filled up with repeats of its last sample, left out of the loss."""
         mine = torch.tensor_split(torch.arange(len(dataset)), self.D)[self.replica]
-        size = max(
-            1,
-            self.config.batch_size // (self.D * self.config.grad_accum * self.config.microbatches),
-        )
+        size = max(1, self.config.forward_size(self.world_size))
         total = torch.zeros(2, dtype=torch.float64)
         for m in self.modules:
             m.eval()
@@ -418,8 +423,15 @@ class PipelineDescription(Description):
     """Pipelines: `model` (one pipeline) and `hybrid` (data parallel across pipelines)."""
 
     pipelined = True
-    layout_kind = "pipeline"
     own_options = ("partitions",)
+
+    def attribution(self) -> PipelineAttribution:
+        return PipelineAttribution()
+
+    def bubble(self, config: EngineConfig) -> float:
+        return bubble_fraction(
+            config.partitions, config.microbatches, config.stages // config.partitions
+        )
 
     def check(self, config: EngineConfig) -> None:
         P = config.partitions

@@ -28,6 +28,7 @@ from sagenb.engine.objective import Objective, piece_loss
 from sagenb.engine.strategies import dtensors
 from sagenb.engine.strategies.description import DEFAULT_ENGINES, Description, plural
 from sagenb.engine.strategies.split_params import SplitParameters
+from sagenb.engine.strategies.tensor.attribution import TensorAttribution
 from sagenb.engine.strategies.tensor.check import trial_forward
 from sagenb.engine.strategies.tensor.plan import plan_for, split_heads
 from sagenb.engine.workspace import Workspace
@@ -93,7 +94,9 @@ class TensorDescription(Description):
     summary = "tensor parallel: Linear layers split across --tensor-parallel engines"
     menu_order = 40
     own_options = ("tensor_parallel",)
-    layout_kind = "tensor"
+
+    def attribution(self) -> TensorAttribution:
+        return TensorAttribution()
 
     def check(self, config: EngineConfig) -> None:
         tp = config.tensor_parallel

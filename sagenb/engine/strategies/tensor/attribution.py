@@ -1,0 +1,94 @@
+"""Tensor parallel's answer to the estimate (engine/strategies/attribution.py): the plan training
+applies (plan.py), each split weight divided on its split dim among the T engines of a group,
+activations between a column-wise and a row-wise layer divided by T (Megatron-LM,
+arXiv:1909.08053), data parallel across the D groups.
+
+Communication: all_reduce 2(T-1)/T x (each row-wise layer's output in forward + each
+column-wise layer's input gradient in backward), per slice (torch's styles reduce each
+column-wise layer's input gradient on its own); plus 2(D-1)/D x the rank's gradient bytes
+across the D replicas.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from sagenb.engine.strategies.attribution import (
+    Attribution,
+    FakeModel,
+    Ranks,
+    Trace,
+    chunk_sizes,
+    grad_bytes,
+    ring,
+)
+from sagenb.engine.strategies.tensor.check import matches
+from sagenb.engine.strategies.tensor.plan import plan_for
+from sagenb.engine.strategies.tensor.styles import is_conv1d, splits
+
+__all__ = ["TensorAttribution"]
+
+#: per layer kind and split: {parameter name: dim split}; others stay whole (styles.py)
+SPLIT_DIMS: dict[str, dict[str, dict[str, int]]] = {
+    "linear": {"colwise": {"weight": 0, "bias": 0}, "rowwise": {"weight": 1}},
+    "conv1d": {"colwise": {"weight": 1, "bias": 0}, "rowwise": {"weight": 0}},
+    "embedding": {"colwise": {"weight": 1}, "rowwise": {"weight": 0}},
+}
+
+
+class TensorAttribution(Attribution):
+    def prepare(self, m: FakeModel) -> tuple[dict[nn.Module, str], Any]:
+        T = m.config.tensor_parallel or m.world
+        plan = plan_for(m.ws.model, T, m.ws.tp_plan)
+        split: dict[nn.Module, str] = {}
+        for key, style in plan.styles.items():
+            kind = splits(style)
+            for _path, module in matches(m.ws.model, key):
+                if kind is not None:
+                    split[module] = kind
+        return split, (T, split)
+
+    def ranks(self, m: FakeModel, trace: Trace, layout: Any) -> Ranks:
+        (T, split), N = layout, m.world
+        D = N // T
+        held: list[dict[nn.Parameter, int]] = []
+        dims = _split_dims(split)
+        for r in range(N):
+            held.append({p: _piece(p, dims.get(p), T, r % T) for p in m.params})
+        whole = sum(w for w, _ in trace.saved.values())
+        part = sum(s for _, s in trace.saved.values())
+        share = (whole + part / T) / (whole + part) if whole + part else 1.0
+        act = trace.peak_activations * share * m.scale
+        reduced = (trace.rowwise_out + trace.colwise_in) * m.scale * m.config.grad_accum
+        comm = [
+            {"all_reduce": ring("all_reduce", reduced, T) + ring("all_reduce", grad_bytes(h), D)}
+            for h in held
+        ]
+        return Ranks(held, [act] * N, comm)
+
+
+def _split_dims(split: dict[nn.Module, str]) -> dict[nn.Parameter, int]:
+    """The dim each split parameter is divided on, as styles.py's styles place them."""
+    dims: dict[nn.Parameter, int] = {}
+    for module, kind in split.items():
+        layer = (
+            "embedding"
+            if isinstance(module, nn.Embedding)
+            else "conv1d"
+            if is_conv1d(module)
+            else "linear"
+        )
+        for name, dim in SPLIT_DIMS[layer][kind].items():
+            p = module._parameters.get(name)
+            if p is not None:
+                dims[p] = dim
+    return dims
+
+
+def _piece(p: nn.Parameter, dim: int | None, parts: int, position: int) -> int:
+    """Elements of `p` one rank holds when `dim` is split `parts` ways (None: whole)."""
+    if dim is None:
+        return p.numel()
+    return chunk_sizes(p.shape[dim], parts)[position] * (p.numel() // p.shape[dim])
