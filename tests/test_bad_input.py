@@ -13,7 +13,7 @@ from IPython.core.error import UsageError
 
 import sagenb
 from sagenb.config import ConfigError
-from sagenb.config.job import JobError
+from sagenb.config.job import Job, JobError
 from sagenb.notebook.magics import parse_cluster_line, parse_train_line
 from sagenb.run import session
 
@@ -87,7 +87,7 @@ def checked(line: str, pool) -> sagenb.TrainConfig | None:
     if config is None:
         return None
     try:
-        session.prepare(REGRESSION_CELL, config)
+        Job.of(REGRESSION_CELL)
         return session._resolve_engines(config, pool)
     except (ConfigError, JobError) as exc:
         raise UsageError(str(exc)) from None

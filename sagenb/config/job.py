@@ -31,6 +31,14 @@ class Job:
     payload: bytes | None = None
 
     @classmethod
+    def of(cls, job: str | Callable[[], Any] | Job) -> Job:
+        """`job` as a Job: a Job as it is, a cell's source, or a callable; checked without
+        running it (a cell that defines no model fails here)."""
+        if isinstance(job, Job):
+            return job
+        return cls.from_cell(job) if isinstance(job, str) else cls.from_callable(job)
+
+    @classmethod
     def from_cell(cls, source: str) -> Job:
         missing = [n for n in REQUIRED_NAMES if n not in defined_names(source)]
         if missing and "*" not in defined_names(source):

@@ -46,7 +46,7 @@ from sagenb.sizing.cost import CostMeter, check_price, meter_for
 if TYPE_CHECKING:
     from sagenb.sizing.estimates import Estimate
 
-__all__ = ["train", "prepare", "TrainingError", "TrainingInterrupted"]
+__all__ = ["train", "TrainingError", "TrainingInterrupted"]
 
 POLL_S = 0.05  # metric polling period; the dashboard throttles its own redraws
 SETTLE_S = 1.0  # after a failure, how long the other ranks get to end on their own
@@ -56,13 +56,6 @@ OUTPUT_S = 10.0  # how long to wait for the last published metrics after a rank 
 STOP_S = 4.0  # after an interrupt, how long ranks get to stop at a step boundary
 INTERRUPTED_S = 2.0  # how long the ranks of a stalled run get to end once interrupted
 LAST_OUTPUT_S = 2.0  # after a failure, how long the ended ranks' last metrics get to arrive
-
-
-def prepare(job: str | Callable[[], Any] | Job, config: TrainConfig) -> Job:
-    """The job, checked without running it (a cell that defines no model fails here)."""
-    if isinstance(job, Job):
-        return job
-    return Job.from_cell(job) if isinstance(job, str) else Job.from_callable(job)
 
 
 def train(
@@ -93,7 +86,7 @@ def train(
         config = dataclasses.replace(config, **options)
     check_price(config)  # reads the price table: not the config's validation, yet before engines
     event_log.check_available(config)  # --log-dir without tensorboard: before any engine
-    prepared = prepare(job, config)
+    prepared = Job.of(job)
     if pool is None:
         pool = cluster.ensure_pool(config.engines_to_start())
     pool.heal()  # engines lost in an earlier run's failure are replaced before this one

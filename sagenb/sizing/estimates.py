@@ -211,14 +211,10 @@ def estimate(
     hw = check_hardware(config)
     engines = config.engines or config.engines_to_start()
     config = config.with_engines(engines)  # the strategy's checks at this world size
-    prepared = job if isinstance(job, Job) else _job(job)
+    prepared = Job.of(job)
     fp = footprint(prepared, config.for_engines(), engines)
     steps = _steps(config, samples, fp)
     return dataclasses.replace(_assemble(prepared, config, hw, price, fp, steps), job=prepared)
-
-
-def _job(job: Any) -> Job:
-    return Job.from_cell(job) if isinstance(job, str) else Job.from_callable(job)
 
 
 def _key(job: Job, config: TrainConfig) -> tuple[Any, ...]:

@@ -77,7 +77,7 @@ def footprint(job: Any, config: EngineConfig, world_size: int) -> Footprint:
     """The footprint of training `job` (a sagenb.config.job.Job or cell source) with `config` on
     `world_size` ranks. Raises ConfigError (naming --engines) for a world size the strategy
     cannot use, JobError for a cell that cannot be built or split."""
-    job = Job.from_cell(job) if isinstance(job, str) else job
+    job = Job.of(job)
     config = _at(config.for_engines(), world_size)
     attribute = _attribution(config)
     with FakeTensorMode():

@@ -13,11 +13,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from sagenb.config.errors import ConfigError
-from sagenb.config.job import JobError
+from sagenb.config.job import Job, JobError
 from sagenb.config.options import TrainConfig, describe, strategy_names
 from sagenb.engine.strategies.pipeline import MEMORY_FACTOR, BlockProfile, plan_on_engine
 from sagenb.pool import cluster
-from sagenb.run.session import prepare
 from sagenb.sizing.cost import check_price
 
 __all__ = ["Plan", "StagePlan", "plan"]
@@ -139,7 +138,7 @@ def plan(job: Any, config: TrainConfig | None = None, *, pool=None, **options: A
         pipelines = " or ".join(n for n in strategy_names() if describe(n).pipelined)
         raise ConfigError("strategy", config.strategy, f"the planner is for {pipelines}")
     check_price(config)  # as sagenb.train: the same line must be refused the same way
-    prepared = prepare(job, config)
+    prepared = Job.of(job)
     pool = pool or cluster.ensure_pool(config.partitions)
     pool.heal()  # engines lost in a failed run are replaced first (session.train does too)
     engines = strategy.engines_for(config, pool.size)
