@@ -38,7 +38,7 @@ CELL = (
 #: a process that starts its own pool, says what it started, then trains until killed
 KERNEL = (
     "import json, sys, psutil, sagenb\n"
-    "from sagenb import cluster\n"
+    "from sagenb.pool import cluster\n"
     "cluster.start_pool(2)\n"
     "procs = cluster._pool_processes()\n"
     "ports = sorted({c.laddr.port for p in procs for c in p.net_connections('tcp')\n"

@@ -20,7 +20,7 @@ SCRIPT = """
 import json, sys
 import psutil
 import sagenb
-from sagenb import cluster
+from sagenb.pool import cluster
 
 pool = cluster.start_pool(2)
 procs = [psutil.Process(p.pid) for p in cluster._pool_processes()]
@@ -74,7 +74,7 @@ def test_a_kernel_killed_by_sigkill_leaves_no_pool_behind():
     try:
         code = (
             "%load_ext sagenb\n%smp_cluster start -n 2\n"
-            "import json, psutil\nfrom sagenb import cluster\n"
+            "import json, psutil\nfrom sagenb.pool import cluster\n"
             "procs = cluster._pool_processes()\n"
             "ports = sorted({c.laddr.port for p in procs for c in p.net_connections('tcp')"
             " if c.status == psutil.CONN_LISTEN})\n"

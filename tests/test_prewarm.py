@@ -110,7 +110,7 @@ def test_a_failed_background_start_surfaces_at_the_first_run(load_ext, monkeypat
 KILLED = """
 import json, time
 from IPython.core.interactiveshell import InteractiveShell
-from sagenb import cluster
+from sagenb.pool import cluster
 
 InteractiveShell.instance().run_line_magic("load_ext", "sagenb")
 deadline = time.monotonic() + 120

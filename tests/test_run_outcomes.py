@@ -33,7 +33,7 @@ print("forged", len(keys), "keys", flush=True)
 
 FORGING = (
     "import subprocess, sys\n"
-    "            from sagenb.engine import process_group\n"
+    "            from sagenb.engine.wire import process_group\n"
     "            port = process_group._store.port\n"
     f"            subprocess.run([sys.executable, '-c', {FORGER!r}, str(port)], check=True)"
 )
@@ -52,7 +52,7 @@ def test_a_stop_request_the_notebook_did_not_send_is_not_done(pool):
     """A request with the run's token (here from the cell itself, on rank 1) stops the run at a
     step boundary: "interrupted", by whom it says, with a warning; never "done"."""
     cell = fault_cell(
-        "from sagenb.engine import process_group, stopping\n"
+        "from sagenb.engine.wire import process_group, stopping\n"
         "            stopping.request(process_group._store, process_group._stop_watch.token)",
         at_call=5,
     )
