@@ -48,7 +48,9 @@ __all__ = [
     "flag_name",
     "flag_reference",
     "describe",
+    "field_type",
     "notebook_only_flags",
+    "option_owners",
     "strategy_names",
 ]
 
@@ -102,7 +104,8 @@ def parse_cuts(text: str | tuple[int, ...]) -> tuple[int, ...]:
 def _opt(section: str, default: Any, help: str, **extra: Any) -> Any:
     """A field of `section` (SECTIONS). `extra`: `choices` (a tuple, or a function that
     returns one), `parse` (the flag's text -> the value), `shown` (the default as the flag
-    reference words it, where the value alone would not say what it means)."""
+    reference words it, where the value alone would not say what it means), `panel` (False:
+    the control panel leaves the option out and keeps the value it was given)."""
     assert section in SECTIONS, section
     return field(default=default, metadata={"section": section, "help": help, **extra})
 
@@ -344,13 +347,11 @@ class EngineConfig:
     def _check_own_options(self, strategy: Any) -> None:
         """An option that only some strategies use must keep its default under the others
         (--partitions 2 with --strategy data would silently train something else)."""
-        from sagenb.engine.strategies import names
-
         for f in _fields(self):
             value = getattr(self, f.name)
             if f.name in strategy.own_options or value == f.default:
                 continue
-            owners = [n for n in names() if f.name in describe(n).own_options]
+            owners = option_owners(f.name)
             if owners:
                 negated = f"{_flag_for(f, value)} " if value is False else ""
                 needs = f"{negated}needs --strategy {' or '.join(owners)}"
@@ -483,12 +484,19 @@ def _fields(config: Any) -> tuple[dataclasses.Field, ...]:
     return dataclasses.fields(config)
 
 
+def option_owners(name: str) -> tuple[str, ...]:
+    """The strategies that list option `name` in their `own_options` (the others refuse any
+    value but its default); none: every strategy accepts it."""
+    return tuple(n for n in strategy_names() if name in describe(n).own_options)
+
+
 # -- flags: one spelling per field, from its type and default ------------------------------
 
 
-def _field_type(f: dataclasses.Field) -> Any:
-    """The type a flag's text converts to: `int` for `int | None`."""
-    hint = typing.get_type_hints(TrainConfig)[f.name]
+def field_type(f: dataclasses.Field, config: type = TrainConfig) -> Any:
+    """The type a flag's text converts to: `int` for `int | None` (`config`: the dataclass
+    that declares `f`, for a field TrainConfig lacks)."""
+    hint = typing.get_type_hints(config)[f.name]
     args = [a for a in typing.get_args(hint) if a is not type(None)]
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
         return args[0]
@@ -513,7 +521,7 @@ def flag_arguments(f: dataclasses.Field) -> tuple[tuple[str, ...], dict[str, Any
     extra = {"choices": choices() if callable(choices) else choices} if choices else {}
     return (flag_name(f.name),), dict(
         dest=f.name,
-        type=f.metadata.get("parse") or _field_type(f),
+        type=f.metadata.get("parse") or field_type(f),
         default=f.default,
         help=help_text,
         metavar=f.name.upper(),

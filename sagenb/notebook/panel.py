@@ -5,25 +5,31 @@ combination shows why, in place), shows the equivalent `%%smp_train` line, and
 `%%smp_train --config panel` trains a cell with it through the one code path the magic uses.
 Its buttons start, stop and restart the pool, and Plan shows the pipeline bubble and the
 instance cost, and the cut points when the panel was given the cell (`ControlPanel(job=...)`).
-This module owns ipywidgets.
+
+Its widgets come from the config's fields (config/options.py), as the magic's flags do: one
+tab per section of SECTIONS, one widget per field chosen by its type and metadata, its help as
+the tooltip. A field declared `panel=False` is left out; an option only some strategies use
+(their `own_options`) is greyed out, and left at its default, under the others. An option added
+to the config therefore appears here with nothing to edit. This module owns ipywidgets.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import html
+from collections.abc import Callable
 from typing import Any
 
 import ipywidgets as widgets
 
-from sagenb.config.errors import ConfigError
+from sagenb.config.errors import ConfigError, flag_name
 from sagenb.config.options import (
-    PARTITION_METHODS,
-    PRECISIONS,
-    SCHEDULES,
+    DEFAULT_ENGINES,
+    SECTIONS,
     TrainConfig,
     describe,
-    strategy_names,
+    field_type,
+    option_owners,
 )
 from sagenb.pool import cluster
 from sagenb.sizing.cost import check_price, price_table
@@ -32,44 +38,136 @@ __all__ = ["ControlPanel", "current_panel"]
 
 _current: ControlPanel | None = None
 
+#: what a number typed into a text box must be, for the message when it is not
+_WORDS = {int: "an integer", float: "a number"}
+
+
+def _instance_types(values: dict[str, Any]) -> tuple[str, ...]:
+    return tuple(sorted(price_table(values.get("price_table"))))
+
+
+#: values the panel offers for an option without enforcing them, which only a file knows: the
+#: config reads no file, so they are not in its spec (and a price table of your own may name
+#: other instances; check_price says which are allowed)
+SUGGESTIONS: dict[str, Callable[[dict[str, Any]], tuple[str, ...]]] = {"instance": _instance_types}
+
 
 def current_panel() -> ControlPanel | None:
     """The panel created last (what `%%smp_train --config panel` uses)."""
     return _current
 
 
-LABELS = {
-    "steps": "steps (0: all)",
-    "tensor_parallel": "tensor parallel (0: all)",
-    "activation_checkpointing": "recompute blocks",
-    "partition_by": "partition by",
-    "batch_size": "batch size",
-    "lr": "learning rate",
-}
+def _choices(f: dataclasses.Field) -> tuple[Any, ...]:
+    values = f.metadata["choices"]
+    return tuple(values() if callable(values) else values)
 
 
-def _controls(d: TrainConfig) -> dict[str, widgets.Widget]:
-    """One widget per option the panel sets, starting from the values of `d`."""
-    controls = {
-        "engines": widgets.BoundedIntText(d.engines or 2, min=1, max=64),
-        "strategy": widgets.Dropdown(options=strategy_names(), value=d.strategy),
-        "partitions": widgets.IntSlider(d.partitions, min=1, max=8),
-        "microbatches": widgets.IntSlider(d.microbatches, min=1, max=32),
-        "schedule": widgets.Dropdown(options=SCHEDULES, value=d.schedule),
-        "partition_by": widgets.Dropdown(options=PARTITION_METHODS, value=d.partition_by),
-        "batch_size": widgets.BoundedIntText(d.batch_size, min=1, max=1 << 20),
-        "epochs": widgets.BoundedIntText(d.epochs, min=1, max=10_000),
-        "steps": widgets.BoundedIntText(d.steps or 0, min=0, max=10**9),
-        "lr": widgets.FloatText(d.lr),
-        "tensor_parallel": widgets.BoundedIntText(d.tensor_parallel or 0, min=0, max=64),
-        "precision": widgets.Dropdown(options=PRECISIONS, value=d.precision),
-        "activation_checkpointing": widgets.Checkbox(d.activation_checkpointing),
-        "instance": widgets.Dropdown(options=sorted(price_table()), value=d.instance),
+class Control:
+    """One option's widget, and how the widget's value reads into the config and back.
+
+    A field that may be unset (default None) or whose flag has its own `parse` is a text box:
+    "" is None, anything else converts as the flag's text does, so the panel and the magic
+    read the same text the same way."""
+
+    def __init__(
+        self, f: dataclasses.Field, kind: Any, value: Any, suggested: tuple[str, ...] | None = None
+    ) -> None:
+        self.field, self.kind, self.suggested = f, kind, suggested
+        self.is_text = f.default is None or "parse" in f.metadata
+        #: the strategies that use this option, when not all do (their own_options)
+        self.owners = option_owners(f.name)
+        self.widget = self._widget()
+        self.widget.description = f.name.replace("_", " ")
+        only = f" (--strategy {' or '.join(self.owners)})" if self.owners else ""
+        help_text = str(f.metadata["help"]).replace("%%", "%")  # argparse's escape
+        self.widget.tooltip = f"{flag_name(f.name)}{only}: {help_text}"
+        self.widget.style = {"description_width": "150px"}
+        self.write(value)
+
+    def _widget(self) -> widgets.ValueWidget:
+        f, kind = self.field, self.kind
+        # one keystroke is no value yet: a text box counts when entered, as a number box does
+        if self.is_text:
+            return widgets.Text(
+                placeholder=str(f.metadata.get("shown", "")), continuous_update=False
+            )
+        if kind is bool:
+            return widgets.Checkbox(indent=True)
+        if "choices" in f.metadata:
+            return widgets.Dropdown(options=_choices(f))
+        if self.suggested is not None:
+            return widgets.Combobox(
+                options=self.suggested, ensure_option=False, continuous_update=False
+            )
+        if kind in (int, float, str):
+            text = {int: widgets.IntText, float: widgets.FloatText, str: widgets.Text}[kind]
+            return text(continuous_update=False)
+        raise TypeError(
+            f"the control panel cannot show {f.name} ({kind!r}): give it a `parse` "
+            "(then it is a text box) or declare it `panel=False`"
+        )
+
+    def read(self) -> Any:
+        """The widget's value as the config takes it; ConfigError for text that is not one."""
+        value = self.widget.value
+        if not self.is_text:
+            return value
+        text = value.strip()
+        if not text and self.field.default is None:
+            return None
+        if "parse" in self.field.metadata:
+            return self.field.metadata["parse"](text)
+        try:
+            return self.kind(text)
+        except ValueError:
+            word = _WORDS.get(self.kind, str(self.kind))
+            raise ConfigError(self.field.name, text, f"must be {word}") from None
+
+    def write(self, value: Any) -> None:
+        if not self.is_text:
+            self.widget.value = value
+        elif value is None:
+            self.widget.value = ""
+        else:
+            self.widget.value = (
+                ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
+            )
+
+
+def _controls(d: TrainConfig) -> dict[str, Control]:
+    """A control per field the panel shows, starting from the values of `d`, in field order."""
+    values = dataclasses.asdict(d)
+    return {
+        f.name: Control(f, field_type(f, TrainConfig), values[f.name], _suggested(f.name, values))
+        for f in dataclasses.fields(TrainConfig)
+        if f.metadata.get("panel", True)
     }
-    for name, control in controls.items():
-        control.description = LABELS.get(name, name)
-        control.style = {"description_width": "120px"}
-    return controls
+
+
+def _suggested(name: str, values: dict[str, Any]) -> tuple[str, ...] | None:
+    """SUGGESTIONS' values for option `name` (None: it has none); () while the file that knows
+    them cannot be read (check_price says why)."""
+    if name not in SUGGESTIONS:
+        return None
+    try:
+        return SUGGESTIONS[name](values)
+    except (OSError, ValueError, KeyError, TypeError):
+        return ()
+
+
+def _sections(controls: dict[str, Control]) -> widgets.Tab:
+    """One tab per section of SECTIONS that has a control, in SECTIONS order."""
+    tabs, titles = [], []
+    for name, section in SECTIONS.items():
+        shown = [c.widget for c in controls.values() if c.field.metadata["section"] == name]
+        if not shown:
+            continue
+        grid = widgets.GridBox(
+            shown, layout=widgets.Layout(grid_template_columns="repeat(2, 380px)")
+        )
+        tabs.append(widgets.VBox([widgets.HTML(f"<i>{html.escape(section.about)}</i>"), grid]))
+        titles.append(section.title)
+    return widgets.Tab(tabs, titles=tuple(titles))
 
 
 class ControlPanel:
@@ -78,9 +176,14 @@ class ControlPanel:
     def __init__(self, job: Any = None, **defaults: Any) -> None:
         global _current
         self.job = job
+        # the panel starts the pool itself, so it starts from the size a pool gets by default
+        # rather than "every engine of the pool that runs"; clearing the box gives that
+        defaults.setdefault("engines", DEFAULT_ENGINES)
         base = TrainConfig(**defaults)
-        self.controls = _controls(base)
-        self._fixed = {k: v for k, v in dataclasses.asdict(base).items() if k not in self.controls}
+        self.options = _controls(base)
+        self.controls = {name: c.widget for name, c in self.options.items()}
+        # the options left out keep the values the panel was given
+        self._fixed = {k: v for k, v in dataclasses.asdict(base).items() if k not in self.options}
         self.message = widgets.HTML()
         self.line = widgets.HTML()
         self.pool_status = widgets.HTML()
@@ -93,29 +196,21 @@ class ControlPanel:
             button.on_click(getattr(self, f"_on_{name}"))
         for control in self.controls.values():
             control.observe(self._update, names="value")
+        self.sections = _sections(self.options)
         self.widget = widgets.VBox(
             [
                 widgets.HTML("<b>sagenb</b> training options"),
-                widgets.GridBox(
-                    list(self.controls.values()),
-                    layout=widgets.Layout(grid_template_columns="repeat(2, 360px)"),
-                ),
+                self.sections,
                 self.message,
                 self.line,
-                widgets.HBox(
-                    [
-                        self.buttons["start"],
-                        self.buttons["stop"],
-                        self.buttons["restart"],
-                        self.buttons["plan"],
-                    ]
-                ),
+                widgets.HBox(list(self.buttons.values())),
                 self.pool_status,
                 self.plan_output,
             ]
         )
         self.widget.add_class("smp-panel")
         self.config: TrainConfig | None = None
+        self.error = ""
         self._update()
         self._show_pool()
         _current = self
@@ -127,14 +222,39 @@ class ControlPanel:
 
     # -- options -> config ------------------------------------------------------------------
     def values(self) -> dict[str, Any]:
-        out = {name: c.value for name, c in self.controls.items()}
-        out["steps"] = out["steps"] or None
-        out["tensor_parallel"] = out["tensor_parallel"] or None
+        """The options as the config takes them: an option the chosen strategy does not use
+        (greyed out) is at its default, so switching strategies back and forth keeps what was
+        typed without refusing it; ConfigError for text that is no value."""
+        out = {}
+        for name, control in self.options.items():
+            out[name] = control.field.default if control.widget.disabled else control.read()
         return {**self._fixed, **out}
 
+    def _follow_strategy(self) -> None:
+        """Grey out the options only other strategies use (their descriptions' own_options)."""
+        strategy = self._strategy()
+        for control in self.options.values():
+            control.widget.disabled = bool(control.owners) and strategy not in control.owners
+
+    def _suggest(self, values: dict[str, Any]) -> None:
+        """Offer what the options' files know (the instances of --price-table's table)."""
+        for name in SUGGESTIONS.keys() & self.options.keys():
+            widget = self.controls[name]
+            offered = _suggested(name, values)
+            if offered and isinstance(widget, widgets.Combobox) and widget.options != offered:
+                widget.options = offered
+
+    def _strategy(self) -> str:
+        if "strategy" in self.options:
+            return str(self.options["strategy"].read())
+        return str(self._fixed["strategy"])
+
     def _update(self, change: Any = None) -> None:
+        self._follow_strategy()
         try:
-            self.config = TrainConfig(**self.values())
+            values = self.values()
+            self._suggest(values)
+            self.config = TrainConfig(**values)
             check_price(self.config)  # the price table is read here, not in validation
         except ConfigError as exc:
             self.config, self.error = None, str(exc)
@@ -155,8 +275,19 @@ class ControlPanel:
             f"rank {r.rank} (engine {r.engine_id}, pid {r.pid}, {r.device})" for r in rows
         )
 
+    def _pool_size(self) -> int:
+        """Engines Start and Restart ask for: --engines, else what the options need (one per
+        partition for model ...), else the default pool's size while the options are invalid."""
+        if self.config is not None:
+            return self.config.engines_to_start()
+        try:
+            engines = self.options["engines"].read() if "engines" in self.options else None
+        except ConfigError:
+            engines = None
+        return engines if isinstance(engines, int) and engines > 0 else DEFAULT_ENGINES
+
     def _on_start(self, _: Any = None) -> None:
-        cluster.start_pool(self.controls["engines"].value)
+        cluster.start_pool(self._pool_size())
         self._show_pool()
 
     def _on_stop(self, _: Any = None) -> None:
@@ -164,7 +295,7 @@ class ControlPanel:
         self._show_pool()
 
     def _on_restart(self, _: Any = None) -> None:
-        cluster.restart_pool(self.controls["engines"].value)
+        cluster.restart_pool(self._pool_size())
         self._show_pool()
 
     def plan_text(self) -> str:
@@ -175,7 +306,7 @@ class ControlPanel:
         from sagenb.engine.strategies.pipeline import bubble_fraction
         from sagenb.sizing.cost import meter_for
 
-        meter = meter_for(cfg, cfg.engines or 2)
+        meter = meter_for(cfg, cfg.engines_to_start())
         lines = [
             f"{meter.instances} x {cfg.instance} at ${meter.price.usd_per_hour:.3f}/h "
             f"(spot ${meter.spot(meter.price.usd_per_hour):.3f}/h), price as of "
