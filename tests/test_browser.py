@@ -31,6 +31,7 @@ from .lab import (
     run_all,
 )
 from .lab import wait_for as _wait
+from .pictures import keep, shot
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOK = ROOT / "notebooks" / "01_quickstart.ipynb"
@@ -159,7 +160,7 @@ def _memory_bars(page) -> tuple[int, dict[int, list[float]]]:
 
 
 @pytest.mark.timeout(600)
-def test_quickstart_runs_in_jupyterlab(lab, page):
+def test_quickstart_runs_in_jupyterlab(lab, page, request):
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     try:
@@ -209,6 +210,8 @@ def test_quickstart_runs_in_jupyterlab(lab, page):
         summary = SUMMARY.search(outputs)
         assert summary and int(summary[1]) == total, outputs[-3000:]
         assert f"largest parameter difference after {total} steps" in outputs, outputs[-3000:]
+        _screenshot(page, shot("dashboard_jupyterlab.png"))  # the README's first picture
+        keep("dashboard_jupyterlab.png", request)
     finally:
         _screenshot(page, ARTIFACTS / "dashboard.png")
         page.screenshot(path=ARTIFACTS / "page.png")
@@ -218,9 +221,6 @@ def test_quickstart_runs_in_jupyterlab(lab, page):
 
 # -- the saved dashboard, narrow and wide (issue 17: readable at a glance) ----------------------
 
-#: the screenshots go to artifacts/browser/; SAGENB_REFRESH_SCREENSHOTS=1 writes them to docs/,
-#: where the README and docs/dashboard.md show them (so a test run leaves the checkout clean)
-SHOTS = ROOT / "docs" if os.environ.get("SAGENB_REFRESH_SCREENSHOTS") == "1" else ARTIFACTS
 WIDTHS = (700, 1400)
 #: a run with something in every panel: a warm-up and decay of the learning rate, a clipped
 #: (so measured) gradient norm, steps of ~20 ms so that throughput has noise to smooth
@@ -260,10 +260,10 @@ def _overlaps(a: dict, b: dict, slack: float = 1.0) -> bool:
     )
 
 
-def test_saved_dashboard_reads_at_700_and_1400_px(pool, home, tmp_path):
+def test_saved_dashboard_reads_at_700_and_1400_px(pool, home, tmp_path, request):
     """The saved dashboard at a narrow and a wide width: no panel title, legend or axis title
     runs into another or into a neighbouring plot, the header is whole, every panel has its
-    legend. The screenshots are the README's and docs/dashboard.md's (see SHOTS)."""
+    legend. The screenshots are the README's and docs/dashboard.md's (tests/pictures.py)."""
     import sagenb
 
     result = sagenb.train(
@@ -276,8 +276,7 @@ def test_saved_dashboard_reads_at_700_and_1400_px(pool, home, tmp_path):
             page.goto(saved.as_uri())
             page.wait_for_selector(".infolayer .legend", timeout=30_000)
             boxes = page.evaluate(LAYOUT_BOXES)
-            SHOTS.mkdir(parents=True, exist_ok=True)
-            page.screenshot(path=SHOTS / f"dashboard-{width}.png", full_page=True)
+            page.screenshot(path=shot(f"dashboard-{width}.png"), full_page=True)
         header = boxes["header"]
         assert 0 <= header["l"] and header["r"] <= boxes["width"], f"header cut at {width} px"
         assert len(boxes["legends"]) == 6, f"{len(boxes['legends'])} legends at {width} px"
@@ -290,6 +289,58 @@ def test_saved_dashboard_reads_at_700_and_1400_px(pool, home, tmp_path):
         ]
         # a y-axis title lies beside its own plot, never over one
         assert not clashes, f"at {width} px: {clashes}"
+        keep(f"dashboard-{width}.png", request)
+
+
+#: the schedule panel as drawn: its title, and the forward and backward blocks of the last step
+SCHEDULE = """() => {
+  const titles = [...document.querySelectorAll('.infolayer .annotation')].map(a => a.textContent);
+  const blocks = [...document.querySelectorAll('.barlayer .trace .point')].length;
+  return {titles, blocks};
+}"""
+
+
+def test_a_pipeline_dashboard_draws_its_schedule(pool, home, tmp_path, request):
+    """A 1F1B pipeline on two stages, saved: the schedule panel is there, with the blocks of
+    the last step, beside the others. Its screenshot is docs/dashboard.md's pipeline picture."""
+    import sagenb
+
+    from .models import GPT_CELL
+
+    result = sagenb.train(
+        GPT_CELL, strategy="model", partitions=2, microbatches=4, batch_size=32, epochs=4,
+        eval_every=8, instance="ml.g5.12xlarge", live=False,
+    )  # fmt: skip
+    saved = result.dashboard.save_html(tmp_path / "dashboard.html")
+    with chromium_page(home, width=1100, height=1000) as (page, _):
+        page.goto(saved.as_uri())
+        page.wait_for_selector(".infolayer .legend", timeout=30_000)
+        drawn = page.evaluate(SCHEDULE)
+        page.screenshot(path=shot("dashboard_pipeline.png"), full_page=True)
+    assert "Pipeline schedule, last step" in drawn["titles"], drawn["titles"]
+    # 2 stages x 4 microbatches x (forward, backward), besides the memory bars
+    assert drawn["blocks"] >= 16, drawn
+    keep("dashboard_pipeline.png", request)
+
+
+def test_the_quick_start_job_runs_and_saves_its_dashboard(home, tmp_path, request, capsys):
+    """The README's first command's job (python -m sagenb.notebook.demo): it trains on a pool of
+    its own, prints its result and writes the dashboard, which opens in a browser with every
+    panel's legend. Its screenshot is docs/getting-started.md's picture."""
+    from sagenb.notebook import demo
+
+    cluster.stop_pool()  # the demo starts and stops a pool of its own
+    demo.main(["--html", str(tmp_path / "dashboard.html")])
+    printed = capsys.readouterr().out
+    assert "pool of 2 engines ready" in printed and "eval loss at step" in printed, printed
+    assert cluster.current_pool() is None  # stopped by the demo
+    with chromium_page(home, width=1100, height=1000) as (page, _):
+        page.goto((tmp_path / "dashboard.html").as_uri())
+        page.wait_for_selector(".infolayer .legend", timeout=30_000)
+        legends = page.locator(".infolayer > g[class^='legend']").count()
+        page.screenshot(path=shot("dashboard.png"), full_page=True)
+    assert legends == 6, f"{legends} legends"
+    keep("dashboard.png", request)
 
 
 @pytest.mark.timeout(600)
