@@ -45,7 +45,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
 
 from sagenb.config.errors import ConfigError
 from sagenb.config.job import Job, JobError
@@ -57,6 +56,7 @@ from sagenb.engine.objective import batch_size_of, model_inputs
 from sagenb.engine.precision import autocast
 from sagenb.engine.strategies.pipeline import choose_cuts, split_model, static_profile
 from sagenb.engine.strategies.tensor import is_conv1d, matches, plan_for, splits
+from sagenb.engine.torch_private import FakeTensorMode, direct_parameters
 from sagenb.engine.workspace import Workspace, build_workspace
 from sagenb.metrics import keys
 from sagenb.sizing.footprint_trace import Trace, optimizer_state, trace_step
@@ -355,7 +355,7 @@ def _split_dims(split: dict[nn.Module, str]) -> dict[nn.Parameter, int]:
             else "linear"
         )
         for name, dim in _SPLIT_DIMS[layer][kind].items():
-            p = module._parameters.get(name)
+            p = direct_parameters(module).get(name)
             if p is not None:
                 dims[p] = dim
     return dims
