@@ -8,11 +8,12 @@ named with the public API it stands in for, or says why torch 2.13 has none.
 resolves each on the installed torch and checks that no other sagenb module imports or reads a
 private torch name.
 
-Only modules that `import torch` loads itself are imported at the top. The pipelining and
+Only modules that `import torch` loads itself are imported at the top, so that importing this
+module (the data loader does) costs nothing beyond torch. The pipelining and
 distributed-checkpoint names are resolved on first use (module `__getattr__`, as
-sagenb/config/__init__.py does), and torch._dynamo and the flight recorder inside the functions
-that need them: torch.distributed.pipelining imports torch._dynamo, most of a second, which the
-data loader, importing this module, must not pay.
+sagenb/config/__init__.py does): torch.distributed.pipelining imports torch._dynamo, most of a
+second. torch._dynamo itself is imported only by `warm_dynamo`, and the flight recorder, which a
+torch build may lack, only by `dump_flight_recorder_json`.
 """
 
 from __future__ import annotations
