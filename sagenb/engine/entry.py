@@ -26,6 +26,7 @@ from sagenb.engine.model.equivalence import EquivalenceWarning, equivalence_warn
 from sagenb.engine.model.recompute import checkpoint_blocks
 from sagenb.engine.precision import check_supported
 from sagenb.engine.strategies import make_strategy
+from sagenb.engine.torch_private import warm_dynamo
 from sagenb.engine.wire import process_group
 from sagenb.engine.wire.publish import Publisher
 from sagenb.engine.wire.tracing import Tracer
@@ -201,7 +202,7 @@ def warm() -> None:
     an interrupted or failed run took to end (a stalled run interrupts its ranks and a peer
     waits for the stuck rank's shutdown); frozen, next to nothing (the figures:
     benchmarks/results/measured_in_code.md)."""
-    import torch._dynamo  # noqa: F401
+    warm_dynamo()
     import torch.nn.parallel  # noqa: F401
 
     gc.collect()

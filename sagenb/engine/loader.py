@@ -47,6 +47,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from sagenb.engine.data import Step, fetch, to_device
+from sagenb.engine.torch_private import shutdown_workers
 
 __all__ = ["StepData", "batches_of", "START_METHOD"]
 
@@ -102,9 +103,8 @@ def batches_of(
     try:
         yield _from_workers(steps, grad_accum, loaded, device)
     finally:
-        # now, not when a traceback frees the iterator; private to the workers' iterator,
-        # which iter() of a DataLoader with num_workers > 0 is (torch types it as the base)
-        loaded._shutdown_workers()  # type: ignore[attr-defined]
+        # now, not when a traceback frees the iterator
+        shutdown_workers(loaded)
 
 
 def _pieces(strategy: Any, step: Step, grad_accum: int) -> list[list[int]]:

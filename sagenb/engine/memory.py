@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from sagenb.engine.strategies.dtensors import local
+from sagenb.engine.torch_private import view_base
 from sagenb.metrics import keys
 
 __all__ = ["MemoryMeter"]
@@ -82,7 +83,7 @@ class MemoryMeter:
     def _pack(self, tensor: torch.Tensor) -> _Saved:
         # a parameter, or a view of one (linear saves weight.t()): not an activation. This also
         # catches the weights FSDP gathers for a block, whose storages are not the shards'
-        if isinstance(tensor, nn.Parameter) or isinstance(tensor._base, nn.Parameter):
+        if isinstance(tensor, nn.Parameter) or isinstance(view_base(tensor), nn.Parameter):
             return _Saved(tensor, None)
         key, nbytes = self._storage_of(tensor)
         if key in self._param_storages or key == 0:

@@ -44,6 +44,7 @@ from traitlets.config import Config
 
 from sagenb.config.options import DEFAULT_ENGINES
 from sagenb.pool import reaper
+from sagenb.pool.ipyparallel_private import client_config
 from sagenb.pool.prewarm import BackgroundStart, prewarm_wanted
 
 __all__ = [
@@ -205,10 +206,11 @@ class EnginePool:
     @property
     def controller_host(self) -> str:
         """The controller's address as the engines reach it."""
-        interface = self.client._config.get("interface", f"tcp://{LOOPBACK}")
+        config = client_config(self.client)
+        interface = config.get("interface", f"tcp://{LOOPBACK}")
         host = interface.split("://", 1)[-1]
         if host in ("*", "0.0.0.0", ""):
-            host = self.client._config.get("location") or LOOPBACK
+            host = config.get("location") or LOOPBACK
         return host
 
     @property

@@ -25,7 +25,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
 
 from sagenb.config.errors import ConfigError
 from sagenb.config.job import Job, JobError
@@ -36,6 +35,7 @@ from sagenb.engine.model.recompute import checkpoint_blocks
 from sagenb.engine.objective import batch_size_of, model_inputs
 from sagenb.engine.precision import autocast
 from sagenb.engine.strategies.attribution import MIB, Attribution, FakeModel, Ranks, Trace
+from sagenb.engine.torch_private import FakeTensorMode
 from sagenb.engine.workspace import build_workspace
 from sagenb.metrics import keys
 from sagenb.sizing.footprint_trace import optimizer_state, trace_step

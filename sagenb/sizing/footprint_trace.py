@@ -28,12 +28,11 @@ from typing import Any
 import torch
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import FlopCounterMode
 
 from sagenb.engine.memory import MemoryMeter
 from sagenb.engine.strategies.attribution import Trace
+from sagenb.engine.torch_private import TorchDispatchMode, tree_leaves
 
 __all__ = ["Trace", "trace_step", "optimizer_state", "storage_key"]
 

@@ -27,10 +27,11 @@ from typing import Any
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata, StorageMeta
+
+from sagenb.engine.torch_private import set_element
 
 __all__ = ["CheckpointError", "SafeReader", "SafePlanner", "check", "read_metadata", "reason"]
 

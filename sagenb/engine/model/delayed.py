@@ -22,6 +22,8 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from sagenb.engine.torch_private import direct_parameters
+
 __all__ = ["meta_parameters", "materialize", "release_others"]
 
 
@@ -60,9 +62,8 @@ def materialize(
     }
     fresh: dict[int, nn.Parameter] = {}
     for name, owner in model.named_modules(remove_duplicate=False):
-        direct = {
-            key: p for key, p in owner._parameters.items() if p is not None and id(p) in wanted
-        }
+        own = direct_parameters(owner)
+        direct = {key: p for key, p in own.items() if p is not None and id(p) in wanted}
         direct = {key: p for key, p in direct.items() if id(p) not in fresh}
         if not direct:
             continue
@@ -70,19 +71,20 @@ def materialize(
             fresh[id(p)] = nn.Parameter(
                 torch.empty_like(p, device=device), requires_grad=p.requires_grad
             )
-            owner._parameters[key] = fresh[id(p)]
+            own[key] = fresh[id(p)]
         _initialise(owner, name, seed)
     for module in [*model.modules(), *(m for part in parts for m in part.modules())]:
-        for key, p in module._parameters.items():
-            if p is not None and id(p) in fresh:
-                module._parameters[key] = fresh[id(p)]
+        own = direct_parameters(module)
+        for key, held in own.items():
+            if held is not None and id(held) in fresh:
+                own[key] = fresh[id(held)]
 
 
 @torch.no_grad()
 def _initialise(owner: nn.Module, name: str, seed: int) -> None:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-        for p in owner._parameters.values():
+        for p in direct_parameters(owner).values():
             if p is not None and not p.is_meta:
                 nn.init.normal_(p, std=0.02)
         # getattr: nn.Module.__getattr__ is typed Tensor | Module, which mypy cannot call
@@ -100,9 +102,10 @@ def release_others(model: nn.Module, parts: Sequence[nn.Module]) -> None:
     keep = {id(p): p for part in parts for _, p in part.named_parameters(remove_duplicate=False)}
     gone: dict[int, nn.Parameter] = {}
     for module in model.modules():
-        for key, p in module._parameters.items():
+        own = direct_parameters(module)
+        for key, p in own.items():
             if p is None or id(p) in keep or p.is_meta:
                 continue
             if id(p) not in gone:
                 gone[id(p)] = nn.Parameter(p.detach().to("meta"), requires_grad=p.requires_grad)
-            module._parameters[key] = gone[id(p)]
+            own[key] = gone[id(p)]

@@ -18,11 +18,11 @@ import warnings
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
-from torch.nn.modules.dropout import _DropoutNd
 
 from sagenb.config.job import JobError
 from sagenb.engine.model.blocks import find_blocks
 from sagenb.engine.strategies import describe
+from sagenb.engine.torch_private import BatchNormBase, DropoutBase
 
 if TYPE_CHECKING:
     from sagenb.config.options import EngineConfig
@@ -97,9 +97,7 @@ def _batchnorm_warnings(what: str, config: EngineConfig) -> list[str]:
 
 
 def _is_batchnorm(module: nn.Module) -> bool:
-    from torch.nn.modules.batchnorm import _BatchNorm  # BatchNorm1d/2d/3d, lazy and sync
-
-    return isinstance(module, _BatchNorm)
+    return isinstance(module, BatchNormBase)  # BatchNorm1d/2d/3d, lazy and sync
 
 
 def _in_blocks(model: nn.Module, names: list[str]) -> list[str]:
@@ -119,7 +117,7 @@ def _dropout(model: nn.Module) -> list[str]:
     found, configs = [], set()
     for name, m in model.named_modules():
         label = name or "the model"
-        if isinstance(m, _DropoutNd) and m.p > 0 and m.training:
+        if isinstance(m, DropoutBase) and m.p > 0 and m.training:
             found.append(label)
         elif isinstance(m, nn.MultiheadAttention) and m.dropout > 0 and m.training:
             found.append(label)

@@ -34,14 +34,15 @@ from typing import Any, TypeGuard
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.modules.batchnorm import _BatchNorm
+
+from sagenb.engine.torch_private import BatchNormBase, check_batchnorm_input
 
 __all__ = ["GlobalBatchNorm", "sync_batchnorm", "batchnorm_layers"]
 
 
 def batchnorm_layers(model: nn.Module) -> list[str]:
     """The qualified names of model's BatchNorm layers (1d, 2d, 3d, lazy, sync)."""
-    return [name for name, m in model.named_modules() if isinstance(m, _BatchNorm)]
+    return [name for name, m in model.named_modules() if isinstance(m, BatchNormBase)]
 
 
 def sync_batchnorm(model: nn.Module, *, device: torch.device, group: Any = None) -> nn.Module:
@@ -55,12 +56,12 @@ def sync_batchnorm(model: nn.Module, *, device: torch.device, group: Any = None)
     if device.type == "cuda":
         return nn.SyncBatchNorm.convert_sync_batchnorm(model, group)
     for module in model.modules():
-        if isinstance(module, _BatchNorm) and not isinstance(module, GlobalBatchNorm):
+        if isinstance(module, BatchNormBase) and not isinstance(module, GlobalBatchNorm):
             _make_global(module, group)
     return model
 
 
-def _make_global(module: _BatchNorm, group: Any) -> None:
+def _make_global(module: BatchNormBase, group: Any) -> None:
     wrapped = module.__dict__.get("forward")  # e.g. recompute.checkpoint_blocks' wrapper
     # a class is hashable; mypy says no when it defines __hash__ (python/mypy#11470)
     module.__class__ = _global_class(type(module))  # type: ignore[arg-type]
@@ -86,7 +87,7 @@ def _global_class(cls: type) -> type:
     return type(f"Global{cls.__name__}", (GlobalBatchNorm, cls), {"__module__": __name__})
 
 
-class GlobalBatchNorm(_BatchNorm):
+class GlobalBatchNorm(BatchNormBase):
     """A BatchNorm whose training-mode statistics are those of the whole data-parallel batch.
 
     Not built directly: sync_batchnorm turns an existing BatchNorm1d/2d/3d into one."""
@@ -94,7 +95,7 @@ class GlobalBatchNorm(_BatchNorm):
     process_group: Any = None
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        self._check_input_dim(input)
+        check_batchnorm_input(self, input)
         if not (self.training and dist.is_available() and dist.is_initialized()):
             return super().forward(input)
         factor = 0.0 if self.momentum is None else self.momentum

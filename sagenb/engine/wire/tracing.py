@@ -27,6 +27,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from sagenb.engine.torch_private import dump_flight_recorder_json
 from sagenb.engine.wire.rendezvous import wait_for_key
 
 __all__ = ["STACK_SIGNAL", "Tracer", "stack_path", "request_key", "collectives_key"]
@@ -122,11 +123,8 @@ def in_flight(since_ns: int = 0) -> list[dict]:
     retired, oldest first, from torch's flight recorder (empty when it records nothing or this
     torch has none)."""
     try:
-        # private, absent from torch's stubs (torch/_C/_distributed_c10d.pyi)
-        from torch._C._distributed_c10d import _dump_fr_trace_json  # type: ignore[attr-defined]
-
-        trace = json.loads(_dump_fr_trace_json(True, False))
-    except Exception:  # noqa: BLE001 - a private API: absent, or changed, in other versions
+        trace = json.loads(dump_flight_recorder_json() or "{}")
+    except Exception:  # noqa: BLE001 - a private API: changed in other versions
         return []
     return [
         {

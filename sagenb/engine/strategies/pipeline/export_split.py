@@ -32,11 +32,18 @@ from typing import Any
 
 import torch
 from torch import fx, nn
-from torch.distributed.pipelining import SplitPoint
-from torch.distributed.pipelining._IR import MultiUseParameterConfig, Pipe, annotate_split_points
+from torch.distributed.pipelining import Pipe, SplitPoint
 
 from sagenb.config.job import JobError
 from sagenb.engine.model.blocks import Blocks, tied_groups
+from sagenb.engine.torch_private import (
+    annotate_split_points,
+    clear_split_point,
+    direct_buffers,
+    direct_parameters,
+    non_persistent_buffers,
+    pipe_from_traced,
+)
 
 __all__ = ["export_stages"]
 
@@ -48,7 +55,7 @@ def export_stages(
     spec = {blocks.qualified(i): SplitPoint.BEGINNING for i in starts[1:]}
     with _annotated(model, spec):
         program = _export(model, example)
-        pipe = Pipe._from_traced(model, program, MultiUseParameterConfig.REPLICATE)
+        pipe = pipe_from_traced(model, program)
     if pipe.num_stages != len(starts):
         raise JobError(
             f"torch.export cut the model into {pipe.num_stages} stages, not {len(starts)}: a "
@@ -129,8 +136,7 @@ def _annotated(model: nn.Module, spec: dict[str, SplitPoint]) -> Iterator[None]:
         yield
     finally:
         for module, forward in saved.values():
-            del module.forward
-            module.__dict__.pop("_orig_forward", None)
+            clear_split_point(module)
             if forward is not None:
                 module.forward = forward
 
@@ -178,14 +184,14 @@ def _tidy(stage: nn.Module, keys: set[str]) -> None:
     for name, _ in list(stage.named_parameters(remove_duplicate=False)):
         if not is_used(name):
             owner, _, attr = name.rpartition(".")
-            stage.get_submodule(owner)._parameters.pop(attr, None)
+            direct_parameters(stage.get_submodule(owner)).pop(attr, None)
     for name, _ in list(stage.named_buffers(remove_duplicate=False)):
         owner, _, attr = name.rpartition(".")
         module = stage.get_submodule(owner)
         if not is_used(name):
-            module._buffers.pop(attr, None)
+            direct_buffers(module).pop(attr, None)
         elif name not in keys:
-            module._non_persistent_buffers_set.add(attr)
+            non_persistent_buffers(module).add(attr)
     extra = set(stage.state_dict().keys()) - keys
     if extra:
         raise JobError(

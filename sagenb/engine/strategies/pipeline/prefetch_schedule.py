@@ -6,7 +6,7 @@ thread has answered, so each of a step's 2 x microbatches transfers puts a round
 critical path, a sizeable share of a small stage's compute (the figures:
 benchmarks/results/measured_in_code.md).
 
-Here the same compute order runs on torch's own action runtime (_PipelineScheduleRuntime, the
+Here the same compute order runs on torch's own action runtime (PipelineScheduleRuntime, the
 one that runs its interleaved schedule), from an action list that posts all of the step's
 receives first. Every microbatch has its own receive buffers in a PipelineStage, so this costs
 no memory; each transfer then lands while the receiver is still busy with earlier work.
@@ -23,18 +23,20 @@ from collections.abc import Callable
 
 import torch
 from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import (
-    _Action,
-    _ComputationType,
-    _PipelineScheduleRuntime,
+
+from sagenb.engine.torch_private import (
+    Action,
+    ComputationType,
+    PipelineScheduleRuntime,
+    load_actions,
 )
 
 __all__ = ["PrefetchingSchedule", "compute_order", "action_lists"]
 
-F, B = _ComputationType.FORWARD, _ComputationType.FULL_BACKWARD
-SEND_F, RECV_F = _ComputationType.SEND_F, _ComputationType.RECV_F
-SEND_B, RECV_B = _ComputationType.SEND_B, _ComputationType.RECV_B
-REDUCE_GRAD = _ComputationType.REDUCE_GRAD
+F, B = ComputationType.FORWARD, ComputationType.FULL_BACKWARD
+SEND_F, RECV_F = ComputationType.SEND_F, ComputationType.RECV_F
+SEND_B, RECV_B = ComputationType.SEND_B, ComputationType.RECV_B
+REDUCE_GRAD = ComputationType.REDUCE_GRAD
 
 
 def compute_order(kind: str, stages: int, microbatches: int, stage: int) -> list[tuple[str, int]]:
@@ -58,7 +60,7 @@ def compute_order(kind: str, stages: int, microbatches: int, stage: int) -> list
     return order
 
 
-def action_lists(kind: str, stages: int, microbatches: int) -> dict[int, list[_Action | None]]:
+def action_lists(kind: str, stages: int, microbatches: int) -> dict[int, list[Action | None]]:
     """Every stage's actions (one stage per rank): its receives, then its compute order with a
     send after each forward (not on the last stage) and each backward (not on the first), then
     the gradient reduction. Typed as torch's _prepare_schedule_with_comms takes them, where None
@@ -66,26 +68,26 @@ def action_lists(kind: str, stages: int, microbatches: int) -> dict[int, list[_A
     out = {}
     for s in range(stages):
         first, last = s == 0, s == stages - 1
-        actions: list[_Action | None] = []
+        actions: list[Action | None] = []
         if not first:
-            actions += [_Action(s, RECV_F, i) for i in range(microbatches)]
+            actions += [Action(s, RECV_F, i) for i in range(microbatches)]
         if not last:
-            actions += [_Action(s, RECV_B, i) for i in range(microbatches)]
+            actions += [Action(s, RECV_B, i) for i in range(microbatches)]
         for op, i in compute_order(kind, stages, microbatches, s):
             if op == "F":
-                actions.append(_Action(s, F, i))
+                actions.append(Action(s, F, i))
                 if not last:
-                    actions.append(_Action(s, SEND_F, i))
+                    actions.append(Action(s, SEND_F, i))
             else:
-                actions.append(_Action(s, B, i))
+                actions.append(Action(s, B, i))
                 if not first:
-                    actions.append(_Action(s, SEND_B, i))
-        actions.append(_Action(s, REDUCE_GRAD, None))
+                    actions.append(Action(s, SEND_B, i))
+        actions.append(Action(s, REDUCE_GRAD, None))
         out[s] = actions
     return out
 
 
-class PrefetchingSchedule(_PipelineScheduleRuntime):
+class PrefetchingSchedule(PipelineScheduleRuntime):
     """torch's GPipe or 1F1B compute order, receives posted at the start of each step."""
 
     def __init__(
@@ -97,4 +99,4 @@ class PrefetchingSchedule(_PipelineScheduleRuntime):
     ):
         super().__init__([stage], microbatches, loss_fn=loss_fn, scale_grads=False)
         lists = action_lists(kind, stage.num_stages, microbatches)
-        self._prepare_schedule_with_comms(lists, format="compute_comms")
+        load_actions(self, lists)

@@ -27,6 +27,7 @@ from sagenb.engine.strategies.attribution import (
 from sagenb.engine.strategies.tensor.check import matches
 from sagenb.engine.strategies.tensor.plan import plan_for
 from sagenb.engine.strategies.tensor.styles import is_conv1d, splits
+from sagenb.engine.torch_private import direct_parameters
 
 __all__ = ["TensorAttribution"]
 
@@ -81,7 +82,7 @@ def _split_dims(split: dict[nn.Module, str]) -> dict[nn.Parameter, int]:
             else "linear"
         )
         for name, dim in SPLIT_DIMS[layer][kind].items():
-            p = module._parameters.get(name)
+            p = direct_parameters(module).get(name)
             if p is not None:
                 dims[p] = dim
     return dims

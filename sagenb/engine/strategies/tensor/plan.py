@@ -45,6 +45,7 @@ from sagenb.engine.strategies.tensor.check import check_shapes, matches, path_ma
 from sagenb.engine.strategies.tensor.dataflow import dataflow_pairs, features, is_splittable
 from sagenb.engine.strategies.tensor.hf_plan import shipped_plans
 from sagenb.engine.strategies.tensor.styles import splits, to_styles
+from sagenb.engine.torch_private import direct_parameters
 
 __all__ = ["Plan", "plan_for", "derive_plan", "check_plan", "to_styles", "split_heads"]
 __all__ += ["HEAD_ATTRS"]
@@ -130,7 +131,7 @@ def _tied_ids(model: nn.Module) -> set[int]:
     """Parameters held by more than one module (an embedding tied to the output head)."""
     seen: dict[int, int] = {}
     for module in model.modules():
-        for p in module._parameters.values():
+        for p in direct_parameters(module).values():
             if p is not None:
                 seen[id(p)] = seen.get(id(p), 0) + 1
     return {pid for pid, count in seen.items() if count > 1}

@@ -25,6 +25,7 @@ from torch.distributed.tensor import Replicate, Shard, distribute_module, distri
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from sagenb.config.job import JobError
+from sagenb.engine.torch_private import apply_style, direct_parameters, style_redistribution
 
 __all__ = ["Colwise", "Rowwise", "STYLES", "is_conv1d", "to_styles", "splits"]
 
@@ -33,7 +34,7 @@ def is_conv1d(module: nn.Module) -> bool:
     """transformers' Conv1D (GPT, GPT-2): weight (nx, nf) = (in, out), recognised by shape so
     that transformers need not be imported (read from _parameters: under torch.fx tracing
     attribute access returns proxies)."""
-    weight = module._parameters.get("weight")
+    weight = direct_parameters(module).get("weight")
     return (
         type(module).__name__ == "Conv1D"
         and hasattr(module, "nf")
@@ -54,15 +55,15 @@ def _shard_conv1d(weight_dim: int, bias: Any, src_data_rank: int | None, name, m
 class Colwise(ColwiseParallel):
     """torch's ColwiseParallel, also for Conv1D: weight Shard(1), bias Shard(0)."""
 
+    # ParallelStyle's one method, which parallelize_module calls (engine/torch_private.py)
     def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
         if not is_conv1d(module):
-            return super()._apply(module, device_mesh)
+            return apply_style(ColwiseParallel, self, module, device_mesh)
         return distribute_module(
             module,
             device_mesh,
             partial(_shard_conv1d, 1, Shard(0), self.src_data_rank),
-            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
-            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
+            *style_redistribution(self),
         )
 
 
@@ -70,16 +71,16 @@ class Rowwise(RowwiseParallel):
     """torch's RowwiseParallel, also for Conv1D: weight Shard(0), bias whole (added once,
     after the all-reduce of the partial sums, as torch does for Linear)."""
 
+    # ParallelStyle's one method, which parallelize_module calls (engine/torch_private.py)
     def _apply(self, module: nn.Module, device_mesh: Any) -> nn.Module:
         if not is_conv1d(module):
-            return super()._apply(module, device_mesh)
+            return apply_style(RowwiseParallel, self, module, device_mesh)
         self.desired_input_layouts = (Shard(-1),)
         return distribute_module(
             module,
             device_mesh,
             partial(_shard_conv1d, 0, Replicate(), self.src_data_rank),
-            partial(self._prepare_input_fn, self.input_layouts, self.desired_input_layouts),
-            partial(self._prepare_output_fn, self.output_layouts, self.use_local_output),
+            *style_redistribution(self),
         )
 
 

@@ -1,0 +1,331 @@
+"""Every private torch name sagenb relies on, and the only sagenb module that touches one.
+
+A private name (a module path or a name with a leading underscore) carries no promise: torch
+moves, renames or changes them between releases without a deprecation. pyproject.toml pins
+torch>=2.13,<2.14, the release CI tests; moving to a new torch starts here. Each use below is
+named with the public API it stands in for, or says why torch 2.13 has none.
+`PRIVATE_NAMES` lists every private (module, attribute) relied on, and tests/test_private_apis.py
+resolves each on the installed torch and checks that no other sagenb module imports or reads a
+private torch name.
+
+Only modules that `import torch` loads itself are imported at the top, so that importing this
+module (the data loader does) costs nothing beyond torch. The pipelining and
+distributed-checkpoint names are resolved on first use (module `__getattr__`, as
+sagenb/config/__init__.py does): torch.distributed.pipelining imports torch._dynamo, most of a
+second. torch._dynamo itself is imported only by `warm_dynamo`, and the flight recorder, which a
+torch build may lack, only by `dump_flight_recorder_json`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from functools import partial
+from importlib import import_module
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import torch
+from torch import nn
+
+# no public equivalent in torch 2.13: tensors with shapes and dtypes but no data, through which
+# the cell's own code builds its model and data (torch.export uses the same mode inside)
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+# the base of BatchNorm1d/2d/3d, their lazy forms and SyncBatchNorm; public: those classes one
+# by one for isinstance, none to subclass (engine/model/sync_batchnorm.py's GlobalBatchNorm)
+from torch.nn.modules.batchnorm import _BatchNorm as BatchNormBase
+
+# the base of Dropout, Dropout1d/2d/3d, AlphaDropout and FeatureAlphaDropout (all have .p);
+# public: those classes one by one
+from torch.nn.modules.dropout import _DropoutNd as DropoutBase
+
+# no public equivalent in torch 2.13: a mode that sees every aten op with its arguments
+# (the __torch_dispatch__ modes of the "Extending PyTorch" notes are built on this class)
+from torch.utils._python_dispatch import TorchDispatchMode
+
+# no public equivalent in torch 2.13 (no torch.utils.pytree): every tensor in nested
+# tuples, lists and dicts, as torch's own modes walk them
+from torch.utils._pytree import tree_leaves
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint._traverse import set_element
+    from torch.distributed.pipelining import Pipe
+    from torch.distributed.pipelining._IR import annotate_split_points
+    from torch.distributed.pipelining.schedules import _Action as Action
+    from torch.distributed.pipelining.schedules import _ComputationType as ComputationType
+    from torch.distributed.pipelining.schedules import (
+        _PipelineScheduleRuntime as PipelineScheduleRuntime,
+    )
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+__all__ = [
+    "PRIVATE_NAMES",
+    "Action",
+    "BatchNormBase",
+    "ComputationType",
+    "DropoutBase",
+    "FakeTensorMode",
+    "PipelineScheduleRuntime",
+    "PrivateName",
+    "TorchDispatchMode",
+    "annotate_split_points",
+    "apply_style",
+    "check_batchnorm_input",
+    "clear_split_point",
+    "direct_buffers",
+    "direct_parameters",
+    "dump_flight_recorder_json",
+    "load_actions",
+    "non_persistent_buffers",
+    "pipe_from_traced",
+    "set_element",
+    "shutdown_workers",
+    "style_redistribution",
+    "tree_leaves",
+    "view_base",
+    "warm_dynamo",
+]
+
+_SCHEDULES = "torch.distributed.pipelining.schedules"
+
+#: name here -> (torch module, private name): imported when first asked for
+_ON_FIRST_USE = {
+    # public: ScheduleGPipe and Schedule1F1B, which post each receive just before its use;
+    # the action runtime behind ScheduleInterleaved1F1B runs a list of actions of one's own
+    "Action": (_SCHEDULES, "_Action"),
+    "ComputationType": (_SCHEDULES, "_ComputationType"),
+    "PipelineScheduleRuntime": (_SCHEDULES, "_PipelineScheduleRuntime"),
+    # public: pipeline(model, mb_args, mb_kwargs, split_spec), which annotates the cell's
+    # model in place and leaves it so; sagenb annotates, exports and undoes (export_split.py)
+    "annotate_split_points": ("torch.distributed.pipelining._IR", "annotate_split_points"),
+    # public: DefaultLoadPlanner.load_bytes, which places a loaded entry in the nested
+    # state_dict the same way but unpickles it with weights_only=False
+    "set_element": ("torch.distributed.checkpoint._traverse", "set_element"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _ON_FIRST_USE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module, private = _ON_FIRST_USE[name]
+    value = getattr(import_module(module), private)
+    globals()[name] = value  # once: later lookups find it as a plain global
+    return value
+
+
+# -- nn.Module's own dicts -------------------------------------------------------------------------
+
+
+def direct_parameters(module: nn.Module) -> dict[str, nn.Parameter | None]:
+    """The parameters `module` holds itself, the live dict: changing it changes the module."""
+    # public: named_parameters(recurse=False) to read, register_parameter to change; the dict
+    # swaps a parameter (meta -> real) past delayed.meta_parameters' patched register_parameter,
+    # and reads real tensors where torch.fx tracing makes attribute access return proxies
+    return module._parameters
+
+
+def direct_buffers(module: nn.Module) -> dict[str, torch.Tensor | None]:
+    """The buffers `module` holds itself, the live dict."""
+    # public: named_buffers(recurse=False) to read, delattr to drop (which fails when absent)
+    return module._buffers
+
+
+def non_persistent_buffers(module: nn.Module) -> set[str]:
+    """The names of `module`'s buffers that its state_dict leaves out, the live set."""
+    # public: register_buffer(name, tensor, persistent=False), which registers the tensor anew
+    return module._non_persistent_buffers_set
+
+
+def view_base(tensor: torch.Tensor) -> torch.Tensor | None:
+    """The tensor `tensor` is a view of, or None."""
+    # no public equivalent in torch 2.13: the base of a view (linear saves weight.t(), a view
+    # of the parameter, for backward)
+    return tensor._base
+
+
+def check_batchnorm_input(module: BatchNormBase, input: torch.Tensor) -> None:
+    """The shape check BatchNorm1d/2d/3d make before their forward (ValueError)."""
+    # no public equivalent in torch 2.13: each BatchNorm class's own check of input.dim()
+    module._check_input_dim(input)
+
+
+# -- data loading ----------------------------------------------------------------------------------
+
+
+def shutdown_workers(iterator: Iterator[Any]) -> None:
+    """Stop the worker processes of a DataLoader iterator (num_workers > 0) now."""
+    # public: dropping the last reference to the iterator (its __del__ does this), which a
+    # traceback holding the frame delays; torch types iter(loader) as the base iterator
+    iterator._shutdown_workers()  # type: ignore[attr-defined]
+
+
+# -- pipelining ------------------------------------------------------------------------------------
+
+
+def pipe_from_traced(model: nn.Module, program: torch.export.ExportedProgram) -> Pipe:
+    """torch's Pipe of an exported `model` whose split points are annotated, a weight used by
+    several stages replicated into each."""
+    # public: pipeline(model, mb_args, mb_kwargs, split_spec), which runs torch.export itself
+    # (sagenb exports with static shapes) and leaves the annotations on the cell's model
+    from torch.distributed.pipelining import Pipe
+    from torch.distributed.pipelining._IR import MultiUseParameterConfig
+
+    return Pipe._from_traced(model, program, MultiUseParameterConfig.REPLICATE)
+
+
+def clear_split_point(module: nn.Module) -> None:
+    """Take off `module` what annotate_split_points set on it: its forward wrapper and the
+    _orig_forward it keeps."""
+    # no public equivalent in torch 2.13: annotate_split_points is not undone by torch
+    del module.forward
+    module.__dict__.pop("_orig_forward", None)
+
+
+def load_actions(
+    schedule: PipelineScheduleRuntime, actions: dict[int, list[Action | None]]
+) -> None:
+    """Give `schedule` every stage's actions, sends and receives included."""
+    # no public equivalent in torch 2.13: how ScheduleInterleaved1F1B hands its own lists over
+    schedule._prepare_schedule_with_comms(actions, format="compute_comms")
+
+
+# -- tensor parallel -------------------------------------------------------------------------------
+
+
+def apply_style(
+    kind: type[ParallelStyle], style: ParallelStyle, module: nn.Module, mesh: Any
+) -> nn.Module:
+    """`kind`'s own splitting of `module` by `style`, for a subclass that extends it."""
+    # public: parallelize_module(module, mesh, style), which calls the style's _apply: a
+    # subclass overriding _apply (ParallelStyle's one method) reaches its base's through here
+    return kind._apply(style, module, mesh)
+
+
+def style_redistribution(style: Any) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """The input and output functions ColwiseParallel's or RowwiseParallel's _apply hands
+    distribute_module: the module's inputs and outputs redistributed to the style's layouts."""
+    # no public equivalent in torch 2.13: the styles' static _prepare_input_fn and
+    # _prepare_output_fn, bound as their _apply binds them
+    return (
+        partial(style._prepare_input_fn, style.input_layouts, style.desired_input_layouts),
+        partial(style._prepare_output_fn, style.output_layouts, style.use_local_output),
+    )
+
+
+# -- the process -----------------------------------------------------------------------------------
+
+
+def dump_flight_recorder_json() -> bytes | None:
+    """torch's flight recorder as JSON (every collective, not only the active ones, without
+    stack traces), or None where this torch build has none."""
+    # no public equivalent in torch 2.13: the public route dumps to files, on a watchdog timeout
+    try:
+        # absent from torch's stubs (torch/_C/_distributed_c10d.pyi)
+        from torch._C._distributed_c10d import _dump_fr_trace_json  # type: ignore[attr-defined]
+    except ImportError:
+        return None
+    return _dump_fr_trace_json(True, False)
+
+
+def warm_dynamo() -> None:
+    """Import torch._dynamo, which DDP's constructor would otherwise import on the first run."""
+    # no public equivalent in torch 2.13: torch.compile imports it on its first call too
+    import torch._dynamo  # noqa: F401
+
+
+# -- what the test resolves ------------------------------------------------------------------------
+
+
+class PrivateName(NamedTuple):
+    """One private torch name: `attribute` is a dotted path from the imported `module` ("" for
+    the module itself); a component ending in "()" is called with no arguments (an instance
+    attribute, set in __init__)."""
+
+    module: str
+    attribute: str
+    #: the sagenb code that stops working without it
+    used_by: str
+
+
+PRIVATE_NAMES: tuple[PrivateName, ...] = (
+    PrivateName("torch._subclasses.fake_tensor", "FakeTensorMode", "sizing.footprint.footprint"),
+    PrivateName(
+        "torch.utils._python_dispatch",
+        "TorchDispatchMode",
+        "sizing.footprint_trace (the tensor-parallel marks of trace_step)",
+    ),
+    PrivateName("torch.utils._pytree", "tree_leaves", "sizing.footprint_trace.trace_step"),
+    PrivateName(
+        "torch.nn.modules.batchnorm",
+        "_BatchNorm",
+        "engine.model.sync_batchnorm (GlobalBatchNorm, sync_batchnorm, batchnorm_layers), "
+        "engine.model.equivalence.equivalence_warnings",
+    ),
+    PrivateName(
+        "torch.nn", "BatchNorm1d._check_input_dim", "engine.model.sync_batchnorm.GlobalBatchNorm"
+    ),
+    PrivateName(
+        "torch.nn.modules.dropout", "_DropoutNd", "engine.model.equivalence.equivalence_warnings"
+    ),
+    PrivateName(
+        "torch.nn",
+        "Module()._parameters",
+        "engine.model.delayed (materialize, release_others), pipeline.export_split, "
+        "tensor.plan, tensor.styles.is_conv1d, sizing.footprint",
+    ),
+    PrivateName("torch.nn", "Module()._buffers", "engine.strategies.pipeline.export_split"),
+    PrivateName(
+        "torch.nn",
+        "Module()._non_persistent_buffers_set",
+        "engine.strategies.pipeline.export_split",
+    ),
+    PrivateName("torch", "Tensor._base", "engine.memory.MemoryMeter (activation memory)"),
+    PrivateName(
+        "torch.utils.data.dataloader",
+        "_MultiProcessingDataLoaderIter._shutdown_workers",
+        "engine.loader.batches_of (--data-workers)",
+    ),
+    *(
+        PrivateName(_SCHEDULES, name, "engine.strategies.pipeline.prefetch_schedule (gloo)")
+        for name in (
+            "_Action",
+            "_ComputationType.FORWARD",
+            "_ComputationType.FULL_BACKWARD",
+            "_ComputationType.SEND_F",
+            "_ComputationType.RECV_F",
+            "_ComputationType.SEND_B",
+            "_ComputationType.RECV_B",
+            "_ComputationType.REDUCE_GRAD",
+            "_PipelineScheduleRuntime",
+            "_PipelineScheduleRuntime._prepare_schedule_with_comms",
+        )
+    ),
+    *(
+        PrivateName(module, name, "engine.strategies.pipeline.export_split.export_stages")
+        for module, name in (
+            ("torch.distributed.pipelining._IR", "annotate_split_points"),
+            ("torch.distributed.pipelining._IR", "MultiUseParameterConfig.REPLICATE"),
+            ("torch.distributed.pipelining", "Pipe._from_traced"),
+        )
+    ),
+    *(
+        PrivateName("torch.distributed.tensor.parallel", name, "engine.strategies.tensor.styles")
+        for name in (
+            "ParallelStyle._apply",
+            "ColwiseParallel._prepare_input_fn",
+            "ColwiseParallel._prepare_output_fn",
+            "RowwiseParallel._prepare_input_fn",
+            "RowwiseParallel._prepare_output_fn",
+        )
+    ),
+    PrivateName(
+        "torch._C._distributed_c10d",
+        "_dump_fr_trace_json",
+        "engine.wire.tracing.in_flight (a stalled run's collectives)",
+    ),
+    PrivateName(
+        "torch.distributed.checkpoint._traverse",
+        "set_element",
+        "engine.checkpoint.reader.SafePlanner (resuming a checkpoint)",
+    ),
+    PrivateName("torch._dynamo", "", "engine.entry.warm (the pool's warm-up)"),
+)

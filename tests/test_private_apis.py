@@ -1,0 +1,230 @@
+"""torch's and ipyparallel's private names: each one sagenb relies on still there, and used only
+behind sagenb/engine/torch_private.py and sagenb/pool/ipyparallel_private.py (issue 34).
+
+No pool: these run in the fast lane, so a new torch that drops a name fails here first, naming
+the name and the sagenb code that needs it.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import json
+import subprocess
+import sys
+from collections.abc import Set as AbstractSet
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from sagenb.engine import torch_private
+from sagenb.pool import ipyparallel_private
+
+SAGENB = Path(__file__).resolve().parent.parent / "sagenb"
+TORCH_PRIVATE = SAGENB / "engine" / "torch_private.py"
+IPYPARALLEL_PRIVATE = SAGENB / "pool" / "ipyparallel_private.py"
+
+
+def _private(dotted: str) -> bool:
+    """A component with a leading underscore (dunders such as __version__ are public)."""
+    return any(p.startswith("_") and not p.startswith("__") for p in dotted.split("."))
+
+
+def _is_torch(module: str) -> bool:
+    return module == "torch" or module.startswith("torch.")
+
+
+def resolve(module: str, attribute: str) -> object:
+    """The object `attribute` (dotted; a part ending in "()" is called) names in `module`."""
+    obj = importlib.import_module(module)
+    for part in filter(None, attribute.split(".")):
+        obj = getattr(obj, part.removesuffix("()"))
+        if part.endswith("()"):
+            obj = obj()  # an instance attribute: set by __init__
+    return obj
+
+
+# -- every private name relied on is there -----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "entry", torch_private.PRIVATE_NAMES, ids=lambda e: f"{e.module}:{e.attribute}"
+)
+def test_each_private_torch_name_resolves(entry: torch_private.PrivateName):
+    try:
+        resolve(entry.module, entry.attribute)
+    except (ImportError, AttributeError) as exc:
+        pytest.fail(
+            f"{entry.module} {entry.attribute!r} is gone from torch {torch.__version__} ({exc}): "
+            f"sagenb's {entry.used_by} depends on it; replace it in "
+            "sagenb/engine/torch_private.py, the only module that uses it"
+        )
+
+
+@pytest.mark.parametrize("entry", ipyparallel_private.PRIVATE_NAMES, ids=lambda e: e[1])
+def test_each_private_ipyparallel_name_resolves(entry: tuple[str, str, str]):
+    module, attribute, used_by = entry
+    try:
+        resolve(module, attribute)
+    except (ImportError, AttributeError) as exc:
+        pytest.fail(
+            f"{module} {attribute!r} is gone from this ipyparallel ({exc}): sagenb's {used_by} "
+            "depends on it; replace it in sagenb/pool/ipyparallel_private.py"
+        )
+
+
+def test_annotate_split_points_is_undone_by_clear_split_point():
+    """The name getattr cannot check: the _orig_forward annotate_split_points sets."""
+    from torch.distributed.pipelining import SplitPoint
+
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    torch_private.annotate_split_points(model, {"1": SplitPoint.BEGINNING})
+    assert "forward" in vars(model[1])
+    torch_private.clear_split_point(model[1])
+    assert not {"forward", "_orig_forward"} & set(vars(model[1]))
+
+
+def test_the_flight_recorder_dumps_json():
+    """engine/wire/tracing.py's in_flight parses the dump (here without a process group)."""
+    dump = torch_private.dump_flight_recorder_json()
+    assert dump is not None, f"torch {torch.__version__} has no flight recorder"
+    assert isinstance(json.loads(dump), dict)
+
+
+def test_importing_the_module_costs_nothing_beyond_torch():
+    """The lazy names stay lazy: the data loader imports this module, and
+    torch.distributed.pipelining would bring torch._dynamo, most of a second."""
+    code = (
+        "import sys, torch\n"
+        "before = set(sys.modules)\n"
+        "import sagenb.engine.torch_private\n"
+        "print(sorted(m for m in set(sys.modules) - before if not m.startswith('sagenb')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+# -- and used nowhere else ---------------------------------------------------------------------
+
+
+def _dotted(node: ast.AST) -> str:
+    """`a.b.c` for an attribute chain from a name, else ""."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    return ".".join([node.id, *reversed(parts)]) if isinstance(node, ast.Name) else ""
+
+
+def _names(entries) -> set[str]:
+    """The private parts of the entries' modules and attributes: `_parameters`, `_IR`, ..."""
+    return {
+        part.removesuffix("()")
+        for module, attribute, *_ in entries
+        for part in f"{module}.{attribute}".split(".")
+        if _private(part)
+    }
+
+
+TORCH_NAMES = _names(torch_private.PRIVATE_NAMES) | {"_orig_forward"}
+IPYPARALLEL_NAMES = _names(ipyparallel_private.PRIVATE_NAMES)
+
+
+def private_uses(source: str, names: AbstractSet[str], *, torch_paths: bool = True) -> list[str]:
+    """Each use in `source` of one of `names` as an attribute or a string (getattr's), and with
+    `torch_paths` of any private torch name: an import of a torch module path or name with a
+    leading underscore, or an attribute chain from `torch` through one. "line: what" each."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        line = getattr(node, "lineno", 0)
+        if isinstance(node, ast.Import) and torch_paths:
+            found |= {f"{line}: import {a.name}" for a in node.names if _private_torch(a.name)}
+        elif isinstance(node, ast.ImportFrom) and torch_paths and not node.level:
+            module, imported = node.module or "", [a.name for a in node.names]
+            if _private_torch(module) or (_is_torch(module) and any(map(_private, imported))):
+                found.add(f"{line}: from {module} import {', '.join(imported)}")
+        elif isinstance(node, ast.Attribute):
+            chain = _dotted(node)
+            if node.attr in names or (torch_paths and _private_torch(chain)):
+                found.add(f"{line}: {chain or '...' + node.attr}")
+        elif isinstance(node, ast.Constant) and node.value in names:
+            found.add(f"{line}: {node.value!r}")
+    return sorted(found, key=lambda use: int(use.split(":")[0]))
+
+
+def _private_torch(dotted: str) -> bool:
+    return _is_torch(dotted) and _private(dotted)
+
+
+def test_the_scan_sees_each_kind_of_private_use():
+    source = (
+        "import torch._dynamo\n"
+        "from torch.utils._pytree import tree_leaves\n"
+        "from torch.nn.modules.batchnorm import _BatchNorm\n"
+        "from torch.distributed.pipelining import _IR\n"
+        "x = torch.distributed.pipelining._IR.Pipe\n"
+        "it._shutdown_workers()\n"
+        "client._config.get('location')\n"
+        "getattr(module, '_parameters')\n"
+        "import torch.nn, os._exit\n"  # public torch, and not torch at all
+        "from sagenb.display.dashboard import _in_kernel\n"  # sagenb's own
+        "print(torch.__version__, self._live)\n"
+    )
+    uses = private_uses(source, TORCH_NAMES | IPYPARALLEL_NAMES)
+    assert sorted({int(use.split(":")[0]) for use in uses}) == list(range(1, 9)), uses
+    assert private_uses(source, IPYPARALLEL_NAMES, torch_paths=False) == ["7: client._config"]
+
+
+def _uses_outside(skip: Path, names: AbstractSet[str], *, torch_paths: bool) -> dict[str, list]:
+    found = {
+        path.relative_to(SAGENB.parent).as_posix(): private_uses(
+            path.read_text(), names, torch_paths=torch_paths
+        )
+        for path in sorted(SAGENB.rglob("*.py"))
+        if path != skip
+    }
+    return {path: uses for path, uses in found.items() if uses}
+
+
+def test_no_other_module_uses_a_private_torch_name():
+    assert _uses_outside(TORCH_PRIVATE, TORCH_NAMES, torch_paths=True) == {}, (
+        "private torch names belong in sagenb/engine/torch_private.py, listed in PRIVATE_NAMES"
+    )
+
+
+def test_no_other_module_uses_a_private_ipyparallel_name():
+    assert _uses_outside(IPYPARALLEL_PRIVATE, IPYPARALLEL_NAMES, torch_paths=False) == {}, (
+        "private ipyparallel names belong in sagenb/pool/ipyparallel_private.py"
+    )
+
+
+def _unlisted(path: Path, entries) -> list[str]:
+    """The private names `path` imports or reads that no entry names."""
+    listed = {(module, attribute.split(".")[0]) for module, attribute, *_ in entries}
+    names = _names(entries)
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and _is_torch(node.module or ""):
+            private_module = _private(node.module or "")
+            out += [
+                f"{node.module} {a.name}"
+                for a in node.names
+                if (private_module or _private(a.name)) and (node.module, a.name) not in listed
+            ]
+        elif isinstance(node, ast.Import):
+            out += [a.name for a in node.names if _private(a.name) and (a.name, "") not in listed]
+        elif isinstance(node, ast.Attribute) and _private(node.attr) and node.attr not in names:
+            out.append(f"line {node.lineno}: .{node.attr}")
+    return out
+
+
+def test_every_private_use_in_the_two_modules_is_listed():
+    """What torch_private.py and ipyparallel_private.py import or read privately is in their
+    PRIVATE_NAMES, so the names checked above are all the names relied on."""
+    assert _unlisted(TORCH_PRIVATE, torch_private.PRIVATE_NAMES) == []
+    assert _unlisted(IPYPARALLEL_PRIVATE, ipyparallel_private.PRIVATE_NAMES) == []
+    on_first_use = set(torch_private._ON_FIRST_USE.values())
+    listed = {(m, a.split(".")[0]) for m, a, _ in torch_private.PRIVATE_NAMES}
+    assert on_first_use - listed == set()
