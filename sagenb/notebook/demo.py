@@ -1,10 +1,10 @@
 """The quick start's main job: a real data-parallel training on a local pool of engines.
 
-    python -m sagenb.notebook.demo [--engines 2] [--epochs 3] [--html artifacts/dashboard.html]
+    python -m sagenb.notebook.demo [--engines 2] [--epochs 4] [--html artifacts/dashboard.html]
 
 Starts a pool, trains a small classifier on a synthetic two-spirals data set with
-DistributedDataParallel, checks that the result equals single-process training, writes the
-dashboard as one HTML file, and stops the pool.
+DistributedDataParallel, prints its loss, time, cost and eval losses, writes the dashboard as
+one HTML file, and stops the pool (tests/test_browser.py runs it and opens the dashboard).
 """
 
 from __future__ import annotations
