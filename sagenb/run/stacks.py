@@ -21,7 +21,7 @@ from sagenb.engine.wire.tracing import STACK_SIGNAL, collectives_key, request_ke
 
 __all__ = ["RankTrace", "collect", "describe", "CELL_FILE"]
 
-CELL_FILE = "<smp_train cell>"  # the file name job.py compiles a cell under
+CELL_FILE = "<smp_train cell>"  # the file name config/job.py compiles a cell under
 DUMP_WAIT_S = 1.0  # the most a dump may take to appear (ten times an idle machine's: see
 # benchmarks/results/measured_in_code.md)
 _THREAD = re.compile(r"^(?:Current thread|Thread) (0x[0-9a-f]+)", re.M)
