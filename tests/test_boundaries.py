@@ -146,6 +146,37 @@ def test_the_engine_side_imports_none_of_the_notebook_roles():
     )
 
 
+#: which role may import which, as docs/architecture.md's table says (a role: a folder of sagenb/;
+#: "sagenb" is the package's face, whose %load_ext registers the magics)
+MAY_IMPORT = {
+    "sagenb": {"notebook", "pool"},
+    "notebook": {"sagenb", "config", "display", "engine", "metrics", "pool", "run", "sizing"},
+    "config": {"engine"},
+    "run": {"config", "display", "engine", "metrics", "pool", "sizing"},
+    "pool": {"config", "engine"},
+    "engine": {"config", "metrics"},
+    "metrics": {"config"},
+    "display": {"config", "metrics", "sizing"},
+    "sizing": {"config", "display", "engine", "metrics", "pool", "run"},
+}
+
+
+def _role(module: str) -> str:
+    return module.split(".")[1] if module.count(".") else module
+
+
+def test_each_role_imports_only_what_the_architecture_allows():
+    graph = import_graph()
+    assert {_role(m) for m in graph} == set(MAY_IMPORT)  # a new folder needs its row
+    crossing = _edges(graph)
+    assert [
+        edge
+        for edge in crossing
+        if (a := _role(edge.split(" -> ")[0])) != (b := _role(edge.split(" -> ")[1]))
+        and b not in MAY_IMPORT[a]
+    ] == []
+
+
 def test_the_display_never_imports_a_strategy():
     assert (
         _edges(
