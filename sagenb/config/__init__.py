@@ -34,6 +34,7 @@ _PUBLIC = {
             "Section",
             "TrainConfig",
             "describe",
+            "every_option",
             "flag_arguments",
             "flag_reference",
             "notebook_only_flags",
