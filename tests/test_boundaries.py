@@ -136,6 +136,12 @@ def test_no_import_cycle():
     assert cycles(import_graph()) == []
 
 
+def test_the_option_spec_imports_only_the_error():
+    """A strategy's module declares its options with sagenb.config's Option: importing it
+    imports the error of a bad value and nothing of the options, which import the strategies."""
+    assert import_graph()["sagenb.config.spec"] == {"sagenb.config.errors"}
+
+
 def test_the_engine_side_imports_none_of_the_notebook_roles():
     side = tuple(f"sagenb.{role}" for role in NOTEBOOK_SIDE)
     assert (

@@ -6,7 +6,7 @@ import pytest
 from IPython.core.error import UsageError
 
 import sagenb
-from sagenb.config import TrainConfig, flag_name
+from sagenb.config import TrainConfig, every_option, flag_name
 from sagenb.metrics.result import TrainResult
 from sagenb.notebook.magics import parse_train_line, train_parser
 from sagenb.pool import cluster
@@ -105,8 +105,9 @@ def test_dataset_smaller_than_a_batch_is_a_usage_error(shell, pool):
 
 def test_help_lists_every_flag_with_its_default(shell):
     text = train_parser().format_help()
-    for f in TrainConfig.__dataclass_fields__.values():
-        assert flag_name(f.name) in text  # --dashboard too: --dashboard/--no-dashboard
+    # every option, a strategy's own too (strategy_options, the field that holds those, is none)
+    for option in every_option(TrainConfig):
+        assert flag_name(option.name) in text  # --dashboard too: --dashboard/--no-dashboard
     assert "(default: 32)" in text  # --batch-size
     doc = shell.find_cell_magic("smp_train").__doc__
     assert "--batch-size" in doc and "--grad-accum" in doc

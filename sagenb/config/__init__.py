@@ -1,12 +1,14 @@
-"""What to train and how: every option once (`options`), in sections; the job (`job`); the error
-of a bad option (`errors`).
+"""What to train and how: every option once (`options`), in sections; the spec of one option,
+which a strategy declares its own with (`spec`); the job (`job`); the error of a bad option
+(`errors`).
 
 The options are plain, picklable, keyword-only dataclasses: `EngineConfig` (all that travels to
 the engines, the planner and an exported script) and `TrainConfig` (the notebook's own options
 besides). This package is their public face, as `sagenb.config.EngineConfig` is what exported
 scripts import. sagenb's own modules import the submodules. The names are resolved on first
-use, so that importing `sagenb.config.job` or `sagenb.config.errors` (as the engine side does)
-does not import the options, which import the strategies.
+use, so that importing `sagenb.config.job`, `sagenb.config.errors` or `sagenb.config.spec` (as the
+engine side does: `from sagenb.config import Option` in a strategy's module) does not import the
+options, which import the strategies.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ _PUBLIC = {
     "flag_name": "errors",
     "Job": "job",
     "JobError": "job",
+    "Option": "spec",
     **{
         name: "options"
         for name in (
@@ -31,6 +34,7 @@ _PUBLIC = {
             "Section",
             "TrainConfig",
             "describe",
+            "every_option",
             "flag_arguments",
             "flag_reference",
             "notebook_only_flags",

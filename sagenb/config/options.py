@@ -1,10 +1,13 @@
 """Training configuration: plain, picklable, keyword-only dataclasses, in sections.
 
 One source of truth for every option. Each field says its section (`SECTIONS`), its help
-text and, where a flag needs it, how to parse the flag's text; from that alone come the
-magic's argparse flags (`--batch-size` for `batch_size`), `to_flags`, the export's script and
-the flag reference (`flag_reference`, docs/flags.md). A script passes them as keyword
-arguments.
+text and, where a flag needs it, how to parse the flag's text; a strategy declares an option of
+its own the same way, as an `Option` of its description (engine/strategies/), and the config
+holds its value in one field, `strategy_options`. `every_option` gives both kinds alike, and
+from that alone come the magic's argparse flags (`--batch-size` for `batch_size`), `to_flags`,
+the export's script, the control panel and the flag reference (`flag_reference`,
+docs/flags.md). A script passes them all as keyword arguments (`mirror_shares=2` too: it goes
+into `strategy_options`), and `config.option(name)` reads either kind.
 
 The sections split the config in two. `EngineConfig` holds what the engines need (training,
 parallelism, memory savers, checkpoints); `TrainConfig` adds what only the notebook uses (the
@@ -20,16 +23,20 @@ from __future__ import annotations
 import argparse
 import builtins
 import dataclasses
+import difflib
+import functools
 import keyword
 import math
 import os
 import types
 import typing
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple, TypeVar
 
 from sagenb.config.errors import ConfigError, flag_name
-from sagenb.engine.strategies import describe
+from sagenb.config.spec import Option
+from sagenb.engine.strategies import declared_options, describe
 from sagenb.engine.strategies import names as strategy_names
 from sagenb.engine.strategies.description import DEFAULT_ENGINES
 from sagenb.engine.strategies.pipeline import PARTITION_METHODS, SCHEDULES
@@ -41,6 +48,7 @@ __all__ = [
     "SCHEDULES",
     "ConfigError",
     "EngineConfig",
+    "Option",
     "SECTIONS",
     "Section",
     "TrainConfig",
@@ -48,6 +56,7 @@ __all__ = [
     "flag_name",
     "flag_reference",
     "describe",
+    "every_option",
     "field_type",
     "notebook_only_flags",
     "option_owners",
@@ -62,6 +71,8 @@ MAX_TIMEOUT_S = 7 * 24 * 3600.0
 #: torch threads per engine: more than any machine's cores only makes its thread pool fail
 MAX_THREADS = 1024
 _Config = TypeVar("_Config", bound="EngineConfig")
+#: the field that holds the values of the options strategies declare (Description.options)
+_HOLDER = "strategy_options"
 
 
 class Section(NamedTuple):
@@ -110,6 +121,27 @@ def _opt(section: str, default: Any, help: str, **extra: Any) -> Any:
     return field(default=default, metadata={"section": section, "help": help, **extra})
 
 
+def _strategy_keywords(cls: type[_Config]) -> type[_Config]:
+    """Let the dataclass's own __init__ take the options strategies declare as keywords too
+    (`mirror_shares=2`): a keyword that names no field goes into `strategy_options`, after the
+    pairs given there, and __post_init__ checks it with the rest (an unknown name is a
+    ConfigError that says which options there are). `dataclasses.replace(config,
+    mirror_shares=2)` calls this __init__ too, with the config's own pairs."""
+    generated = cls.__init__
+    names = {f.name for f in dataclasses.fields(cls)}
+
+    @functools.wraps(generated)
+    def __init__(self: Any, **options: Any) -> None:
+        extra = {name: options.pop(name) for name in list(options) if name not in names}
+        if extra:
+            options[_HOLDER] = (*_pairs(options.get(_HOLDER, ())), *extra.items())
+        generated(self, **options)
+
+    cls.__init__ = __init__  # type: ignore[method-assign]
+    return cls
+
+
+@_strategy_keywords
 @dataclass(frozen=True, kw_only=True)
 class EngineConfig:
     """The options the engines train with: the engine sections of SECTIONS. This is what a
@@ -173,6 +205,19 @@ class EngineConfig:
         "engines each Linear layer is split across (--strategy tensor; default: every engine); "
         "data parallel across the rest",
         shown="all engines",
+    )
+    #: the values of the options strategies declare of their own (Description.options), as
+    #: (name, value) pairs sorted by name, those at their default left out: a frozen config's
+    #: field must be hashable, and two configs that train alike compare equal. Each is a
+    #: keyword and a flag of its own (`mirror_shares=2`, `--mirror-shares 2`); read one with
+    #: `config.option(name)`.
+    strategy_options: tuple[tuple[str, Any], ...] = field(
+        default=(),
+        metadata={
+            "section": "parallelism",
+            "help": "the values of the options strategies declare of their own",
+            "panel": False,
+        },
     )
     # -- training --
     batch_size: int = _opt(
@@ -264,6 +309,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         strategy = describe(self.strategy)  # a ConfigError names the strategies otherwise
+        self._check_strategy_options()
         for name in ("batch_size", "epochs", "grad_accum"):
             _check_int(self, name, minimum=1)
         for name in ("steps", "engines"):
@@ -289,6 +335,37 @@ class EngineConfig:
         strategy.check(self)
         if self.engines is not None:
             self.check_split(self.engines)
+
+    def option(self, name: str) -> Any:
+        """The value of option `name`: a field's, or that of an option a strategy declares (its
+        default unless it was given), as the engine side of a strategy reads its own."""
+        if name != _HOLDER and name in self.__dataclass_fields__:
+            return getattr(self, name)
+        held = dict(self.strategy_options)
+        if name in held:
+            return held[name]
+        declared = _declared()
+        if name not in declared:
+            known = ", ".join(declared) or "none"
+            raise KeyError(
+                f"{name!r} is no field of {type(self).__name__} and no option a strategy "
+                f"declares (declared: {known})"
+            )
+        return declared[name].default
+
+    def _check_strategy_options(self) -> None:
+        """The declared options' values, each converted and checked by its Option, kept as
+        sorted pairs without those at their default (see the field)."""
+        declared = _declared()
+        held: dict[str, Any] = {}
+        for name, value in _pairs(self.strategy_options):
+            if name not in declared:
+                raise ConfigError(name, value, _unknown(name, type(self), declared))
+            value = declared[name].convert(value)
+            held.pop(name, None)
+            if value != declared[name].default:
+                held[name] = value
+        object.__setattr__(self, _HOLDER, tuple(sorted(held.items())))
 
     def for_engines(self) -> EngineConfig:
         """Only the engine sections' options: what is sent to the engines (validated again)."""
@@ -347,15 +424,15 @@ class EngineConfig:
     def _check_own_options(self, strategy: Any) -> None:
         """An option that only some strategies use must keep its default under the others
         (--partitions 2 with --strategy data would silently train something else)."""
-        for f in _fields(self):
-            value = getattr(self, f.name)
-            if f.name in strategy.own_options or value == f.default:
+        for option in every_option(type(self)):
+            value = self.option(option.name)
+            if value == option.default:
                 continue
-            owners = option_owners(f.name)
-            if owners:
-                negated = f"{_flag_for(f, value)} " if value is False else ""
+            owners = option_owners(option.name)
+            if owners and strategy.name not in owners:
+                negated = f"{_flag_for(option, value)} " if value is False else ""
                 needs = f"{negated}needs --strategy {' or '.join(owners)}"
-                raise ConfigError(f.name, value, needs)
+                raise ConfigError(option.name, value, needs)
 
     def _check_pipeline(self) -> None:
         """The pipeline options' types and choices, for every strategy; the strategies that
@@ -395,13 +472,14 @@ class EngineConfig:
     def to_flags(self) -> str:
         """The `%%smp_train` line that gives this config (defaults left out)."""
         parts = [
-            _flag_for(f, getattr(self, f.name))
-            for f in _fields(self)
-            if getattr(self, f.name) != f.default
+            _flag_for(option, self.option(option.name))
+            for option in every_option(type(self))
+            if self.option(option.name) != option.default
         ]
         return " ".join(["%%smp_train", *parts])
 
 
+@_strategy_keywords
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig(EngineConfig):
     """Everything `%%smp_train` and `sagenb.train` accept: the engines' options and those
@@ -485,12 +563,108 @@ def _fields(config: Any) -> tuple[dataclasses.Field, ...]:
 
 
 def option_owners(name: str) -> tuple[str, ...]:
-    """The strategies that list option `name` in their `own_options` (the others refuse any
-    value but its default); none: every strategy accepts it."""
+    """The strategies that list option `name` in their `own_options` or declare it (their
+    `options`): the others refuse any value but its default; none: every strategy accepts it."""
+    declared = declared_options()
+    if name in declared:
+        return declared[name][1]
     return tuple(n for n in strategy_names() if name in describe(n).own_options)
 
 
-# -- flags: one spelling per field, from its type and default ------------------------------
+# -- every option: the config's fields and the options the strategies declare --------------
+
+
+def every_option(config: type = TrainConfig) -> tuple[Option, ...]:
+    """Every option `config` takes, as Options, in its fields' order: each field's own and,
+    where the field `strategy_options` stands, those the registered strategies declare. The
+    flags, to_flags, the flag reference, the export and the control panel all read this."""
+    out: list[Option] = []
+    for option in _field_options(config):
+        out += _declared().values() if option is None else [option]
+    return tuple(out)
+
+
+@functools.cache
+def _field_options(config: type) -> tuple[Option | None, ...]:
+    """The fields of `config` as Options (None: `strategy_options`, which holds others), once
+    per class: reading the type hints of every field costs a few milliseconds."""
+    return tuple(
+        None if f.name == _HOLDER else _field_option(f, config) for f in dataclasses.fields(config)
+    )
+
+
+def _field_option(f: dataclasses.Field, config: type) -> Option:
+    meta = f.metadata
+    return Option(
+        f.name,
+        meta["section"],
+        f.default,
+        meta["help"],
+        type=field_type(f, config),
+        choices=meta.get("choices"),
+        parse=meta.get("parse"),
+        shown=meta.get("shown"),
+        panel=meta.get("panel", True),
+    )
+
+
+def _declared() -> dict[str, Option]:
+    """The options the registered strategies declare, by name, refusing one that cannot be an
+    option like the others: a name a field has, or a section that stays in the notebook (the
+    values travel to the engines, in EngineConfig)."""
+    declared = declared_options()
+    for name, (option, owners_of) in declared.items():
+        owners = " and ".join(owners_of)
+        if name in TrainConfig.__dataclass_fields__:
+            raise RuntimeError(
+                f"strategy {owners} declares option {name!r}, which is a field of the config "
+                "already: give it a name of its own (its strategy's name first, say)"
+            )
+        if option.section not in SECTIONS or not SECTIONS[option.section].engines:
+            engine_sections = ", ".join(n for n, s in SECTIONS.items() if s.engines)
+            raise RuntimeError(
+                f"strategy {owners} declares option {name!r} in section {option.section!r}: "
+                f"it must be one of the sections sent to the engines ({engine_sections})"
+            )
+    return {name: option for name, (option, _) in declared.items()}
+
+
+def _pairs(given: Any) -> Iterable[tuple[str, Any]]:
+    """`strategy_options` as given: a mapping of names to values, or (name, value) pairs."""
+    if isinstance(given, Mapping):
+        return list(given.items())
+    if isinstance(given, (tuple, list)) and all(
+        isinstance(p, (tuple, list)) and len(p) == 2 and isinstance(p[0], str) for p in given
+    ):
+        return [(name, value) for name, value in given]
+    raise ConfigError(
+        _HOLDER, given, "must be (name, value) pairs, or a mapping of option names to values"
+    )
+
+
+def _unknown(name: str, config: type, declared: Mapping[str, Option]) -> str:
+    """What is allowed instead of option `name`, which neither `config` nor a strategy has."""
+    if name in TrainConfig.__dataclass_fields__:  # given to EngineConfig
+        return (
+            f"is the notebook's own option (TrainConfig's): {config.__name__} holds those sent "
+            "to the engines"
+        )
+    if declared:
+        flags = ", ".join(
+            f"{flag_name(n)} (--strategy {' or '.join(option_owners(n))})" for n in declared
+        )
+        theirs = f"the strategies declare {flags}"
+    else:
+        theirs = "no strategy declares options of its own"
+    candidates = [o.name for o in every_option(config)]
+    close = difflib.get_close_matches(name, candidates, n=1)
+    hint = f"did you mean {flag_name(close[0])}? " if close else ""
+    return (
+        f"is no option: {hint}{config.__name__}'s options are listed in docs/flags.md, and {theirs}"
+    )
+
+
+# -- flags: one spelling per option, from its type and default -----------------------------
 
 
 def field_type(f: dataclasses.Field, config: type = TrainConfig) -> Any:
@@ -503,48 +677,56 @@ def field_type(f: dataclasses.Field, config: type = TrainConfig) -> Any:
     return hint
 
 
-def _is_switch(f: dataclasses.Field) -> bool:
-    return isinstance(f.default, bool)
+def _is_switch(option: Option) -> bool:
+    return isinstance(option.default, bool)
 
 
-def flag_arguments(f: dataclasses.Field) -> tuple[tuple[str, ...], dict[str, Any]]:
-    """argparse's option strings and keywords for field `f`: a bool that is off by default is
-    a `--x` switch, one that is on is `--x/--no-x` (argparse.BooleanOptionalAction); any
-    other field takes a value, converted by its `parse` metadata or its type."""
-    help_text = f.metadata["help"]
-    if _is_switch(f):
-        action: Any = "store_true" if f.default is False else argparse.BooleanOptionalAction
-        return (flag_name(f.name),), dict(
-            dest=f.name, action=action, default=f.default, help=help_text
+def _help(option: Option) -> str:
+    """Its help, and for an option a strategy declares, the strategy (its fields' help texts
+    name theirs in their own words)."""
+    if option.name in TrainConfig.__dataclass_fields__:
+        return option.help
+    return f"{option.help} (--strategy {' or '.join(option_owners(option.name))})"
+
+
+def flag_arguments(option: Option) -> tuple[tuple[str, ...], dict[str, Any]]:
+    """argparse's option strings and keywords for `option` (every_option): a bool that is off
+    by default is a `--x` switch, one that is on is `--x/--no-x` (BooleanOptionalAction); any
+    other option takes a value, converted by its `parse` or its type."""
+    if _is_switch(option):
+        action: Any = "store_true" if option.default is False else argparse.BooleanOptionalAction
+        return (flag_name(option.name),), dict(
+            dest=option.name, action=action, default=option.default, help=_help(option)
         )
-    choices = f.metadata.get("choices")
-    extra = {"choices": choices() if callable(choices) else choices} if choices else {}
-    return (flag_name(f.name),), dict(
-        dest=f.name,
-        type=f.metadata.get("parse") or field_type(f),
-        default=f.default,
-        help=help_text,
-        metavar=f.name.upper(),
+    choices = option.allowed()
+    extra = {"choices": choices} if choices else {}
+    convert: Callable[[str], Any] = option.parse or option.type
+    return (flag_name(option.name),), dict(
+        dest=option.name,
+        type=convert,
+        default=option.default,
+        help=_help(option),
+        metavar=option.name.upper(),
         **extra,
     )
 
 
-def _flag_for(f: dataclasses.Field, value: Any) -> str:
-    """The flag that sets field `f` to `value`: `--resume`, `--no-dashboard`, `--cuts 2,4`."""
-    if _is_switch(f):
-        return flag_name(f.name) if value else "--no-" + flag_name(f.name)[2:]
+def _flag_for(option: Option, value: Any) -> str:
+    """The flag that sets `option` to `value`: `--resume`, `--no-dashboard`, `--cuts 2,4`."""
+    if _is_switch(option):
+        return flag_name(option.name) if value else "--no-" + flag_name(option.name)[2:]
     if isinstance(value, tuple):
         value = ",".join(map(str, value))
-    return f"{flag_name(f.name)} {value}"
+    return f"{flag_name(option.name)} {value}"
 
 
 def notebook_only_flags() -> list[str]:
     """The flags of the notebook-only sections (display, cost, output), spelled as given
     when they change something: what an exported script leaves out."""
     return [
-        _flag_for(f, not f.default) if _is_switch(f) else flag_name(f.name)
-        for f in _fields(TrainConfig)
-        if not SECTIONS[f.metadata["section"]].engines
+        _flag_for(o, not o.default) if _is_switch(o) else flag_name(o.name)
+        for o in every_option(TrainConfig)
+        if not SECTIONS[o.section].engines
     ]
 
 
@@ -553,39 +735,40 @@ def notebook_only_flags() -> list[str]:
 
 def flag_reference() -> str:
     """Markdown tables of every flag, one per section in SECTIONS order: flag, default and
-    meaning, from the fields themselves (docs/flags.md holds this; a test keeps it so)."""
+    meaning, from the options themselves, the registered strategies' own included
+    (docs/flags.md holds this; a test keeps it so)."""
     out = []
     for name, section in SECTIONS.items():
         where = "sent to the engines" if section.engines else "the notebook's own"
         out += [f"## {section.title}", "", f"{section.about} ({where}).", ""]
         out += ["| flag | default | meaning |", "|---|---|---|"]
-        for f in _fields(TrainConfig):
-            if f.metadata["section"] == name:
-                out.append(f"| {_reference_flags(f)} | {_shown(f)} | {_meaning(f)} |")
+        for option in every_option(TrainConfig):
+            if option.section == name:
+                row = (_reference_flags(option), _shown(option), _meaning(option))
+                out.append("| {} | {} | {} |".format(*row))
         out.append("")
     return "\n".join(out)
 
 
-def _reference_flags(f: dataclasses.Field) -> str:
-    if _is_switch(f) and f.default is True:
-        return f"`{flag_name(f.name)}`, `--no-{flag_name(f.name)[2:]}`"
-    return f"`{flag_name(f.name)}`"
+def _reference_flags(option: Option) -> str:
+    if _is_switch(option) and option.default is True:
+        return f"`{flag_name(option.name)}`, `--no-{flag_name(option.name)[2:]}`"
+    return f"`{flag_name(option.name)}`"
 
 
-def _shown(f: dataclasses.Field) -> str:
-    if "shown" in f.metadata:
-        return str(f.metadata["shown"])
-    if _is_switch(f):
-        return "on" if f.default else "off"
-    if isinstance(f.default, str):
-        return f"`{f.default}`"
-    return f"{f.default:g}" if isinstance(f.default, float) else str(f.default)
+def _shown(option: Option) -> str:
+    if option.shown is not None:
+        return str(option.shown)
+    if _is_switch(option):
+        return "on" if option.default else "off"
+    if isinstance(option.default, str):
+        return f"`{option.default}`"
+    return f"{option.default:g}" if isinstance(option.default, float) else str(option.default)
 
 
-def _meaning(f: dataclasses.Field) -> str:
-    text = str(f.metadata["help"]).replace("%%", "%").replace("|", "\\|")
-    choices = f.metadata.get("choices")
-    values = choices() if callable(choices) else choices or ()
+def _meaning(option: Option) -> str:
+    text = _help(option).replace("%%", "%").replace("|", "\\|")
+    values = option.allowed() or ()
     if values and not all(v in text for v in values):
         text += ": " + ", ".join(f"`{v}`" for v in values)
     return text

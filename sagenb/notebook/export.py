@@ -1,7 +1,8 @@
 """`%%smp_export` and `sagenb.export`: a cell and its options as a standalone training script.
 
 The script embeds the cell's source and the resolved engine options (an EngineConfig built from
-keyword arguments: the notebook-only sections, display, cost and output, stay behind) and
+keyword arguments, a strategy's own options among them: the notebook-only sections, display,
+cost and output, stay behind) and
 runs sagenb's own engine code under torchrun (sagenb/engine/launch.py), so
 `torchrun --nproc-per-node N train.py` trains the model `%%smp_train` would, with the same
 sample order, steps and final parameters, without a notebook or ipyparallel.
@@ -28,7 +29,13 @@ import torch
 
 from sagenb.config.errors import ConfigError
 from sagenb.config.job import Job, JobError
-from sagenb.config.options import EngineConfig, TrainConfig, describe, notebook_only_flags
+from sagenb.config.options import (
+    EngineConfig,
+    TrainConfig,
+    describe,
+    every_option,
+    notebook_only_flags,
+)
 from sagenb.pool import cluster
 from sagenb.sizing.cost import InstancePrice, check_price, meter_for, price_table
 
@@ -172,16 +179,17 @@ def render_script(cell: str, config: EngineConfig, *, name: str = "train.py") ->
 
 def _config_fields(config: EngineConfig) -> str:
     """`    name=value,` for the strategy, the engines and every other engine option that
-    differs from its default, each value a Python literal that reads back equal."""
+    differs from its default (a strategy's own as a keyword too), each value a Python literal
+    that reads back equal."""
     lines = []
-    for f in dataclasses.fields(EngineConfig):
-        value = getattr(config, f.name)
-        if value == f.default and f.name not in ("strategy", "engines"):
+    for option in every_option(EngineConfig):
+        value = config.option(option.name)
+        if value == option.default and option.name not in ("strategy", "engines"):
             continue
         literal = _q(value) if isinstance(value, str) else repr(value)
         if ast.literal_eval(literal) != value:
-            raise ValueError(f"cannot write {f.name}={value!r} into a script")
-        lines.append(f"    {f.name}={literal},")
+            raise ValueError(f"cannot write {option.name}={value!r} into a script")
+        lines.append(f"    {option.name}={literal},")
     return "\n".join(lines)
 
 

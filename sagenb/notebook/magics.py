@@ -1,8 +1,9 @@
 """`%smp_cluster`, `%%smp_train`, `%%smp_plan`, `%%smp_export`: thin adapters from a magic
 line to the plain Python API.
 
-The flags are generated from TrainConfig's fields (config.flag_arguments), so the magic, the
-Python call and the help text (`%%smp_train?`) cannot drift apart. Bad input raises UsageError
+The flags are generated from TrainConfig's options, its fields and those the strategies declare
+(config.every_option, config.flag_arguments), so the magic, the Python call and the help text
+(`%%smp_train?`) cannot drift apart. Bad input raises UsageError
 before any engine runs.
 """
 
@@ -10,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-import dataclasses
 import shlex
 import typing
 from typing import Any
@@ -20,7 +20,7 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 
 from sagenb.config.errors import ConfigError
 from sagenb.config.job import JobError
-from sagenb.config.options import TrainConfig, describe, flag_arguments
+from sagenb.config.options import TrainConfig, describe, every_option, flag_arguments
 from sagenb.metrics.result import TrainResult
 from sagenb.notebook.export import TARGETS, ExportError, export
 from sagenb.pool import cluster
@@ -90,9 +90,10 @@ def export_parser() -> MagicParser:
 
 
 def _add_config_flags(parser: MagicParser) -> None:
-    """One flag per TrainConfig field, spelled as its type and default say (config.py)."""
-    for f in dataclasses.fields(TrainConfig):
-        names, keywords = flag_arguments(f)
+    """One flag per option of TrainConfig, a strategy's own included, spelled as its type and
+    default say (config/options.py)."""
+    for option in every_option(TrainConfig):
+        names, keywords = flag_arguments(option)
         parser.add_argument(*names, **keywords)
 
 

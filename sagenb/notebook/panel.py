@@ -6,11 +6,13 @@ combination shows why, in place), shows the equivalent `%%smp_train` line, and
 Its buttons start, stop and restart the pool, and Plan shows the pipeline bubble and the
 instance cost, and the cut points when the panel was given the cell (`ControlPanel(job=...)`).
 
-Its widgets come from the config's fields (config/options.py), as the magic's flags do: one
-tab per section of SECTIONS, one widget per field chosen by its type and metadata, its help as
-the tooltip. A field declared `panel=False` is left out; an option only some strategies use
-(their `own_options`) is greyed out, and left at its default, under the others. An option added
-to the config therefore appears here with nothing to edit. This module owns ipywidgets.
+Its widgets come from the config's options (config/options.py `every_option`: its fields and
+the options strategies declare of their own), as the magic's flags do: one tab per section of
+SECTIONS, one widget per option chosen by its type and spec, its help as the tooltip. An option
+declared `panel=False` is left out; an option only some strategies use (their `own_options`,
+or one they declare) is greyed out, and left at its default, under the others. An option added
+to the config, or declared by a new strategy, therefore appears here with nothing to edit.
+This module owns ipywidgets.
 """
 
 from __future__ import annotations
@@ -26,9 +28,10 @@ from sagenb.config.errors import ConfigError, flag_name
 from sagenb.config.options import (
     DEFAULT_ENGINES,
     SECTIONS,
+    Option,
     TrainConfig,
     describe,
-    field_type,
+    every_option,
     option_owners,
 )
 from sagenb.pool import cluster
@@ -57,44 +60,38 @@ def current_panel() -> ControlPanel | None:
     return _current
 
 
-def _choices(f: dataclasses.Field) -> tuple[Any, ...]:
-    values = f.metadata["choices"]
-    return tuple(values() if callable(values) else values)
-
-
 class Control:
     """One option's widget, and how the widget's value reads into the config and back.
 
-    A field that may be unset (default None) or whose flag has its own `parse` is a text box:
-    "" is None, anything else converts as the flag's text does, so the panel and the magic
-    read the same text the same way."""
+    An option that may be unset (default None) or whose flag has its own `parse` is a text
+    box: "" is None, anything else converts as the flag's text does, so the panel and the
+    magic read the same text the same way."""
 
     def __init__(
-        self, f: dataclasses.Field, kind: Any, value: Any, suggested: tuple[str, ...] | None = None
+        self, option: Option, value: Any, suggested: tuple[str, ...] | None = None
     ) -> None:
-        self.field, self.kind, self.suggested = f, kind, suggested
-        self.is_text = f.default is None or "parse" in f.metadata
-        #: the strategies that use this option, when not all do (their own_options)
-        self.owners = option_owners(f.name)
+        self.option, self.kind, self.suggested = option, option.type, suggested
+        self.is_text = option.default is None or option.parse is not None
+        #: the strategies that use this option, when not all do (own_options, or declared)
+        self.owners = option_owners(option.name)
         self.widget = self._widget()
-        self.widget.description = f.name.replace("_", " ")
+        self.widget.description = option.name.replace("_", " ")
         only = f" (--strategy {' or '.join(self.owners)})" if self.owners else ""
-        help_text = str(f.metadata["help"]).replace("%%", "%")  # argparse's escape
-        self.widget.tooltip = f"{flag_name(f.name)}{only}: {help_text}"
+        help_text = option.help.replace("%%", "%")  # argparse's escape
+        self.widget.tooltip = f"{flag_name(option.name)}{only}: {help_text}"
         self.widget.style = {"description_width": "150px"}
         self.write(value)
 
     def _widget(self) -> widgets.ValueWidget:
-        f, kind = self.field, self.kind
+        option, kind = self.option, self.kind
         # one keystroke is no value yet: a text box counts when entered, as a number box does
         if self.is_text:
-            return widgets.Text(
-                placeholder=str(f.metadata.get("shown", "")), continuous_update=False
-            )
+            return widgets.Text(placeholder=option.shown or "", continuous_update=False)
         if kind is bool:
             return widgets.Checkbox(indent=True)
-        if "choices" in f.metadata:
-            return widgets.Dropdown(options=_choices(f))
+        choices = option.allowed()
+        if choices is not None:
+            return widgets.Dropdown(options=choices)
         if self.suggested is not None:
             return widgets.Combobox(
                 options=self.suggested, ensure_option=False, continuous_update=False
@@ -103,7 +100,7 @@ class Control:
             text = {int: widgets.IntText, float: widgets.FloatText, str: widgets.Text}[kind]
             return text(continuous_update=False)
         raise TypeError(
-            f"the control panel cannot show {f.name} ({kind!r}): give it a `parse` "
+            f"the control panel cannot show {option.name} ({kind!r}): give it a `parse` "
             "(then it is a text box) or declare it `panel=False`"
         )
 
@@ -113,15 +110,15 @@ class Control:
         if not self.is_text:
             return value
         text = value.strip()
-        if not text and self.field.default is None:
+        if not text and self.option.default is None:
             return None
-        if "parse" in self.field.metadata:
-            return self.field.metadata["parse"](text)
+        if self.option.parse is not None:
+            return self.option.parse(text)
         try:
             return self.kind(text)
         except ValueError:
             word = _WORDS.get(self.kind, str(self.kind))
-            raise ConfigError(self.field.name, text, f"must be {word}") from None
+            raise ConfigError(self.option.name, text, f"must be {word}") from None
 
     def write(self, value: Any) -> None:
         if not self.is_text:
@@ -135,12 +132,13 @@ class Control:
 
 
 def _controls(d: TrainConfig) -> dict[str, Control]:
-    """A control per field the panel shows, starting from the values of `d`, in field order."""
+    """A control per option the panel shows, starting from the values of `d`, in the order of
+    the config's fields (a strategy's own options where `strategy_options` stands)."""
     values = dataclasses.asdict(d)
     return {
-        f.name: Control(f, field_type(f, TrainConfig), values[f.name], _suggested(f.name, values))
-        for f in dataclasses.fields(TrainConfig)
-        if f.metadata.get("panel", True)
+        o.name: Control(o, d.option(o.name), _suggested(o.name, values))
+        for o in every_option(TrainConfig)
+        if o.panel
     }
 
 
@@ -159,7 +157,7 @@ def _sections(controls: dict[str, Control]) -> widgets.Tab:
     """One tab per section of SECTIONS that has a control, in SECTIONS order."""
     tabs, titles = [], []
     for name, section in SECTIONS.items():
-        shown = [c.widget for c in controls.values() if c.field.metadata["section"] == name]
+        shown = [c.widget for c in controls.values() if c.option.section == name]
         if not shown:
             continue
         grid = widgets.GridBox(
@@ -182,7 +180,8 @@ class ControlPanel:
         base = TrainConfig(**defaults)
         self.options = _controls(base)
         self.controls = {name: c.widget for name, c in self.options.items()}
-        # the options left out keep the values the panel was given
+        # the options left out keep the values the panel was given (strategy options with
+        # widgets override theirs in strategy_options: a keyword wins over the pairs)
         self._fixed = {k: v for k, v in dataclasses.asdict(base).items() if k not in self.options}
         self.message = widgets.HTML()
         self.line = widgets.HTML()
@@ -227,7 +226,7 @@ class ControlPanel:
         typed without refusing it; ConfigError for text that is no value."""
         out = {}
         for name, control in self.options.items():
-            out[name] = control.field.default if control.widget.disabled else control.read()
+            out[name] = control.option.default if control.widget.disabled else control.read()
         return {**self._fixed, **out}
 
     def _follow_strategy(self) -> None:

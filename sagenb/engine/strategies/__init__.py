@@ -1,9 +1,11 @@
 """Parallelism strategies: each module describes one strategy (`Description`) and implements
 how one engine takes part in a step (`Strategy`).
 
-`describe(name)` answers for the strategy called `name`; `names()` lists them. Both find the
-strategies by importing every module of this package and collecting its `DESCRIPTIONS`, so a
-new strategy is one new module (docs/architecture.md).
+`describe(name)` answers for the strategy called `name`; `names()` lists them;
+`declared_options()` gives the options strategies declare of their own (`Description.options`).
+All find the strategies by importing every module of this package and collecting its
+`DESCRIPTIONS`, so a new strategy, its options included, is one new module or folder
+(docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ from .description import Description
 
 if TYPE_CHECKING:
     from sagenb.config.options import EngineConfig
+    from sagenb.config.spec import Option
 
-__all__ = ["Description", "Strategy", "describe", "make_strategy", "names"]
+__all__ = ["Description", "Strategy", "declared_options", "describe", "make_strategy", "names"]
 
 
 @functools.cache
@@ -59,6 +62,24 @@ def describe(name: str) -> Description:
         return _registry()[name]
     except (KeyError, TypeError):
         raise ConfigError("strategy", name, f"must be one of {', '.join(names())}") from None
+
+
+def declared_options() -> dict[str, tuple[Option, tuple[str, ...]]]:
+    """The options strategies declare of their own, by name, each with the strategies that
+    declare it (in --strategy's order). Strategies may share an option (as model and hybrid
+    share --partitions) by declaring the same Option; two different ones of a name would make
+    its flag mean two things, and are refused."""
+    found: dict[str, tuple[Option, tuple[str, ...]]] = {}
+    for name, description in _registry().items():
+        for option in description.options:
+            known, owners = found.get(option.name, (option, ()))
+            if known != option:
+                raise RuntimeError(
+                    f"strategies {owners[0]!r} and {name!r} declare different options named "
+                    f"{option.name!r}: share one Option, or give each its own name"
+                )
+            found[option.name] = (option, (*owners, name))
+    return found
 
 
 def make_strategy(

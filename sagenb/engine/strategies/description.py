@@ -5,8 +5,10 @@ Each strategy module (data_parallel.py, pipeline.py, sharded.py, tensor.py) defi
 module-level `DESCRIPTIONS`; the package finds them (strategies/__init__.py `describe`). The
 rest of sagenb asks the description instead of comparing strategy names:
 
-- the config: which options the strategy accepts and their checks (`own_options`, `check`),
-  how the global batch splits (`split`), engines to start and replicas;
+- the config: the options it declares of its own (`options`: each a flag, a keyword, a row of
+  the flag reference and a widget, with nothing to edit elsewhere), which options only it
+  accepts and their checks (`own_options`, `check`), how the global batch splits (`split`),
+  engines to start and replicas;
 - the notebook: the layout line of the dashboard (`layout`), whether the schedule panel and
   the planner apply (`pipelined`), the engines a run or an export uses (`engines_for`);
 - the engines: the implementation that trains (`build`);
@@ -28,6 +30,7 @@ if TYPE_CHECKING:
     import torch
 
     from sagenb.config.options import EngineConfig
+    from sagenb.config.spec import Option
     from sagenb.engine.strategies.attribution import Attribution
     from sagenb.engine.strategies.base import Strategy
 
@@ -61,6 +64,12 @@ class Description:
     #: options only this strategy (and others listing them) accepts; any other strategy
     #: refuses a value other than the default
     own_options: ClassVar[tuple[str, ...]] = ()
+    #: options of its own, declared here rather than as fields of the config (sagenb.config's
+    #: Option, in an engine section): each becomes a keyword of the config and sagenb.train, a
+    #: flag, a row of the flag reference and a widget of the control panel; the config holds
+    #: the values (`strategy_options`), the engines read them with `config.option(name)`, and
+    #: the other strategies refuse any value but the default
+    options: ClassVar[tuple[Option, ...]] = ()
 
     def check(self, config: EngineConfig) -> None:
         """Refuse option values this strategy cannot run (ConfigError), before any engine
