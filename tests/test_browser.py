@@ -175,6 +175,10 @@ def test_quickstart_runs_in_jupyterlab(lab, page, request):
         panel_text = panel.inner_text()
         assert "%%smp_train --engines 2" in panel_text, panel_text
         assert re.search(r"2 engines: rank 0 .*, rank 1 ", panel_text), panel_text
+        # one tab per section of the options, the first (Parallelism) open
+        tabs = panel.get_by_role("tab").all_inner_texts()
+        assert tabs[:2] == ["Parallelism", "Training"] and "Output" in tabs, tabs
+        panel.screenshot(path=ARTIFACTS / "panel.png")
 
         samples, engines, status, total, (kinds, bars) = _watch_training(page)
         print(f"while training (seconds, step, last step of the loss lines): {samples}")

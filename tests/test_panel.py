@@ -75,7 +75,7 @@ def test_every_option_the_panel_is_given_comes_back(tmp_path):
     the panel, is the panel's config and its line's, and each widget reads its own value."""
     prices = tmp_path / "prices.json"
     shutil.copy(str(resources.files("sagenb.sizing") / "tables" / "prices.json"), prices)
-    common = dict(threads=1, microbatches=2, schedule="gpipe", virtual_stages=3, memory_budget=2.5,
+    common = dict(threads=1,
                   batch_size=16, epochs=2, steps=5, lr=0.01, seed=3, grad_accum=2,
                   clip_grad_norm=1.0, eval_every=2, data_workers=1, timeout=60.0,
                   stop_on_nonfinite=True, precision="bf16", activation_checkpointing=True,
@@ -84,7 +84,9 @@ def test_every_option_the_panel_is_given_comes_back(tmp_path):
                   price_table=str(prices), hardware_table=str(tmp_path / "hw.json"),
                   spot_discount=0.5, out="mine", log_dir=str(tmp_path / "logs"))  # fmt: skip
     own = [
-        dict(strategy="hybrid", engines=4, partitions=2, partition_by="manual", cuts=(1,)),
+        dict(strategy="hybrid", engines=4, partitions=2, partition_by="manual", cuts=(1,),
+             microbatches=2, schedule="gpipe", virtual_stages=3),
+        dict(strategy="model", partitions=2, memory_budget=2.5),
         dict(strategy="tensor", engines=4, tensor_parallel=2),
         dict(strategy="sharded", engines=4, reshard_after_forward=False),
     ]
@@ -226,8 +228,8 @@ def test_options_of_other_strategies_are_greyed_out_and_left_at_their_default():
             "--engines 3: must be a multiple of --partitions",
         ),
         ({"steps": "ten"}, "--steps 'ten': must be an integer"),
-        ({"memory_budget": "1 GiB"}, "--memory-budget '1 GiB': must be a number"),
-        ({"cuts": "2,x"}, "--cuts '2,x': must be block indices"),
+        ({"strategy": "model", "memory_budget": "1 GiB"}, "--memory-budget '1 GiB': must be a number"),
+        ({"strategy": "model", "cuts": "2,x"}, "--cuts '2,x': must be block indices"),
         ({"instance": "my.box"}, "--instance 'my.box': must be one of"),
     ],
 )

@@ -423,7 +423,17 @@ class PipelineDescription(Description):
     """Pipelines: `model` (one pipeline) and `hybrid` (data parallel across pipelines)."""
 
     pipelined = True
-    own_options = ("partitions",)
+    #: every pipeline option: under another strategy a value other than its default would
+    #: silently change nothing, so it is refused (and greyed out in the control panel)
+    own_options = (
+        "partitions",
+        "microbatches",
+        "schedule",
+        "virtual_stages",
+        "partition_by",
+        "cuts",
+        "memory_budget",
+    )
 
     def attribution(self) -> PipelineAttribution:
         return PipelineAttribution()
