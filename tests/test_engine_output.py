@@ -173,6 +173,45 @@ def test_a_cell_with_a_bar_trains_from_a_script(tmp_path: Path):
     assert done.stdout.count("printed by the cell") == 1, done.stdout
 
 
+@pytest.mark.pool  # the kernel starts a pool of its own
+def test_a_cell_with_a_bar_trains_in_a_jupyter_kernel():
+    """In a kernel ipyparallel forwards the engines' comm messages to the notebook: none come,
+    so no widget per rank; the text arrives under the cell as stream output, once."""
+    from jupyter_client.manager import start_new_kernel
+
+    km, kc = start_new_kernel(kernel_name="python3")
+    messages: list[dict] = []
+
+    def execute(code: str) -> None:
+        reply = kc.execute_interactive(code, timeout=180, output_hook=messages.append)
+        assert reply["content"]["status"] == "ok", messages[-1:]
+
+    try:
+        execute("%load_ext sagenb\n%smp_cluster start -n 2")
+        execute(f"%%smp_train {LINE} --out plain\n{REGRESSION_CELL}")
+        messages.clear()
+        execute(f"%%smp_train {LINE} --out chatty\n{CHATTY_CELL}")
+        shown = messages[:]
+        messages.clear()
+        execute("print('LOSSES', chatty.losses == plain.losses, len(chatty.history))")
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+    kinds = {m["header"]["msg_type"] for m in shown}
+    assert not {k for k in kinds if k.startswith("comm")}, kinds
+    assert_shown_once(streamed(shown, "stdout"), streamed(shown, "stderr"))
+    assert "LOSSES True 5" in streamed(messages, "stdout")
+
+
+def streamed(messages: list[dict], name: str) -> str:
+    """The text of the stream messages to `name` among a kernel's IOPub messages."""
+    return "".join(
+        m["content"]["text"]
+        for m in messages
+        if m["header"]["msg_type"] == "stream" and m["content"]["name"] == name
+    )
+
+
 # -- the pieces, without engines ------------------------------------------------------------------
 
 
