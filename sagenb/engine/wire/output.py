@@ -10,15 +10,16 @@ messages but 0 arrived"). So, while a run trains on the engine:
 - tqdm.auto and tqdm.autonotebook hand out tqdm's text bar, as they do outside a kernel: bars go
   to the engine's stderr, with the cell's prints, logging and warnings (the notebook shows rank
   0's: run/output.py);
-- `comm.create_comm` is the comm package's own default, a comm that sends nothing, so a widget
+- `comm.create_comm` makes the comm package's DummyComm, which sends nothing, so a widget
   made anyway (tqdm.notebook named outright, a library class bound to it before the run, a
   cell's ipywidgets) stays on the engine;
 - the warning filters and the once-per-location memory are the run's own (catch_warnings): a
   cell's `simplefilter` does not outlive its run, and each run warns as a fresh process would.
 
 All of it is undone when the run ends, however it ends: the engine is warm, and the next run,
-or a `%px` cell, finds the engine as it was. Nothing here imports IPython, ipywidgets or comm:
-tqdm is imported when installed, comm only looked up where the kernel already imported it.
+or a `%px` cell, finds the engine as it was. This module imports none of IPython, ipywidgets
+or comm: tqdm is imported when installed (in a kernel tqdm.auto brings ipywidgets along, as the
+cell's own import of it would), comm only looked up where the kernel already imported it.
 """
 
 from __future__ import annotations
