@@ -1,4 +1,5 @@
-"""The contract's sample order, and the slice of each global batch that one engine loads.
+"""The contract's sample order, the slice of each global batch that one engine loads, and the
+eval set's batches (in order, made as they are needed: `eval_batches`).
 
 Epoch e visits the dataset in the order randperm(len(dataset), seed + e), in global batches of
 `batch_size` consecutive samples; the incomplete last batch is dropped. Every strategy uses this
@@ -47,6 +48,7 @@ __all__ = [
     "epoch_order",
     "plan_steps",
     "total_steps",
+    "eval_batches",
     "require_map_style",
     "fetch",
 ]
@@ -156,6 +158,19 @@ def plan_steps(
             order, built = epoch_order(n, seed, epoch), epoch
         assert order is not None  # built at the first step: its epoch (>= 0) is not -1
         yield Step(number, epoch, order[b * batch_size : (b + 1) * batch_size])
+
+
+def eval_batches(n: int, size: int, *, parts: int = 1, part: int = 0) -> Iterator[torch.Tensor]:
+    """Part `part` of range(n) cut into `parts` contiguous parts, in order, `size` indices at a
+    time (the last batch shorter). Cut as torch.tensor_split cuts, the first n % parts parts one
+    longer, so each batch is the one evaluation took from tensor_split(arange(n), parts) before;
+    but only one batch's indices exist at a time: the arange held 8 bytes per eval sample on
+    every engine before the first was evaluated (8 GB for 10**9)."""
+    base, longer = divmod(n, parts)
+    start = part * base + min(part, longer)
+    stop = start + base + (1 if part < longer else 0)
+    for first in range(start, stop, size):
+        yield torch.arange(first, min(first + size, stop))
 
 
 def require_map_style(name: str, data: Any) -> None:

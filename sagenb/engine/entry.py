@@ -28,6 +28,7 @@ from sagenb.engine.precision import check_supported
 from sagenb.engine.strategies import make_strategy
 from sagenb.engine.torch_private import warm_dynamo
 from sagenb.engine.wire import process_group
+from sagenb.engine.wire.output import text_output
 from sagenb.engine.wire.publish import Publisher
 from sagenb.engine.wire.tracing import Tracer
 from sagenb.engine.workspace import build_workspace
@@ -88,7 +89,10 @@ def run_rank(spec: RankSpec, publish: Publisher | None = None) -> RankResult:
     error: Exception | None = None
     tracer = _tracer(spec)  # where this rank is, should the notebook find the run stalled
     try:
-        return train_rank(spec, publish)
+        # text bars, no widgets, the run's own warning filters (wire/output.py); equivalence
+        # warnings travel with the first step instead, warned once by the notebook (session.py)
+        with text_output(ignore=(EquivalenceWarning,)):
+            return train_rank(spec, publish)
     except JobError as exc:
         error = JobError(str(exc))
     except ConfigError as exc:  # an option this engine cannot honour (--precision on its device)

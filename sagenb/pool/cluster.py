@@ -44,7 +44,7 @@ from traitlets.config import Config
 
 from sagenb.config.options import DEFAULT_ENGINES
 from sagenb.pool import reaper
-from sagenb.pool.ipyparallel_private import client_config
+from sagenb.pool.ipyparallel_private import client_config, iopub_guarded
 from sagenb.pool.prewarm import BackgroundStart, prewarm_wanted
 
 __all__ = [
@@ -146,7 +146,7 @@ class EnginePool:
         pool = None
         try:
             _owner_only(cluster)
-            client = cluster.connect_client_sync()
+            client = _connect(cluster)
             pool = cls(cluster, client, n, launcher=launcher, options=options)
             pool._remember()  # controller and engines, watched from their launch on
             pool._register(n, timeout, cancel)
@@ -192,7 +192,7 @@ class EnginePool:
         except FileNotFoundError:
             named = f"profile {profile or 'default'!r}, cluster id {cluster_id!r}"
             raise ValueError(f"no running ipyparallel cluster found for {named}") from None
-        client = cluster.connect_client_sync()
+        client = _connect(cluster)
         deadline = time.monotonic() + timeout
         while not client.ids and time.monotonic() < deadline:
             time.sleep(0.2)
@@ -372,6 +372,15 @@ class EnginePool:
             # children), by pid and process group, bounded
             reaper.end(known)
             reaper.forget(procs)
+
+
+def _connect(cluster: ipp.Cluster) -> ipp.Client:
+    """The pool's client, whose IOPub handler survives a message it cannot handle: an engine's
+    widget in an IPython without a kernel stopped every later message of the run, its metrics
+    among them (ipyparallel_private.iopub_guarded; the engines draw no widgets during a run,
+    engine/wire/output.py, so this is the guard for the one that slips through)."""
+    with iopub_guarded(ipp.Client):
+        return cluster.connect_client_sync()
 
 
 def _bounded(fn: Callable[[], Any], timeout: float) -> None:

@@ -41,6 +41,7 @@ from sagenb.run.failures import (
     classify,
     lost_a_peer,
 )
+from sagenb.run.output import RankOutput
 from sagenb.sizing.cost import CostMeter, check_price, meter_for
 
 if TYPE_CHECKING:
@@ -196,6 +197,7 @@ class _Run:
         self.ids = self.pool.engine_ids[: self.engines]
         self.ars = self.pool.submit(run_rank, specs)
         self.streams = [RankStream(r, ar) for r, ar in enumerate(self.ars)]
+        self.output = RankOutput(self.ars[0])  # rank 0's prints, logs, warnings, bars: once
         try:
             return self._run()
         finally:
@@ -330,6 +332,7 @@ class _Run:
             time.sleep(POLL_S)
 
     def _drain(self) -> None:
+        self.output.drain()
         for stream in self.streams:
             for rec in stream.drain():
                 self.last_progress = time.monotonic()
@@ -566,6 +569,7 @@ class _Run:
         self._mark_end()
         assert self.ended is not None  # _mark_end just set it
         self.wall_s = self.ended - self.started
+        self.output.drain(final=True)  # its output has arrived (_collect, _last_metrics)
         if self.dashboard is not None:
             self.dashboard.finish(self.wall_s, status=status)
         for sink in self.sinks:

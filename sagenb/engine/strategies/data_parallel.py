@@ -7,7 +7,7 @@ of equal-sized means is exactly the gradient of the mean over the whole batch.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
 
@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from sagenb.engine.data import fetch, to_device
+from sagenb.engine.data import eval_batches, fetch, to_device
 from sagenb.engine.model.delayed import materialize
 from sagenb.engine.model.sync_batchnorm import sync_batchnorm
 from sagenb.engine.objective import Objective, piece_loss, weighted
@@ -94,8 +94,8 @@ class DataParallel:
 
     @torch.no_grad()
     def evaluate(self, dataset: Any, objective: Objective, batch_size: int) -> float:
-        mine = torch.tensor_split(torch.arange(len(dataset)), self.world_size)[self.rank]
-        total = eval_sums(self.module, dataset, objective, mine, batch_size, self.device)
+        mine = eval_batches(len(dataset), batch_size, parts=self.world_size, part=self.rank)
+        total = eval_sums(self.module, dataset, objective, mine, self.device)
         dist.all_reduce(total)
         return float(total[0] / total[1])
 
@@ -104,17 +104,17 @@ def eval_sums(
     module: nn.Module,
     dataset: Any,
     objective: Objective,
-    indices: torch.Tensor,
-    batch_size: int,
+    batches: Iterable[torch.Tensor],
     device: torch.device,
 ) -> torch.Tensor:
-    """[sum of loss x counted targets, counted targets] over dataset[indices], in batches, in
-    eval mode: the eval loss is their ratio, the mean over every counted target."""
+    """[sum of loss x counted targets, counted targets] over the dataset's samples at
+    `batches` (tensors of indices, from data.eval_batches), in eval mode: the eval loss is their
+    ratio, the mean over every counted target."""
     was_training = module.training
     module.eval()
     total = torch.zeros(2, dtype=torch.float64, device=device)
-    for start in range(0, len(indices), batch_size):
-        batch = to_device(fetch(dataset, indices[start : start + batch_size]), device)
+    for indices in batches:
+        batch = to_device(fetch(dataset, indices), device)
         args, kwargs, target = objective.split(batch)
         count = objective.count(target, batch)
         total[0] += weighted(objective.loss(module(*args, **kwargs), target), count).double()

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from sagenb.engine.data import eval_batches
 from sagenb.engine.objective import Objective
 from sagenb.engine.strategies import dtensors
 from sagenb.engine.strategies.data_parallel import DataParallel, eval_sums
@@ -36,6 +37,6 @@ class SplitParameters(DataParallel):
         Sharded and tensor-parallel forwards are collectives, so every rank must run the same
         batches; splitting the eval set would leave a rank with one batch fewer waiting
         forever."""
-        everything = torch.arange(len(dataset))
-        total = eval_sums(self.module, dataset, objective, everything, batch_size, self.device)
+        everything = eval_batches(len(dataset), batch_size)
+        total = eval_sums(self.module, dataset, objective, everything, self.device)
         return float(total[0] / total[1])

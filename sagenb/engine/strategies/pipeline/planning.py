@@ -18,6 +18,7 @@ from sagenb.engine.strategies.pipeline.cuts import (
     partition_method,
 )
 from sagenb.engine.strategies.pipeline.partition import find_blocks
+from sagenb.engine.wire.output import text_output
 from sagenb.engine.workspace import build_workspace
 
 if TYPE_CHECKING:
@@ -35,7 +36,8 @@ def plan_on_engine(job: Job, config: EngineConfig, engines: int, threads: int) -
     model is built on the meta device, as training builds it, so nothing is materialised and
     the profile holds parameter bytes only (`measured` False)."""
     torch.set_num_threads(threads)
-    ws = build_workspace(job, config.seed, delay_init=config.delay_init)
+    with text_output():  # the cell's bars as text here too, no widget (engine/wire/output.py)
+        ws = build_workspace(job, config.seed, delay_init=config.delay_init)
     blocks = find_blocks(ws.model)
     check_blocks(config, len(blocks))  # the trainer's errors, before anything is measured
     mb = config.forward_size(engines)

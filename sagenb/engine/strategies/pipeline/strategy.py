@@ -36,7 +36,7 @@ from torch.distributed.pipelining import (
 
 from sagenb.config.errors import ConfigError
 from sagenb.config.job import JobError
-from sagenb.engine.data import fetch, to_device
+from sagenb.engine.data import eval_batches, fetch, to_device
 from sagenb.engine.model.blocks import find_blocks, tied_groups
 from sagenb.engine.model.delayed import materialize, release_others
 from sagenb.engine.objective import Objective, logits_of, weighted
@@ -330,13 +330,11 @@ class Pipeline:
         """Forward only, stage by stage with point-to-point sends, in chunks of the training
         microbatch's size: stages split through torch.export are specialised to it, so the
         last chunk is filled up with repeats of its last sample, left out of the loss."""
-        mine = torch.tensor_split(torch.arange(len(dataset)), self.D)[self.replica]
         size = max(1, self.config.forward_size(self.world_size))
         total = torch.zeros(2, dtype=torch.float64)
         for m in self.modules:
             m.eval()
-        for start in range(0, len(mine), size):
-            idx = mine[start : start + size]
+        for idx in eval_batches(len(dataset), size, parts=self.D, part=self.replica):
             real = len(idx)
             idx = torch.cat([idx, idx[-1:].expand(size - real)])
             batch = to_device(fetch(dataset, idx), self.device)
