@@ -108,13 +108,15 @@ def eval_sums(
     batch_size: int,
     device: torch.device,
 ) -> torch.Tensor:
-    """[sum of loss x counted targets, counted targets] over dataset[indices], in batches, in
-    eval mode: the eval loss is their ratio, the mean over every counted target."""
+    """[sum of loss x counted targets, counted targets] over dataset[indices], in batches
+    (each collated on its own, by the cell's collate_fn when it has one), in eval mode: the
+    eval loss is their ratio, the mean over every counted target."""
     was_training = module.training
     module.eval()
     total = torch.zeros(2, dtype=torch.float64, device=device)
     for start in range(0, len(indices), batch_size):
-        batch = to_device(fetch(dataset, indices[start : start + batch_size]), device)
+        chunk = indices[start : start + batch_size]
+        batch = to_device(fetch(dataset, chunk, objective.collate_fn), device)
         args, kwargs, target = objective.split(batch)
         count = objective.count(target, batch)
         total[0] += weighted(objective.loss(module(*args, **kwargs), target), count).double()

@@ -126,7 +126,7 @@ class Pipeline:
         (its shapes may be specialised to this size; export_split.py)."""
         cfg = self.config
         mb = cfg.forward_size(self.world_size)
-        return fetch(ws.dataset, torch.arange(min(mb, len(ws.dataset))))
+        return fetch(ws.dataset, torch.arange(min(mb, len(ws.dataset))), ws.collate_fn)
 
     def _choose_starts(self, ws: Workspace, example: Any) -> list[int]:
         """The cut points of cuts.py, the planner's too: checked on every rank, chosen
@@ -339,7 +339,7 @@ class Pipeline:
             idx = mine[start : start + size]
             real = len(idx)
             idx = torch.cat([idx, idx[-1:].expand(size - real)])
-            batch = to_device(fetch(dataset, idx), self.device)
+            batch = to_device(fetch(dataset, idx, objective.collate_fn), self.device)
             args, kwargs, target = objective.split(batch, labels_in=False)
             value: Any = args
             for i in self.stage_ids:

@@ -1,0 +1,119 @@
+"""The cell's `collate_fn`: how the samples of one piece of a global batch become its batch.
+
+A cell may define `collate_fn(samples) -> batch`, the convention of torch's
+`DataLoader(collate_fn=...)` and of transformers' data collators (an instance such as
+`DataCollatorForLanguageModeling(tokenizer, mlm=False)` is a callable too): it receives the list
+`[dataset[i] for i in piece]` and returns a dict of tensors or an `(input, target)` tuple. It
+is what lets samples of unequal lengths be padded, and labels be built from `input_ids`.
+
+sagenb collates every piece it cuts on its own, with the cell's collate_fn: an engine's share of
+a grad-accum slice (engine/loader.py, in the training thread or a --data-workers process), an
+evaluation chunk, and the examples that pipelines trace and tensor parallel tries. One process
+would collate the whole global batch at once; the pieces are then padded to other lengths, and
+train the same model when the padding is masked (attention_mask, labels of -100): a real token's
+output and loss do not depend on how many pads follow it, and each piece's loss is weighted by
+the labels it counts (engine/objective.py).
+
+Without a collate_fn nothing changes: a TensorDataset is indexed in one go, other datasets
+sample by sample and torch's default_collate.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from sagenb.config.job import JobError
+
+__all__ = [
+    "Collate",
+    "collate",
+    "as_batch",
+    "concat",
+    "example_batch",
+    "FIXED_LENGTH",
+]
+
+#: the cell's collate_fn: a list of samples in, a batch out
+Collate = Callable[[list[Any]], Any]
+
+#: what to do when a pipeline meets batches of more than one shape
+FIXED_LENGTH = (
+    "pad every batch to one fixed length in collate_fn (e.g. tokenizer.pad(samples, "
+    "padding='max_length', max_length=N), or DataCollatorForLanguageModeling(tokenizer, "
+    "mlm=False, pad_to_multiple_of=N) with N at least the longest sample), or train with "
+    "--strategy data, sharded or tensor, which take batches of any length"
+)
+
+
+def collate(dataset: Any, indices: torch.Tensor, collate_fn: Collate, parts: int = 1) -> Any:
+    """The batch of dataset[indices] made by `collate_fn`; with `parts` > 1, each of the
+    `parts` runs of indices torch.tensor_split makes is collated on its own (a pipeline's
+    microbatches) and the batches are concatenated."""
+    if parts == 1:
+        return as_batch(collate_fn([dataset[i] for i in indices.tolist()]))
+    return concat([collate(dataset, run, collate_fn) for run in indices.tensor_split(parts)])
+
+
+def as_batch(batch: Any) -> Any:
+    """A collated batch as sagenb reads it: a Mapping (transformers' BatchEncoding is a
+    UserDict, not a dict) becomes a plain dict, which moves to the device and splits into
+    keyword arguments like any dict."""
+    return dict(batch) if isinstance(batch, Mapping) and not isinstance(batch, dict) else batch
+
+
+def concat(batches: list[Any], where: str = "batch") -> Any:
+    """Batches of the same structure joined along their first dimension (pipeline
+    microbatches into the engine's share); unequal shapes are refused, naming the fix."""
+    first = batches[0]
+    if torch.is_tensor(first):
+        shapes = {tuple(b.shape[1:]) for b in batches}
+        if len(shapes) > 1:
+            raise JobError(
+                f"collate_fn made the microbatches of one step with {where} of different "
+                f"shapes ({' and '.join(str([-1, *s]) for s in sorted(shapes))}): a pipeline "
+                f"runs every microbatch through stages fixed to one shape; {FIXED_LENGTH}"
+            )
+        return torch.cat(batches)
+    if isinstance(first, dict):
+        return {k: concat([b[k] for b in batches], _key(where, k)) for k in first}
+    if isinstance(first, (tuple, list)):
+        return type(first)(concat(list(vs), f"{where}[{i}]") for i, vs in enumerate(zip(*batches)))
+    raise JobError(
+        f"collate_fn returned a {type(first).__name__} as {where}: a pipeline's stages pass "
+        "tensors only; return tensors (a dict of them, or an (input, target) tuple)"
+    )
+
+
+def _key(where: str, key: Any) -> str:
+    """How a batch's entry is named in messages: `input_ids`, or `batch[0]['mask']` deeper."""
+    return str(key) if where == "batch" else f"{where}[{key!r}]"
+
+
+@contextmanager
+def _random_state_kept() -> Iterator[None]:
+    """Collations made only to check the batch leave torch's and Python's RNG as they were:
+    a collator that draws (masked-LM masking) would otherwise shift the training's stream."""
+    state = random.getstate()
+    with torch.random.fork_rng(devices=[]):
+        yield
+    random.setstate(state)
+
+
+def example_batch(dataset: Any, collate_fn: Collate, size: int = 2) -> Any:
+    """The first `size` samples collated, before any step: what the labels check reads. A
+    collate_fn that fails is named, with what it is given and must return."""
+    indices = torch.arange(min(size, len(dataset)))
+    try:
+        with _random_state_kept():
+            return collate(dataset, indices, collate_fn)
+    except Exception as exc:
+        raise JobError(
+            f"collate_fn failed on [dataset[i] for i in {indices.tolist()}]: "
+            f"{type(exc).__name__}: {str(exc)[:300]}; it receives a list of samples and must "
+            "return a batch (a dict of tensors, or an (input, target) tuple)"
+        ) from exc
