@@ -15,7 +15,7 @@ import torch
 
 import sagenb
 from sagenb.config.job import Job
-from sagenb.engine import loader
+from sagenb.engine import collation, loader
 from sagenb.engine.data import plan_steps
 from sagenb.engine.workspace import build_workspace
 
@@ -137,6 +137,41 @@ def one_process_eval(ns: dict, model) -> float:
         return float(model(**data).loss)
 
 
+def test_pipeline_with_fixed_length_equals_one_process(pool):
+    """Padded to one length (12, the longest sample), microbatches fit the traced stages."""
+    source = cell("transformers", fixed=12)
+    options = dict(steps=4, batch_size=16)
+    result = sagenb.train(
+        source,
+        strategy="model",
+        partitions=2,
+        microbatches=2,
+        grad_accum=2,
+        dashboard=False,
+        **options,
+    )
+    model, ns = check_equal(result, source, **options)
+    assert {m.values["tokens"] for m in result.metrics} == {16 * 12}
+    assert result.history[-1]["eval_loss"] == pytest.approx(one_process_eval(ns, model), abs=TOL)
+
+
+def test_pipeline_with_variable_lengths_is_refused_before_the_first_step(pool):
+    with pytest.raises(sagenb.JobError) as caught:
+        sagenb.train(
+            cell("own"),
+            strategy="model",
+            partitions=2,
+            microbatches=2,
+            batch_size=16,
+            steps=2,
+            dashboard=False,
+        )
+    text = str(caught.value)
+    assert "--strategy model: dataset[0], collated alone, has input_ids of shape" in text
+    assert "pad every batch to one fixed length in collate_fn" in text
+    assert "max_length" in text
+
+
 # -- before any engine: the workspace's checks, collation, the loader ----------------------------
 
 
@@ -185,6 +220,44 @@ def test_checking_the_collator_leaves_the_random_stream_alone():
     after_cell = torch.get_rng_state()
     workspace(source)
     assert torch.equal(torch.get_rng_state(), after_cell)
+
+
+def test_microbatches_collated_one_by_one_are_the_rows_of_a_fixed_length_batch():
+    ns = namespace(cell("own", fixed=12), 0)
+    indices = torch.tensor([5, 9, 1, 30])
+    whole = collation.collate(ns["dataset"], indices, ns["collate_fn"])
+    parts = collation.collate(ns["dataset"], indices, ns["collate_fn"], parts=2)
+    assert all(torch.equal(whole[k], parts[k]) for k in whole)
+
+
+def test_microbatches_of_unequal_lengths_are_refused_naming_the_fix():
+    ns = namespace(cell("own"), 0)
+    lengths = [len(s["input_ids"]) for s in ns["dataset"]]
+    short, long = lengths.index(min(lengths)), lengths.index(max(lengths))
+    with pytest.raises(sagenb.JobError) as caught:
+        collation.collate(ns["dataset"], torch.tensor([short, long]), ns["collate_fn"], parts=2)
+    assert str(caught.value).startswith(
+        f"collate_fn made the microbatches of one step with input_ids of different shapes "
+        f"([-1, {min(lengths)}] and [-1, {max(lengths)}]): a pipeline runs every microbatch "
+        "through stages fixed to one shape; pad every batch to one fixed length in collate_fn"
+    )
+
+
+def test_lengths_the_first_samples_hide_are_refused_at_the_step_that_shows_them():
+    """The samples collated alone before the first step can all be of one length; the step
+    whose batch is longer is refused, before its microbatches reach the stages."""
+    collate_fn = namespace(cell("own"), 0)["collate_fn"]
+    data = [{"input_ids": torch.arange(1, 4)}] * collation.PROBES + [{"input_ids": torch.arange(5)}]
+    first = collation.shapes_of(collation.collate(data, torch.arange(2), collate_fn))
+    collation.require_one_length(data, collate_fn, first, strategy="hybrid")
+    later = collation.collate(data, torch.tensor([7, 8]), collate_fn)
+    with pytest.raises(sagenb.JobError) as caught:
+        collation.require_shapes(first, later, strategy="hybrid", what="this step's batch")
+    assert str(caught.value).startswith(
+        "--strategy hybrid: this step's batch has input_ids of shape [-1, 5], the first "
+        "microbatch [-1, 3]: a pipeline's stages are traced and their messages sized for one "
+        "shape; pad every batch to one fixed length in collate_fn"
+    )
 
 
 class _Whole:

@@ -7,12 +7,14 @@ A cell may define `collate_fn(samples) -> batch`, the convention of torch's
 is what lets samples of unequal lengths be padded, and labels be built from `input_ids`.
 
 sagenb collates every piece it cuts on its own, with the cell's collate_fn: an engine's share of
-a grad-accum slice (engine/loader.py, in the training thread or a --data-workers process), an
-evaluation chunk, and the examples that pipelines trace and tensor parallel tries. One process
-would collate the whole global batch at once; the pieces are then padded to other lengths, and
-train the same model when the padding is masked (attention_mask, labels of -100): a real token's
-output and loss do not depend on how many pads follow it, and each piece's loss is weighted by
-the labels it counts (engine/objective.py).
+a grad-accum slice (engine/loader.py, in the training thread or a --data-workers process), each
+pipeline microbatch of that share (collated one by one, then concatenated into the share, which
+the schedule cuts again at the same rows: both use torch.tensor_split), an evaluation chunk,
+and the examples that pipelines trace and tensor parallel tries. One process would collate the
+whole global batch at once; the pieces are then padded to other lengths, and train the same
+model when the padding is masked (attention_mask, labels of -100): a real token's output and
+loss do not depend on how many pads follow it, and each piece's loss is weighted by the labels
+it counts (engine/objective.py).
 
 Without a collate_fn nothing changes: a TensorDataset is indexed in one go, other datasets
 sample by sample and torch's default_collate.
@@ -35,11 +37,19 @@ __all__ = [
     "as_batch",
     "concat",
     "example_batch",
+    "shapes_of",
+    "require_shapes",
+    "require_one_length",
     "FIXED_LENGTH",
+    "PROBES",
 ]
 
 #: the cell's collate_fn: a list of samples in, a batch out
 Collate = Callable[[list[Any]], Any]
+
+#: samples a pipeline collates one by one before its first step (require_one_length): a few
+#: suffice to show a collator that pads to its batch's longest sample, and cost microseconds
+PROBES = 8
 
 #: what to do when a pipeline meets batches of more than one shape
 FIXED_LENGTH = (
@@ -117,3 +127,51 @@ def example_batch(dataset: Any, collate_fn: Collate, size: int = 2) -> Any:
             f"{type(exc).__name__}: {str(exc)[:300]}; it receives a list of samples and must "
             "return a batch (a dict of tensors, or an (input, target) tuple)"
         ) from exc
+
+
+def shapes_of(batch: Any, where: str = "batch") -> dict[str, tuple[int, ...]]:
+    """Every tensor of a batch, by where it sits, with its shape after the first (sample)
+    dimension: what a pipeline's stages are fixed to."""
+    if torch.is_tensor(batch):
+        return {where: tuple(batch.shape[1:])}
+    found: dict[str, tuple[int, ...]] = {}
+    if isinstance(batch, Mapping):
+        for key, value in batch.items():
+            found.update(shapes_of(value, _key(where, key)))
+    elif isinstance(batch, (tuple, list)):
+        for i, value in enumerate(batch):
+            found.update(shapes_of(value, f"{where}[{i}]"))
+    return found
+
+
+def require_shapes(
+    expected: dict[str, tuple[int, ...]], batch: Any, *, strategy: str, what: str
+) -> None:
+    """Refuse `batch` when its tensors' shapes differ from `expected` (the first
+    microbatch's, which the pipeline was built for), naming the first that differs."""
+    found = shapes_of(batch)
+    for name, shape in expected.items():
+        if found.get(name, shape) != shape:
+            raise JobError(
+                f"--strategy {strategy}: {what} has {name} of shape {[-1, *found[name]]}, the "
+                f"first microbatch {[-1, *shape]}: a pipeline's stages are traced and their "
+                f"messages sized for one shape; {FIXED_LENGTH}"
+            )
+
+
+def require_one_length(
+    dataset: Any,
+    collate_fn: Collate,
+    expected: dict[str, tuple[int, ...]],
+    *,
+    strategy: str,
+    name: str = "dataset",
+) -> None:
+    """Before a pipeline's first step: the first PROBES samples of `name`, each collated
+    alone, must have the first microbatch's shapes. A collator that pads to the longest
+    sample of its batch shows here whenever those samples differ in length; one that slips
+    past (its first samples all of one length) is refused at the first step that differs."""
+    with _random_state_kept():
+        for i in range(min(PROBES, len(dataset))):
+            batch = collate(dataset, torch.tensor([i]), collate_fn)
+            require_shapes(expected, batch, strategy=strategy, what=f"{name}[{i}], collated alone,")

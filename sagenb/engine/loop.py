@@ -90,6 +90,7 @@ def train_loop(
         seed=config.seed,
         rank=rank,
         collate_fn=ws.collate_fn,
+        parts=strategy.collated_parts,
     )
     with loading as steps:  # --data-workers: worker processes end with the block
         for data in steps:

@@ -64,6 +64,10 @@ class DataParallel:
     def replicas(self) -> int:
         return self.world_size
 
+    @property
+    def collated_parts(self) -> int:
+        return 1  # each batch is one forward: collated whole
+
     def forward_backward(
         self, batch: Any, objective: Objective, *, scale: float, sync: bool
     ) -> torch.Tensor | None:
