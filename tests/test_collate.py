@@ -14,9 +14,11 @@ import pytest
 import torch
 
 import sagenb
+from sagenb import TrainConfig
 from sagenb.config.job import Job
 from sagenb.engine import collation, loader
 from sagenb.engine.data import plan_steps
+from sagenb.engine.model.equivalence import equivalence_warnings
 from sagenb.engine.workspace import build_workspace
 
 from .helpers import TOL, check_equal
@@ -183,6 +185,7 @@ def test_labels_a_collator_builds_are_accepted():
     ws = workspace(cell("transformers"))
     assert ws.objective.dict_samples and ws.objective.shifted  # the Llama's own, shifted loss
     assert ws.objective.collate_fn is ws.collate_fn
+    assert not ws.collate_draws  # mlm=False: nothing drawn, nothing to warn
 
 
 def test_a_collator_that_builds_no_labels_is_refused_without_loss_fn():
@@ -211,15 +214,30 @@ def test_a_failing_or_uncallable_collator_is_named():
         workspace(CELL.format(collator="collate_fn = 3"))
 
 
-def test_checking_the_collator_leaves_the_random_stream_alone():
-    """The collations made before the first step draw nothing from the training's stream."""
+def test_checking_the_collator_leaves_the_random_stream_alone_and_says_it_draws():
+    """The collations made before the first step draw nothing from the training's stream;
+    a collator that draws is said not to train bit-for-bit as one process."""
     source = cell("own") + (
         "\ndef collate_fn(samples, pad=collate_fn):\n    torch.rand(1)\n    return pad(samples)\n"
     )
     namespace(source, 0)
     after_cell = torch.get_rng_state()
-    workspace(source)
+    ws = workspace(source)
     assert torch.equal(torch.get_rng_state(), after_cell)
+    assert ws.collate_draws
+    two = TrainConfig(batch_size=16, engines=2)
+    warned = equivalence_warnings(ws.model, two, collate_draws=ws.collate_draws)
+    assert warned == [
+        "collate_fn draws random numbers (masked-LM masking, random crops): each engine draws "
+        "for its own pieces of the global batch (with --data-workers, from each worker's "
+        "generator), so the batches differ from those one process would draw for the whole "
+        "global batch: this run trains correctly but not bit-for-bit like one process; for an "
+        "exact comparison draw nothing in collate_fn (e.g. mlm=False, or masks fixed in the "
+        "dataset)"
+    ]
+    # one engine collating the whole global batch itself draws as one process does
+    one = TrainConfig(batch_size=16, engines=1)
+    assert equivalence_warnings(ws.model, one, collate_draws=ws.collate_draws) == []
 
 
 def test_microbatches_collated_one_by_one_are_the_rows_of_a_fixed_length_batch():

@@ -23,8 +23,7 @@ sample by sample and torch's default_collate.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -104,23 +103,59 @@ def _key(where: str, key: Any) -> str:
     return str(key) if where == "batch" else f"{where}[{key!r}]"
 
 
-@contextmanager
-def _random_state_kept() -> Iterator[None]:
-    """Collations made only to check the batch leave torch's and Python's RNG as they were:
-    a collator that draws (masked-LM masking) would otherwise shift the training's stream."""
-    state = random.getstate()
-    with torch.random.fork_rng(devices=[]):
-        yield
-    random.setstate(state)
+class _RandomStateKept:
+    """Collations made only to check the batch leave torch's, Python's and numpy's RNG as
+    they were: a collator that draws (masked-LM masking) would otherwise shift the training's
+    stream. `drew` says, after the block, whether it drew from any of them."""
+
+    drew = False
+
+    def __enter__(self) -> _RandomStateKept:
+        self.states = _random_states()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        now = _random_states()
+        self.drew = any(not _same(a, b) for a, b in zip(now, self.states))
+        torch.set_rng_state(self.states[0])
+        random.setstate(self.states[1])
+        if self.states[2] is not None:
+            _numpy_random().set_state(self.states[2])
 
 
-def example_batch(dataset: Any, collate_fn: Collate, size: int = 2) -> Any:
-    """The first `size` samples collated, before any step: what the labels check reads. A
-    collate_fn that fails is named, with what it is given and must return."""
+def _numpy_random() -> Any:
+    try:
+        import numpy as np
+    except ImportError:  # numpy is optional for the engine side
+        return None
+    return np.random
+
+
+def _random_states() -> tuple[torch.Tensor, Any, Any]:
+    numpy_random = _numpy_random()
+    numpy_state = numpy_random.get_state() if numpy_random is not None else None
+    return torch.get_rng_state(), random.getstate(), numpy_state
+
+
+def _same(a: Any, b: Any) -> bool:
+    if torch.is_tensor(a):
+        return torch.equal(a, b)
+    if isinstance(a, tuple):  # numpy's state holds an array: compare element by element
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if hasattr(a, "shape"):
+        return bool((a == b).all())
+    return a == b
+
+
+def example_batch(dataset: Any, collate_fn: Collate, size: int = 2) -> tuple[Any, bool]:
+    """The first `size` samples collated, before any step: what the labels check reads, and
+    whether collate_fn drew random numbers to make it (engine/model/equivalence.py says so).
+    A collate_fn that fails is named, with what it is given and must return."""
     indices = torch.arange(min(size, len(dataset)))
     try:
-        with _random_state_kept():
-            return collate(dataset, indices, collate_fn)
+        with _RandomStateKept() as kept:
+            batch = collate(dataset, indices, collate_fn)
+        return batch, kept.drew
     except Exception as exc:
         raise JobError(
             f"collate_fn failed on [dataset[i] for i in {indices.tolist()}]: "
@@ -171,7 +206,7 @@ def require_one_length(
     alone, must have the first microbatch's shapes. A collator that pads to the longest
     sample of its batch shows here whenever those samples differ in length; one that slips
     past (its first samples all of one length) is refused at the first step that differs."""
-    with _random_state_kept():
+    with _RandomStateKept():
         for i in range(min(PROBES, len(dataset))):
             batch = collate(dataset, torch.tensor([i]), collate_fn)
             require_shapes(expected, batch, strategy=strategy, what=f"{name}[{i}], collated alone,")

@@ -34,6 +34,8 @@ class Workspace:
     tp_plan: dict[str, Any] | None = None
     #: the cell's collate_fn(samples) -> batch, or None: torch's default_collate
     collate_fn: Collate | None = None
+    #: whether collate_fn drew random numbers making its first batch (set by build_workspace)
+    collate_draws: bool = field(init=False, default=False)
     #: how batches reach the model and become a loss: set by build_workspace, the one place
     #: a Workspace is made, once the cell's names are checked (not an __init__ argument)
     objective: Objective = field(init=False)
@@ -74,7 +76,9 @@ def build_workspace(job: Job, seed: int, *, delay_init: bool = False) -> Workspa
         raise JobError("dataset is empty")
     # what the model will be given is checked: with a collate_fn, a batch it made (labels it
     # builds count), else a sample (default_collate keeps its keys)
-    first = ws.dataset[0] if ws.collate_fn is None else example_batch(ws.dataset, ws.collate_fn)
+    first = ws.dataset[0]
+    if ws.collate_fn is not None:
+        first, ws.collate_draws = example_batch(ws.dataset, ws.collate_fn)
     ws.objective = Objective.build(ws.model, ws.loss_fn, first, ws.collate_fn)
     return ws
 
