@@ -22,6 +22,7 @@ sample by sample and torch's default_collate.
 
 from __future__ import annotations
 
+import ctypes
 import random
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -138,8 +139,10 @@ def _random_states() -> tuple[torch.Tensor, Any, Any]:
 
 
 def _same(a: Any, b: Any) -> bool:
-    if torch.is_tensor(a):
-        return torch.equal(a, b)
+    if torch.is_tensor(a):  # torch's state: its bytes read directly, as estimates (sizing/
+        # footprint.py) build the workspace under FakeTensorMode, where any tensor op on a
+        # real tensor (torch.equal, .numpy()) is refused
+        return _raw(a) == _raw(b)
     if isinstance(a, tuple):  # numpy's state holds an array: compare element by element
         return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
     if hasattr(a, "shape"):
@@ -147,21 +150,28 @@ def _same(a: Any, b: Any) -> bool:
     return a == b
 
 
+def _raw(state: torch.Tensor) -> bytes:
+    """The bytes of a contiguous CPU tensor (an RNG state), read without a tensor op."""
+    return ctypes.string_at(state.data_ptr(), state.numel() * state.element_size())
+
+
 def example_batch(dataset: Any, collate_fn: Collate, size: int = 2) -> tuple[Any, bool]:
     """The first `size` samples collated, before any step: what the labels check reads, and
     whether collate_fn drew random numbers to make it (engine/model/equivalence.py says so).
-    A collate_fn that fails is named, with what it is given and must return."""
-    indices = torch.arange(min(size, len(dataset)))
+    A collate_fn that fails is named, with what it is given and must return; the samples are
+    read first, so that only collate_fn's own failures are put on it."""
+    indices = list(range(min(size, len(dataset))))
+    samples = [dataset[i] for i in indices]
     try:
         with _RandomStateKept() as kept:
-            batch = collate(dataset, indices, collate_fn)
-        return batch, kept.drew
+            batch = as_batch(collate_fn(samples))
     except Exception as exc:
         raise JobError(
-            f"collate_fn failed on [dataset[i] for i in {indices.tolist()}]: "
+            f"collate_fn failed on [dataset[i] for i in {indices}]: "
             f"{type(exc).__name__}: {str(exc)[:300]}; it receives a list of samples and must "
             "return a batch (a dict of tensors, or an (input, target) tuple)"
         ) from exc
+    return batch, kept.drew
 
 
 def shapes_of(batch: Any, where: str = "batch") -> dict[str, tuple[int, ...]]:

@@ -76,8 +76,9 @@ def build_workspace(job: Job, seed: int, *, delay_init: bool = False) -> Workspa
         raise JobError("dataset is empty")
     # what the model will be given is checked: with a collate_fn, a batch it made (labels it
     # builds count), else a sample (default_collate keeps its keys)
-    first = ws.dataset[0]
-    if ws.collate_fn is not None:
+    if ws.collate_fn is None:
+        first = ws.dataset[0]
+    else:
         first, ws.collate_draws = example_batch(ws.dataset, ws.collate_fn)
     ws.objective = Objective.build(ws.model, ws.loss_fn, first, ws.collate_fn)
     return ws
