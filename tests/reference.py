@@ -1,14 +1,16 @@
 """A single-process reference, written with plain torch from the contract in docs/contract.md.
 
 Deliberately independent of sagenb's engine code: if the engine's sample order, accumulation,
-clipping or scheduling drifted from the contract, the comparison with this would fail.
+clipping or scheduling drifted from the contract, the comparison with this would fail. With a
+`collate_fn` in the cell it collates the whole global batch at once (each slice with
+`grad_accum`), as one process would, where the engines collate each piece of it on their own.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 import torch
 
@@ -76,8 +78,13 @@ def feistel_index(i: int, n: int, seed: int) -> int:
             return i
 
 
-def batch(dataset, idx):
+def batch(dataset, idx, collate_fn=None):
+    """The samples at `idx` as one batch: made by the cell's `collate_fn` when it has one (its
+    Mapping, such as transformers' BatchEncoding, read as a dict), else stacked."""
     samples = [dataset[i] for i in idx.tolist()]
+    if collate_fn is not None:
+        made = collate_fn(samples)
+        return dict(made) if isinstance(made, Mapping) else made
     if isinstance(samples[0], dict):
         return {k: torch.stack([s[k] for s in samples]) for k in samples[0]}
     xs, ys = zip(*samples)
@@ -98,10 +105,12 @@ def loss_of(model, loss_fn, data):
     return loss_fn(logits, data["labels"])
 
 
-def eval_loss(model, dataset, loss_fn) -> float:
+def eval_loss(model, dataset, loss_fn, collate_fn=None) -> float:
+    """The loss over the whole of `dataset` in one forward (collated at once)."""
     model.eval()
     with torch.no_grad():
-        value = float(loss_of(model, loss_fn, batch(dataset, torch.arange(len(dataset)))))
+        data = batch(dataset, torch.arange(len(dataset)), collate_fn)
+        value = float(loss_of(model, loss_fn, data))
     model.train()
     return value
 
@@ -149,6 +158,7 @@ def _train(
 ) -> tuple[torch.nn.Module, list[float], dict]:
     ns = namespace(cell, seed, delay_init)
     model, dataset, loss_fn = ns["model"], ns["dataset"], ns.get("loss_fn")
+    collate_fn = ns.get("collate_fn")
     params = list(model.parameters())
     opt = (
         ns["make_optimizer"](params) if "make_optimizer" in ns else torch.optim.AdamW(params, lr=lr)
@@ -163,8 +173,10 @@ def _train(
                 return model, losses, ns
             idx = order(b * batch_size, (b + 1) * batch_size)
             step_loss = 0.0
+            # the whole global batch (each slice, with grad_accum) collated at once, padded to
+            # its own longest sample by a padding collate_fn
             for piece in idx.chunk(grad_accum):
-                loss = loss_of(model, loss_fn, batch(dataset, piece))
+                loss = loss_of(model, loss_fn, batch(dataset, piece, collate_fn))
                 (loss / grad_accum).backward()
                 step_loss += float(loss.detach()) / grad_accum
             if clip_grad_norm is not None:

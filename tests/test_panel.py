@@ -228,7 +228,10 @@ def test_options_of_other_strategies_are_greyed_out_and_left_at_their_default():
             "--engines 3: must be a multiple of --partitions",
         ),
         ({"steps": "ten"}, "--steps 'ten': must be an integer"),
-        ({"strategy": "model", "memory_budget": "1 GiB"}, "--memory-budget '1 GiB': must be a number"),
+        (
+            {"strategy": "model", "memory_budget": "1 GiB"},
+            "--memory-budget '1 GiB': must be a number",
+        ),
         ({"strategy": "model", "cuts": "2,x"}, "--cuts '2,x': must be block indices"),
         ({"instance": "my.box"}, "--instance 'my.box': must be one of"),
     ],

@@ -15,8 +15,9 @@ from typing import Any
 __all__ = ["REQUIRED_NAMES", "OPTIONAL_NAMES", "Job", "JobError", "defined_names"]
 
 REQUIRED_NAMES = ("model", "dataset")
-#: loss_fn may be left out when samples are dicts with labels: the model's own loss is used
-OPTIONAL_NAMES = ("loss_fn", "make_optimizer", "make_scheduler", "eval_dataset")
+#: loss_fn may be left out when batches are dicts with labels (the samples', or those the cell's
+#: collate_fn builds): the model's own loss is used
+OPTIONAL_NAMES = ("loss_fn", "make_optimizer", "make_scheduler", "eval_dataset", "collate_fn")
 
 
 class JobError(ValueError):
@@ -46,7 +47,8 @@ class Job:
                 f"the cell defines no {', '.join(missing)}: it must assign model (a "
                 "torch.nn.Module) and dataset (a map-style Dataset of (input, target) tuples, or "
                 "of dicts of model inputs), and loss_fn (loss_fn(output, target) -> scalar "
-                "tensor) unless the model computes its own loss from dict samples' labels"
+                "tensor) unless the model computes its own loss from dict samples' labels (or "
+                "those a collate_fn(samples) -> batch builds)"
             )
         return cls(source=source)
 

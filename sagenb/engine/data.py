@@ -41,6 +41,7 @@ import torch
 from torch.utils.data import IterableDataset, TensorDataset, default_collate
 
 from sagenb.config.job import JobError
+from sagenb.engine.collation import Collate, collate
 
 __all__ = [
     "Step",
@@ -193,9 +194,15 @@ def require_map_style(name: str, data: Any) -> None:
     )
 
 
-def fetch(dataset: Any, indices: torch.Tensor) -> Any:
-    """Load and collate the samples at `indices` (TensorDataset is indexed in one go): in the
-    training thread, or in a --data-workers process (loader.py)."""
+def fetch(
+    dataset: Any, indices: torch.Tensor, collate_fn: Collate | None = None, parts: int = 1
+) -> Any:
+    """Load and collate the samples at `indices`: in the training thread, or in a
+    --data-workers process (loader.py). With the cell's `collate_fn`, by it, in `parts` runs
+    collated one by one (a pipeline's microbatches, engine/collation.py); without, a
+    TensorDataset is indexed in one go, other datasets collated by default_collate."""
+    if collate_fn is not None:
+        return collate(dataset, indices, collate_fn, parts)
     if isinstance(dataset, TensorDataset):
         return tuple(t[indices] for t in dataset.tensors)
     return default_collate([dataset[i] for i in indices.tolist()])

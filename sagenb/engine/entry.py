@@ -142,7 +142,11 @@ def train_rank(spec: RankSpec, publish: Publisher) -> RankResult:
     check_supported(spec.config.precision, device)
     ws = build_workspace(spec.job, spec.config.seed, delay_init=spec.config.delay_init)
     # what keeps this run from training as one process would, from the model as the cell built it
-    notes = equivalence_warnings(ws.model, spec.config) if spec.rank == 0 else []
+    notes = (
+        equivalence_warnings(ws.model, spec.config, collate_draws=ws.collate_draws)
+        if spec.rank == 0
+        else []
+    )
     if spec.config.activation_checkpointing:
         checkpoint_blocks(ws.model)  # before any strategy wraps or splits the model
     strategy = make_strategy(spec.config, rank=spec.rank, world_size=spec.world_size, device=device)

@@ -1,24 +1,26 @@
-"""The batches of each step, in the contract's order: loaded in the training thread, or by
-worker processes that prepare the next steps' batches while this one trains (--data-workers).
+"""The batches of each step, in the contract's order: loaded in the training thread, or by worker
+processes that prepare the next steps' batches while this one trains (--data-workers).
 
 Either way the loop reads one iterator of `StepData`: for each step of the plan, its grad-accum
-slices, each this engine's share (`strategy.local_indices`), collated by `fetch` and moved to
-the device. With --data-workers 0 (the default) nothing changes from loading in the loop: each
-step's samples are fetched when the loop asks for them. With N > 0, a
+slices, each this engine's share (`strategy.local_indices`), collated by `fetch` (with the
+cell's collate_fn when it has one, a pipeline's microbatches one by one: engine/collation.py)
+and moved to the device. With --data-workers 0 (the default) nothing changes from loading in
+the loop: each step's samples are fetched when the loop asks for them. With N > 0, a
 `torch.utils.data.DataLoader` (https://pytorch.org/docs/stable/data.html) whose batch sampler
 is exactly that list of index lists loads them in N processes, `prefetch_factor` batches ahead
 per worker, pinned on CUDA, in order (`in_order=True`, the default), so the batches and hence
 the training are the same as without workers.
 
 Worker processes are forked on Linux, on purpose. An engine is a long-lived ipyparallel process
-and the cell's Dataset class lives in the cell's namespace (`__smp_cell__`, sagenb/config/job.py), a
-module no fresh interpreter can import: a spawned or forkserver worker could not unpickle the
-dataset by reference (see "Platform-specific behaviors" in the torch.utils.data docs). A fork
-inherits it (copy-on-write, nothing pickled, no per-run interpreter start); the worker runs
-nothing but `__getitem__` and collation on the CPU, with one torch thread (torch's worker loop
-sets it: torch/utils/data/_utils/worker.py), and never touches the parent's CUDA context,
-process group or sockets. Where fork is not safe or absent (macOS, Windows), workers are
-spawned and the dataset travels by value with cloudpickle (which pickles classes of modules
+and the cell's Dataset class lives in the cell's namespace (`__smp_cell__`,
+sagenb/config/job.py), a module no fresh interpreter can import: a spawned or forkserver worker
+could not unpickle the dataset by reference (see "Platform-specific behaviors" in the
+torch.utils.data docs). A fork inherits it (copy-on-write, nothing pickled, no per-run
+interpreter start); the worker runs nothing but `__getitem__` and collation (the cell's
+collate_fn too) on the CPU, with one torch thread (torch's worker loop sets it:
+torch/utils/data/_utils/worker.py), and never touches the parent's CUDA context, process group
+or sockets. Where fork is not safe or absent (macOS, Windows), workers are spawned and the
+dataset (and collate_fn) travel by value with cloudpickle (which pickles classes of modules
 that cannot be imported by value), the cost being a copy of the dataset per worker.
 
 The DataLoader draws its workers' base seed from `generator`; left None it would draw from
@@ -46,6 +48,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from sagenb.engine.collation import Collate
 from sagenb.engine.data import Step, fetch, to_device
 from sagenb.engine.torch_private import shutdown_workers
 
@@ -76,18 +79,22 @@ def batches_of(
     device: torch.device,
     seed: int = 0,
     rank: int = 0,
+    collate_fn: Collate | None = None,
+    parts: int = 1,
 ) -> Iterator[Iterator[StepData]]:
     """The steps of `plan` with their batches; with `workers` > 0, loaded by that many worker
     processes, which are shut down when the block exits, however it exits. The workers' seeds
-    follow `seed` and differ across ranks (augmentations differ, as each rank's samples do)."""
+    follow `seed` and differ across ranks (augmentations differ, as each rank's samples do).
+    `collate_fn` (the cell's, or None) collates each batch in `parts` runs (data.fetch)."""
+    collating = _Collating(collate_fn, parts)
     if workers == 0:
-        yield _in_thread(dataset, strategy, plan, grad_accum, device)
+        yield _in_thread(dataset, collating, strategy, plan, grad_accum, device)
         return
     # the sampler and the loop both walk the plan, lazily: tee holds only the steps the
     # sampler is ahead by (the prefetch), never a whole epoch of a huge dataset's indices
     for_sampler, steps = itertools.tee(plan)
     loader = DataLoader(
-        _Samples(dataset),
+        _Samples(dataset, collating),
         batch_sampler=(
             piece for step in for_sampler for piece in _pieces(strategy, step, grad_accum)
         ),
@@ -111,11 +118,22 @@ def _pieces(strategy: Any, step: Step, grad_accum: int) -> list[list[int]]:
     return [strategy.local_indices(piece).tolist() for piece in step.indices.chunk(grad_accum)]
 
 
-def _in_thread(dataset, strategy, plan, grad_accum, device) -> Iterator[StepData]:
+@dataclass(frozen=True)
+class _Collating:
+    """How each batch is collated: the cell's collate_fn (or None) and the runs per batch."""
+
+    collate_fn: Collate | None = None
+    parts: int = 1
+
+    def fetch(self, dataset: Any, indices: torch.Tensor) -> Any:
+        return fetch(dataset, indices, self.collate_fn, self.parts)
+
+
+def _in_thread(dataset, collating, strategy, plan, grad_accum, device) -> Iterator[StepData]:
     for step in plan:
         started = time.perf_counter()
         batches = [
-            to_device(fetch(dataset, strategy.local_indices(piece)), device)
+            to_device(collating.fetch(dataset, strategy.local_indices(piece)), device)
             for piece in step.indices.chunk(grad_accum)
         ]
         yield StepData(step, batches, time.perf_counter() - started)
@@ -132,11 +150,12 @@ def _from_workers(steps, grad_accum, loaded, device) -> Iterator[StepData]:
 class _Samples(Dataset):
     """The cell's dataset, loaded a slice at a time by `fetch`: DataLoader's map-style fetcher
     hands a dataset with `__getitems__` the whole index list (torch/utils/data/_utils/fetch.py),
-    so a worker's batch is exactly what `fetch` returns in the training thread (a
-    TensorDataset indexed in one go, other datasets sample by sample and default_collate)."""
+    so a worker's batch is exactly what `fetch` returns in the training thread (the cell's
+    collate_fn's, or a TensorDataset indexed in one go, other datasets sample by sample and
+    default_collate)."""
 
-    def __init__(self, dataset: Any) -> None:
-        self.dataset = dataset
+    def __init__(self, dataset: Any, collating: _Collating) -> None:
+        self.dataset, self.collating = dataset, collating
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -145,18 +164,18 @@ class _Samples(Dataset):
         return self.dataset[index]
 
     def __getitems__(self, indices: list[int]) -> Any:
-        return fetch(self.dataset, torch.tensor(indices, dtype=torch.int64))
+        return self.collating.fetch(self.dataset, torch.tensor(indices, dtype=torch.int64))
 
-    def __reduce__(self):  # spawned workers only: the cell's classes go by value
+    def __reduce__(self):  # spawned workers only: the cell's classes and functions go by value
         import cloudpickle
 
-        return _unpickle, (cloudpickle.dumps(self.dataset),)
+        return _unpickle, (cloudpickle.dumps((self.dataset, self.collating)),)
 
 
 def _unpickle(payload: bytes) -> _Samples:
     import cloudpickle
 
-    return _Samples(cloudpickle.loads(payload))
+    return _Samples(*cloudpickle.loads(payload))
 
 
 def _as_is(batch: Any) -> Any:

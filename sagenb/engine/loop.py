@@ -89,6 +89,8 @@ def train_loop(
         device=device,
         seed=config.seed,
         rank=rank,
+        collate_fn=ws.collate_fn,
+        parts=strategy.collated_parts,
     )
     with loading as steps:  # --data-workers: worker processes end with the block
         for data in steps:

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from sagenb.config.job import JobError
+from sagenb.engine.collation import Collate
 
 __all__ = [
     "Objective",
@@ -56,23 +57,20 @@ class Objective:
     shifted: bool = False
     #: the model's own loss from (logits, labels), for pipelines (transformers' loss_function)
     own_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    #: the cell's collate_fn, which makes every piece's batch (None: default_collate)
+    collate_fn: Collate | None = None
 
     @classmethod
-    def build(cls, model: nn.Module, loss_fn: Any, sample: Any) -> Objective:
-        dict_samples = isinstance(sample, Mapping)
+    def build(
+        cls, model: nn.Module, loss_fn: Any, first: Any, collate_fn: Collate | None = None
+    ) -> Objective:
+        """`first`: the dataset's first sample, or with a collate_fn the batch it makes of
+        the first samples (engine/collation.py example_batch): what the model will be given
+        is what is checked, so labels a collator builds count."""
+        dict_samples = isinstance(first, Mapping)
         if loss_fn is not None:
-            return cls(loss_fn=loss_fn, dict_samples=dict_samples)
-        if not dict_samples:
-            raise JobError(
-                f"the cell defines no loss_fn, and its samples are {type(sample).__name__}s: "
-                "define loss_fn(output, target), or give dict samples with 'labels' to use the "
-                "model's own loss"
-            )
-        if "labels" not in sample:
-            raise JobError(
-                f"the cell defines no loss_fn, and its dict samples have no 'labels' (keys: "
-                f"{', '.join(map(str, sample))}): add labels, or define loss_fn(logits, labels)"
-            )
+            return cls(loss_fn=loss_fn, dict_samples=dict_samples, collate_fn=collate_fn)
+        _require_labels(first, collated=collate_fn is not None)
         hf = _transformers_model(model)
         loss_type = getattr(hf, "loss_type", None) if hf is not None else None
         return cls(
@@ -80,6 +78,7 @@ class Objective:
             dict_samples=True,
             shifted=loss_type == "ForCausalLM",
             own_loss=_hf_loss(hf) if hf is not None else None,
+            collate_fn=collate_fn,
         )
 
     # -- feeding the model -----------------------------------------------------------------
@@ -134,6 +133,32 @@ class Objective:
         """Whether pieces of equal size can count different numbers of targets (integer
         targets may hold -100); otherwise the count is the sample count, known to every rank."""
         return torch.is_tensor(target) and not (target.is_floating_point() or target.is_complex())
+
+
+def _require_labels(first: Any, *, collated: bool) -> None:
+    """Without a loss_fn the model's own loss needs dict batches with 'labels'; say what the
+    cell gave and what to do, in the words of samples or of the collate_fn's batches."""
+    given = "the batches its collate_fn returns" if collated else "its dict samples"
+    if not isinstance(first, Mapping):
+        kind = type(first).__name__
+        given = f"its collate_fn returns a {kind}" if collated else f"its samples are {kind}s"
+        raise JobError(
+            f"the cell defines no loss_fn, and {given}: define loss_fn(output, target), or "
+            f"{'return' if collated else 'give'} dict {'batches' if collated else 'samples'} "
+            "with 'labels' to use the model's own loss"
+        )
+    if "labels" in first:
+        return
+    fix = (
+        "make collate_fn add labels (transformers' DataCollatorForLanguageModeling(tokenizer, "
+        "mlm=False) copies input_ids, padding as -100)"
+        if collated
+        else "add labels, or define a collate_fn(samples) whose batches have them"
+    )
+    raise JobError(
+        f"the cell defines no loss_fn, and {given} have no 'labels' (keys: "
+        f"{', '.join(map(str, first))}): {fix}, or define loss_fn(logits, labels)"
+    )
 
 
 def weighted(loss: torch.Tensor, count: torch.Tensor) -> torch.Tensor:

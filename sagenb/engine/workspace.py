@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from sagenb.config.job import Job, JobError
+from sagenb.engine.collation import Collate, example_batch
 from sagenb.engine.data import require_map_style
 from sagenb.engine.model.delayed import meta_parameters
 from sagenb.engine.objective import Objective
@@ -31,6 +32,10 @@ class Workspace:
     make_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None
     eval_dataset: Any = None
     tp_plan: dict[str, Any] | None = None
+    #: the cell's collate_fn(samples) -> batch, or None: torch's default_collate
+    collate_fn: Collate | None = None
+    #: whether collate_fn drew random numbers making its first batch (set by build_workspace)
+    collate_draws: bool = field(init=False, default=False)
     #: how batches reach the model and become a loss: set by build_workspace, the one place
     #: a Workspace is made, once the cell's names are checked (not an __init__ argument)
     objective: Objective = field(init=False)
@@ -64,11 +69,18 @@ def build_workspace(job: Job, seed: int, *, delay_init: bool = False) -> Workspa
         make_scheduler=ns.get("make_scheduler"),
         eval_dataset=ns.get("eval_dataset"),
         tp_plan=ns.get("tp_plan"),
+        collate_fn=ns.get("collate_fn"),
     )
     _check(ws)
     if len(ws.dataset) == 0:
         raise JobError("dataset is empty")
-    ws.objective = Objective.build(ws.model, ws.loss_fn, ws.dataset[0])
+    # what the model will be given is checked: with a collate_fn, a batch it made (labels it
+    # builds count), else a sample (default_collate keeps its keys)
+    if ws.collate_fn is None:
+        first = ws.dataset[0]
+    else:
+        first, ws.collate_draws = example_batch(ws.dataset, ws.collate_fn)
+    ws.objective = Objective.build(ws.model, ws.loss_fn, first, ws.collate_fn)
     return ws
 
 
@@ -78,7 +90,7 @@ def _check(ws: Workspace) -> None:
     for name in ("dataset", "eval_dataset"):
         if getattr(ws, name) is not None:
             require_map_style(name, getattr(ws, name))
-    for name in ("loss_fn", "make_optimizer", "make_scheduler"):
+    for name in ("loss_fn", "make_optimizer", "make_scheduler", "collate_fn"):
         value = getattr(ws, name)
         if value is not None and not callable(value):
             raise JobError(f"{name} must be callable, got {type(value).__name__}")

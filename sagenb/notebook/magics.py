@@ -62,7 +62,8 @@ def train_parser() -> MagicParser:
         description=(
             "Train the model the cell defines on the engine pool. The cell runs on every engine "
             "after seeding torch and must define model, dataset and loss_fn; optionally "
-            "make_optimizer(params), make_scheduler(optimizer) and eval_dataset."
+            "make_optimizer(params), make_scheduler(optimizer), eval_dataset and "
+            "collate_fn(samples) -> batch (DataLoader's, e.g. a transformers data collator)."
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         allow_abbrev=False,

@@ -120,7 +120,7 @@ def _build(job: Job, config: EngineConfig, world: int) -> FakeModel:
         notes.append(f"optimizer state taken as AdamW's two moments (stepping it failed: {exc})")
     slice_size = config.forward_size(world)
     n = min(slice_size, len(ws.dataset))
-    example = fetch(ws.dataset, torch.arange(n))
+    example = fetch(ws.dataset, torch.arange(n), ws.collate_fn)
     try:
         blocks = find_blocks(ws.model)
         block_modules = [ws.model.get_submodule(blocks.qualified(i)) for i in range(len(blocks))]

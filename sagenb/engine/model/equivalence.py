@@ -42,9 +42,12 @@ class EquivalenceWarning(UserWarning):
 warnings.filterwarnings("always", category=EquivalenceWarning, append=True)
 
 
-def equivalence_warnings(model: nn.Module, config: EngineConfig) -> list[str]:
+def equivalence_warnings(
+    model: nn.Module, config: EngineConfig, *, collate_draws: bool = False
+) -> list[str]:
     """One sentence per cause that makes this run differ from one process's, each naming
-    the construct, the option and what to do; [] when it trains as one process would."""
+    the construct, the option and what to do; [] when it trains as one process would.
+    `collate_draws`: the cell's collate_fn drew random numbers (engine/collation.py)."""
     out = []
     batchnorm = [n or "the model" for n, m in model.named_modules() if _is_batchnorm(m)]
     if batchnorm:
@@ -66,7 +69,22 @@ def equivalence_warnings(model: nn.Module, config: EngineConfig) -> list[str]:
             "process: set the dropout probabilities to 0 (or model.eval() the dropout layers) "
             "for an exact comparison"
         )
+    if collate_draws and _collated_in_pieces(config):
+        out.append(
+            "collate_fn draws random numbers (masked-LM masking, random crops): each engine "
+            "draws for its own pieces of the global batch (with --data-workers, from each "
+            "worker's generator), so the batches differ from those one process would draw for "
+            "the whole global batch: this run trains correctly but not bit-for-bit like one "
+            "process; for an exact comparison draw nothing in collate_fn (e.g. mlm=False, or "
+            "masks fixed in the dataset)"
+        )
     return out
+
+
+def _collated_in_pieces(config: EngineConfig) -> bool:
+    """Whether a global batch is collated in more than one piece, or outside the engine."""
+    engines = config.engines if config.engines is not None else 2  # unknown: assume several
+    return describe(config.strategy).split(config, engines)[0] > 1 or config.data_workers > 0
 
 
 def _batchnorm_warnings(what: str, config: EngineConfig) -> list[str]:

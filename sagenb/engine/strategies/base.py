@@ -43,6 +43,11 @@ class Strategy(Protocol):
     def local_indices(self, slice_indices: torch.Tensor) -> torch.Tensor:
         """Which samples of one slice of the global batch this engine loads."""
 
+    @property
+    def collated_parts(self) -> int:
+        """The runs each of this engine's batches is cut into, each collated on its own by the
+        cell's collate_fn: a pipeline's microbatches; 1 where the batch is one forward."""
+
     def forward_backward(
         self, batch: Any, objective: Objective, *, scale: float, sync: bool
     ) -> torch.Tensor | None:

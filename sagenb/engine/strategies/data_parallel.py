@@ -64,6 +64,10 @@ class DataParallel:
     def replicas(self) -> int:
         return self.world_size
 
+    @property
+    def collated_parts(self) -> int:
+        return 1  # each batch is one forward: collated whole
+
     def forward_backward(
         self, batch: Any, objective: Objective, *, scale: float, sync: bool
     ) -> torch.Tensor | None:
@@ -108,13 +112,14 @@ def eval_sums(
     device: torch.device,
 ) -> torch.Tensor:
     """[sum of loss x counted targets, counted targets] over the dataset's samples at
-    `batches` (tensors of indices, from data.eval_batches), in eval mode: the eval loss is their
-    ratio, the mean over every counted target."""
+    `batches` (tensors of indices, from data.eval_batches; each batch collated on its own, by
+    the cell's collate_fn when it has one), in eval mode: the eval loss is their ratio, the mean
+    over every counted target."""
     was_training = module.training
     module.eval()
     total = torch.zeros(2, dtype=torch.float64, device=device)
     for indices in batches:
-        batch = to_device(fetch(dataset, indices), device)
+        batch = to_device(fetch(dataset, indices, objective.collate_fn), device)
         args, kwargs, target = objective.split(batch)
         count = objective.count(target, batch)
         total[0] += weighted(objective.loss(module(*args, **kwargs), target), count).double()

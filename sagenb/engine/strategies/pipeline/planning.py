@@ -41,7 +41,7 @@ def plan_on_engine(job: Job, config: EngineConfig, engines: int, threads: int) -
     blocks = find_blocks(ws.model)
     check_blocks(config, len(blocks))  # the trainer's errors, before anything is measured
     mb = config.forward_size(engines)
-    example = fetch(ws.dataset, torch.arange(min(mb, len(ws.dataset))))
+    example = fetch(ws.dataset, torch.arange(min(mb, len(ws.dataset))), ws.collate_fn)
     profile = cut_profile(ws.model, config, example, ws.objective)
 
     def cuts(method: str) -> list[int]:

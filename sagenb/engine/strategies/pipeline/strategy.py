@@ -36,6 +36,7 @@ from torch.distributed.pipelining import (
 
 from sagenb.config.errors import ConfigError
 from sagenb.config.job import JobError
+from sagenb.engine.collation import require_one_length, require_shapes, shapes_of
 from sagenb.engine.data import eval_batches, fetch, to_device
 from sagenb.engine.model.blocks import find_blocks, tied_groups
 from sagenb.engine.model.delayed import materialize, release_others
@@ -104,6 +105,7 @@ class Pipeline:
         model = ws.model
         self.key_order = list(model.state_dict().keys())
         example = self._example(ws)
+        self._fix_shapes(ws, example)
         starts = self._choose_starts(ws, example)
         inputs = ws.objective.split(example, labels_in=False)[:2]
         stages, self.blocks = split_model(model, starts, inputs)
@@ -126,7 +128,22 @@ class Pipeline:
         (its shapes may be specialised to this size; export_split.py)."""
         cfg = self.config
         mb = cfg.forward_size(self.world_size)
-        return fetch(ws.dataset, torch.arange(min(mb, len(ws.dataset))))
+        return fetch(ws.dataset, torch.arange(min(mb, len(ws.dataset))), ws.collate_fn)
+
+    def _fix_shapes(self, ws: Workspace, example: Any) -> None:
+        """The shapes every batch must have: the first microbatch's. The stages are traced on
+        it and PipelineStage sizes its messages at the first step (either front end). A
+        collate_fn may pad to each batch's longest sample: a few samples collated alone tell
+        before the first step (collation.py), each step's batch is checked too."""
+        self._shapes = shapes_of(example)
+        if ws.collate_fn is None:
+            return
+        for name in ("dataset", "eval_dataset"):
+            data = getattr(ws, name)
+            if data is not None:
+                require_one_length(
+                    data, ws.collate_fn, self._shapes, strategy=self.config.strategy, name=name
+                )
 
     def _choose_starts(self, ws: Workspace, example: Any) -> list[int]:
         """The cut points of cuts.py, the planner's too: checked on every rank, chosen
@@ -242,9 +259,15 @@ class Pipeline:
     def replicas(self) -> int:
         return self.D
 
+    @property
+    def collated_parts(self) -> int:
+        # each microbatch collated on its own, as the schedule will cut the batch
+        return self.config.microbatches
+
     def forward_backward(
         self, batch: Any, objective: Objective, *, scale: float, sync: bool
     ) -> torch.Tensor | None:
+        require_shapes(self._shapes, batch, strategy=self.config.strategy, what="this step's batch")
         args, kwargs, target = objective.split(batch, labels_in=False)
         if not self.events:
             self._step_started = time.time()
@@ -337,7 +360,11 @@ class Pipeline:
         for idx in eval_batches(len(dataset), size, parts=self.D, part=self.replica):
             real = len(idx)
             idx = torch.cat([idx, idx[-1:].expand(size - real)])
-            batch = to_device(fetch(dataset, idx), self.device)
+            batch = fetch(dataset, idx, objective.collate_fn)
+            require_shapes(
+                self._shapes, batch, strategy=self.config.strategy, what="an eval_dataset chunk"
+            )
+            batch = to_device(batch, self.device)
             args, kwargs, target = objective.split(batch, labels_in=False)
             value: Any = args
             for i in self.stage_ids:

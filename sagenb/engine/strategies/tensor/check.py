@@ -96,7 +96,8 @@ def trial_forward(
     try:
         with torch.random.fork_rng(devices=devices, device_type=device.type):
             module.eval()
-            args, kwargs, _ = objective.split(to_device(fetch(dataset, torch.arange(1)), device))
+            first = fetch(dataset, torch.arange(1), objective.collate_fn)
+            args, kwargs, _ = objective.split(to_device(first, device))
             module(*args, **kwargs)
     except Exception as exc:
         where = running[-1] if running else "<model>"
