@@ -55,6 +55,21 @@ def test_data_parallel_holds_everything_with_adamw_state():
         assert fp.comm_bytes_per_step[r] == {"all_reduce": params * F32}  # 2(N-1)/N = 1
 
 
+@pytest.mark.parametrize("cell", ["map_style", "llama"])
+def test_a_map_style_dataset_is_read_by_its_own_getitem(cell):
+    """A dataset that is no TensorDataset (its samples built one by one; dict samples of a
+    transformers model) is estimated too: its __getitem__ gets real indices. It raised
+    DataDependentOutputException, reading the values of fake ones."""
+    from tests.models import MAP_STYLE_CELL, llama_cell
+
+    source = MAP_STYLE_CELL if cell == "map_style" else llama_cell()
+    fp = footprint(source, EngineConfig(strategy="data", batch_size=16), 2)
+    ns: dict = {}
+    exec(source, ns)
+    assert fp.params == sum(p.numel() for p in ns["model"].parameters())
+    assert fp.flops_per_step > 0 and _bytes(fp, 0, keys.MEMORY_ACTIVATIONS) > 0
+
+
 def test_sharded_splits_dim0_as_fsdp_and_sgd_momentum_keeps_one_buffer():
     fp = footprint(REGRESSION_CELL + SGD_MOMENTUM, EngineConfig(strategy="sharded"), 2)
     # Linear(8,16): weight rows 8 | 8, bias 8 | 8; Linear(16,1): weight row 1 | 0, bias 1 | 0

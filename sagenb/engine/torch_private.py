@@ -30,6 +30,10 @@ from torch import nn
 # the cell's own code builds its model and data (torch.export uses the same mode inside)
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+# no public equivalent either: a real tensor made while a FakeTensorMode is active (the indices
+# of the estimate's example, whose values a map-style dataset's __getitem__ needs)
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+
 # the base of BatchNorm1d/2d/3d, their lazy forms and SyncBatchNorm; public: those classes one
 # by one for isinstance, none to subclass (engine/model/sync_batchnorm.py's GlobalBatchNorm)
 from torch.nn.modules.batchnorm import _BatchNorm as BatchNormBase
@@ -64,6 +68,7 @@ __all__ = [
     "ComputationType",
     "DropoutBase",
     "FakeTensorMode",
+    "unset_fake_temporarily",
     "PipelineScheduleRuntime",
     "PrivateName",
     "TorchDispatchMode",
@@ -248,6 +253,9 @@ class PrivateName(NamedTuple):
 
 PRIVATE_NAMES: tuple[PrivateName, ...] = (
     PrivateName("torch._subclasses.fake_tensor", "FakeTensorMode", "sizing.footprint.footprint"),
+    PrivateName(
+        "torch._subclasses.fake_tensor", "unset_fake_temporarily", "sizing.footprint._build"
+    ),
     PrivateName(
         "torch.utils._python_dispatch",
         "TorchDispatchMode",

@@ -35,7 +35,7 @@ from sagenb.engine.model.recompute import checkpoint_blocks
 from sagenb.engine.objective import batch_size_of, model_inputs
 from sagenb.engine.precision import autocast
 from sagenb.engine.strategies.attribution import MIB, Attribution, FakeModel, Ranks, Trace
-from sagenb.engine.torch_private import FakeTensorMode
+from sagenb.engine.torch_private import FakeTensorMode, unset_fake_temporarily
 from sagenb.engine.workspace import build_workspace
 from sagenb.metrics import keys
 from sagenb.sizing.footprint_trace import optimizer_state, trace_step
@@ -80,7 +80,8 @@ def footprint(job: Any, config: EngineConfig, world_size: int) -> Footprint:
     job = Job.of(job)
     config = _at(config.for_engines(), world_size)
     attribute = _attribution(config)
-    with FakeTensorMode():
+    # real tensors may meet fake ones: the example's indices are real (see _build)
+    with FakeTensorMode(allow_non_fake_inputs=True):
         m = _build(job, config, world_size)
         split, layout = attribute.prepare(m)
         trace = _trace(m, split)
@@ -120,7 +121,9 @@ def _build(job: Job, config: EngineConfig, world: int) -> FakeModel:
         notes.append(f"optimizer state taken as AdamW's two moments (stepping it failed: {exc})")
     slice_size = config.forward_size(world)
     n = min(slice_size, len(ws.dataset))
-    example = fetch(ws.dataset, torch.arange(n), ws.collate_fn)
+    with unset_fake_temporarily():  # real values: a map-style dataset's __getitem__ reads them
+        indices = torch.arange(n)
+    example = fetch(ws.dataset, indices, ws.collate_fn)
     try:
         blocks = find_blocks(ws.model)
         block_modules = [ws.model.get_submodule(blocks.qualified(i)) for i in range(len(blocks))]
