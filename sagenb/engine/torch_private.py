@@ -27,12 +27,10 @@ import torch
 from torch import nn
 
 # no public equivalent in torch 2.13: tensors with shapes and dtypes but no data, through which
-# the cell's own code builds its model and data (torch.export uses the same mode inside)
-from torch._subclasses.fake_tensor import FakeTensorMode
-
-# no public equivalent either: a real tensor made while a FakeTensorMode is active (the indices
-# of the estimate's example, whose values a map-style dataset's __getitem__ needs)
-from torch._subclasses.fake_tensor import unset_fake_temporarily
+# the cell's own code builds its model and data (torch.export uses the same mode inside); and a
+# real tensor made while that mode is active (the indices of the estimate's example, whose
+# values a map-style dataset's __getitem__ needs)
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
 # the base of BatchNorm1d/2d/3d, their lazy forms and SyncBatchNorm; public: those classes one
 # by one for isinstance, none to subclass (engine/model/sync_batchnorm.py's GlobalBatchNorm)
