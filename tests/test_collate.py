@@ -16,8 +16,8 @@ import torch
 import sagenb
 from sagenb import TrainConfig
 from sagenb.config.job import Job
-from sagenb.engine import collation, loader
-from sagenb.engine.data import plan_steps
+from sagenb.engine.data import collation, loader
+from sagenb.engine.data.order import plan_steps
 from sagenb.engine.model.equivalence import equivalence_warnings
 from sagenb.engine.workspace import build_workspace
 

@@ -11,8 +11,8 @@ import torch
 
 import sagenb
 from sagenb.config import ConfigError
-from sagenb.engine import loader
-from sagenb.engine.data import plan_steps
+from sagenb.engine.data import loader
+from sagenb.engine.data.order import plan_steps
 from sagenb.pool import cluster
 
 from .helpers import assert_params_equal, check_equal

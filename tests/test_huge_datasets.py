@@ -1,6 +1,6 @@
 """Huge datasets (sagenb issue 19): a map-style dataset of 10**9 samples trains its first steps
 in seconds, in the contract's order for large datasets (a Feistel permutation computed per
-position, engine/data.py), on the pool and under an exported torchrun script alike, equal to
+position, engine/data/order.py), on the pool and under an exported torchrun script alike, equal to
 the single-process reference; an IterableDataset is refused with the reason and what to do.
 A huge eval set is evaluated the same way (issue 28): in order, from the first batch on, with
 no index list of the whole set, and in the batches evaluation took before."""
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import sagenb
-from sagenb.engine.data import EAGER_MAX, FeistelOrder, epoch_order, eval_batches, plan_steps
+from sagenb.engine.data.order import EAGER_MAX, FeistelOrder, epoch_order, eval_batches, plan_steps
 from sagenb.engine.objective import Objective
 from sagenb.engine.strategies.data_parallel import eval_sums
 
@@ -145,7 +145,7 @@ class _Whole:
 def test_worker_loading_walks_a_whole_huge_epoch_lazily():
     """--data-workers without --steps: the loader hands out a billion-sample epoch's steps as
     they are loaded, never listing the epoch's indices first."""
-    from sagenb.engine.loader import batches_of
+    from sagenb.engine.data.loader import batches_of
 
     data = torch.utils.data.TensorDataset(torch.arange(64).float())
 

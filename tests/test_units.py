@@ -7,7 +7,7 @@ import torch
 
 from sagenb.config import ConfigError, TrainConfig
 from sagenb.config.job import Job, JobError, defined_names
-from sagenb.engine.data import plan_steps
+from sagenb.engine.data.order import plan_steps
 from sagenb.engine.precision import LossScaler, check_supported
 from sagenb.engine.strategies.tensor.plan import check_plan, derive_plan, split_heads
 from sagenb.sizing.cost import CostMeter, instance_price

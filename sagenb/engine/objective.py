@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from sagenb.config.job import JobError
-from sagenb.engine.collation import Collate
+from sagenb.engine.data.collation import Collate
 
 __all__ = [
     "Objective",
@@ -65,7 +65,7 @@ class Objective:
         cls, model: nn.Module, loss_fn: Any, first: Any, collate_fn: Collate | None = None
     ) -> Objective:
         """`first`: the dataset's first sample, or with a collate_fn the batch it makes of
-        the first samples (engine/collation.py example_batch): what the model will be given
+        the first samples (engine/data/collation.py example_batch): what the model will be given
         is what is checked, so labels a collator builds count."""
         dict_samples = isinstance(first, Mapping)
         if loss_fn is not None:

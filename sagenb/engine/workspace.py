@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from sagenb.config.job import Job, JobError
-from sagenb.engine.collation import Collate, example_batch
-from sagenb.engine.data import require_map_style
+from sagenb.engine.data.collation import Collate, example_batch
+from sagenb.engine.data.order import require_map_style
 from sagenb.engine.model.delayed import meta_parameters
 from sagenb.engine.objective import Objective
 

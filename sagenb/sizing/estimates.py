@@ -224,7 +224,7 @@ def _key(job: Job, config: TrainConfig) -> tuple[Any, ...]:
 
 
 def _steps(config: TrainConfig, samples: int | None, fp: Footprint) -> int | None:
-    from sagenb.engine.data import total_steps
+    from sagenb.engine.data.order import total_steps
 
     n = samples if samples is not None else getattr(fp, "samples", None)
     if n is None:

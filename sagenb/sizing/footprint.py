@@ -29,7 +29,7 @@ from torch import nn
 from sagenb.config.errors import ConfigError
 from sagenb.config.job import Job, JobError
 from sagenb.config.options import EngineConfig, describe, strategy_names
-from sagenb.engine.data import fetch
+from sagenb.engine.data.order import fetch
 from sagenb.engine.model.blocks import find_blocks
 from sagenb.engine.model.recompute import checkpoint_blocks
 from sagenb.engine.objective import batch_size_of, model_inputs

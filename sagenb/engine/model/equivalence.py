@@ -47,7 +47,7 @@ def equivalence_warnings(
 ) -> list[str]:
     """One sentence per cause that makes this run differ from one process's, each naming
     the construct, the option and what to do; [] when it trains as one process would.
-    `collate_draws`: the cell's collate_fn drew random numbers (engine/collation.py)."""
+    `collate_draws`: the cell's collate_fn drew random numbers (engine/data/collation.py)."""
     out = []
     batchnorm = [n or "the model" for n, m in model.named_modules() if _is_batchnorm(m)]
     if batchnorm:

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from sagenb.engine.data import eval_batches, fetch, to_device
+from sagenb.engine.data.order import eval_batches, fetch, to_device
 from sagenb.engine.model.delayed import materialize
 from sagenb.engine.model.sync_batchnorm import sync_batchnorm
 from sagenb.engine.objective import Objective, piece_loss, weighted

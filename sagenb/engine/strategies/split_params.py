@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from sagenb.engine.data import eval_batches
+from sagenb.engine.data.order import eval_batches
 from sagenb.engine.objective import Objective
 from sagenb.engine.strategies import dtensors
 from sagenb.engine.strategies.data_parallel import DataParallel, eval_sums

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from sagenb.config.job import Job, JobError
-from sagenb.engine.data import fetch
+from sagenb.engine.data.order import fetch
 from sagenb.engine.strategies.pipeline.cuts import (
     PARTITION_METHODS,
     check_blocks,

@@ -36,8 +36,8 @@ from torch.distributed.pipelining import (
 
 from sagenb.config.errors import ConfigError
 from sagenb.config.job import JobError
-from sagenb.engine.collation import require_one_length, require_shapes, shapes_of
-from sagenb.engine.data import eval_batches, fetch, to_device
+from sagenb.engine.data.collation import require_one_length, require_shapes, shapes_of
+from sagenb.engine.data.order import eval_batches, fetch, to_device
 from sagenb.engine.model.blocks import find_blocks, tied_groups
 from sagenb.engine.model.delayed import materialize, release_others
 from sagenb.engine.objective import Objective, logits_of, weighted

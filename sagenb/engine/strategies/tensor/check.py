@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from sagenb.config.job import JobError
-from sagenb.engine.data import fetch, to_device
+from sagenb.engine.data.order import fetch, to_device
 from sagenb.engine.objective import Objective
 from sagenb.engine.strategies.tensor.dataflow import features, is_splittable
 from sagenb.engine.strategies.tensor.styles import splits

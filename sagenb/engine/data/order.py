@@ -41,7 +41,7 @@ import torch
 from torch.utils.data import IterableDataset, TensorDataset, default_collate
 
 from sagenb.config.job import JobError
-from sagenb.engine.collation import Collate, collate
+from sagenb.engine.data.collation import Collate, collate
 
 __all__ = [
     "Step",
@@ -199,7 +199,7 @@ def fetch(
 ) -> Any:
     """Load and collate the samples at `indices`: in the training thread, or in a
     --data-workers process (loader.py). With the cell's `collate_fn`, by it, in `parts` runs
-    collated one by one (a pipeline's microbatches, engine/collation.py); without, a
+    collated one by one (a pipeline's microbatches, engine/data/collation.py); without, a
     TensorDataset is indexed in one go, other datasets collated by default_collate."""
     if collate_fn is not None:
         return collate(dataset, indices, collate_fn, parts)

@@ -7,7 +7,7 @@ A cell may define `collate_fn(samples) -> batch`, the convention of torch's
 is what lets samples of unequal lengths be padded, and labels be built from `input_ids`.
 
 sagenb collates every piece it cuts on its own, with the cell's collate_fn: an engine's share of
-a grad-accum slice (engine/loader.py, in the training thread or a --data-workers process), each
+a grad-accum slice (engine/data/loader.py, in the training thread or a --data-workers process), each
 pipeline microbatch of that share (collated one by one, then concatenated into the share, which
 the schedule cuts again at the same rows: both use torch.tensor_split), an evaluation chunk,
 and the examples that pipelines trace and tensor parallel tries. One process would collate the

@@ -3,7 +3,7 @@ processes that prepare the next steps' batches while this one trains (--data-wor
 
 Either way the loop reads one iterator of `StepData`: for each step of the plan, its grad-accum
 slices, each this engine's share (`strategy.local_indices`), collated by `fetch` (with the
-cell's collate_fn when it has one, a pipeline's microbatches one by one: engine/collation.py)
+cell's collate_fn when it has one, a pipeline's microbatches one by one: engine/data/collation.py)
 and moved to the device. With --data-workers 0 (the default) nothing changes from loading in
 the loop: each step's samples are fetched when the loop asks for them. With N > 0, a
 `torch.utils.data.DataLoader` (https://pytorch.org/docs/stable/data.html) whose batch sampler
@@ -48,8 +48,8 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from sagenb.engine.collation import Collate
-from sagenb.engine.data import Step, fetch, to_device
+from sagenb.engine.data.collation import Collate
+from sagenb.engine.data.order import Step, fetch, to_device
 from sagenb.engine.torch_private import shutdown_workers
 
 __all__ = ["StepData", "batches_of", "START_METHOD"]
