@@ -72,7 +72,11 @@ def pool4(_stop_pool_at_end) -> cluster.EnginePool:
 
 # Modules whose tests start pools or kernels of their own (and stop the shared pool first).
 OWN_POOLS = (
-    "test_multi_host", "test_notebooks", "test_browser", "test_pool_lifetime", "test_binder"
+    "test_multi_host",
+    "test_notebooks",
+    "test_browser",
+    "test_pool_lifetime",
+    "test_binder",
 )
 
 

@@ -49,8 +49,7 @@ def _binder_env() -> dict[str, str]:
 
 def _run(cmd: list[str], env: dict[str, str], timeout: float) -> float:
     start = time.monotonic()
-    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=timeout)
+    out = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert out.returncode == 0, (
         f"{' '.join(cmd)} failed:\n{out.stdout[-4000:]}\n{out.stderr[-4000:]}"
     )
@@ -75,12 +74,16 @@ def test_binder_environment_runs_notebook_1(tmp_path):
         # what is under test is that binder/'s files suffice, not the download: pip may take
         # wheels from its cache (scripts/setup.sh filled it), and skips byte-compiling
         [python, "-m", "pip", "install", "--no-compile", "-r", "binder/requirements.txt"],
-        env, 600,
+        env,
+        600,
     )
     times["postBuild"] = _run([str(BINDER / "postBuild")], env, 300)
     torch_version = subprocess.run(
         [python, "-c", "import torch; print(torch.__version__, torch.version.cuda)"],
-        env=env, capture_output=True, text=True, check=True,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout.split()
     assert torch_version == ["2.13.0+cpu", "None"], torch_version
 
@@ -88,9 +91,16 @@ def test_binder_environment_runs_notebook_1(tmp_path):
     work = tmp_path / "work"
     work.mkdir()
     times["notebook 1"] = _run(
-        [python, "-c", RUN_NOTEBOOK, str(ROOT / "notebooks" / "01_quickstart.ipynb"),
-         str(executed), str(work)],
-        env, 600,
+        [
+            python,
+            "-c",
+            RUN_NOTEBOOK,
+            str(ROOT / "notebooks" / "01_quickstart.ipynb"),
+            str(executed),
+            str(work),
+        ],
+        env,
+        600,
     )
     print("binder environment:", ", ".join(f"{k} {v:.0f} s" for k, v in times.items()))
     nb = nbformat.read(executed, as_version=4)

@@ -18,6 +18,7 @@ from .reference import batch, namespace
 
 TOL = 1e-5
 
+
 @pytest.mark.parametrize("own_loss", [True, False], ids=["own-loss", "loss_fn"])
 def test_data_parallel_dicts_and_padding_equal_one_process(pool, own_loss):
     cell = llama_cell(own_loss=own_loss, tied=not own_loss)  # untied and tied embeddings

@@ -77,9 +77,23 @@ def test_sphinx_builds_without_warnings(tmp_path):
     (seconds, no engines); tests/test_notebooks.py builds the site with them executed."""
     start = time.monotonic()
     out = subprocess.run(
-        [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b", "html",
-         "-D", "nb_execution_mode=off", str(ROOT / "docs"), str(tmp_path / "html")],
-        capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "sphinx",
+            "-W",
+            "--keep-going",
+            "-q",
+            "-b",
+            "html",
+            "-D",
+            "nb_execution_mode=off",
+            str(ROOT / "docs"),
+            str(tmp_path / "html"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert out.returncode == 0, f"sphinx failed:\n{out.stdout}\n{out.stderr}"
     assert (tmp_path / "html" / "index.html").exists()

@@ -49,12 +49,26 @@ def site(tmp_path_factory) -> Site:
     out = tmp_path_factory.mktemp("site")
     start = time.monotonic()
     build = subprocess.run(
-        [sys.executable, "-m", "sphinx", "-W", "--keep-going", "-b", "html",
-         "-D", "nb_execution_mode=force", str(ROOT / "docs"), str(out / "html")],
-        capture_output=True, text=True, timeout=1700,
+        [
+            sys.executable,
+            "-m",
+            "sphinx",
+            "-W",
+            "--keep-going",
+            "-b",
+            "html",
+            "-D",
+            "nb_execution_mode=force",
+            str(ROOT / "docs"),
+            str(out / "html"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=1700,
     )
-    return Site(out / "html", out / "jupyter_execute" / "notebooks", build,
-                time.monotonic() - start)
+    return Site(
+        out / "html", out / "jupyter_execute" / "notebooks", build, time.monotonic() - start
+    )
 
 
 def test_site_builds_with_notebooks_executed(site):

@@ -84,8 +84,16 @@ def test_every_option_the_panel_is_given_comes_back(tmp_path):
                   price_table=str(prices), hardware_table=str(tmp_path / "hw.json"),
                   spot_discount=0.5, out="mine", log_dir=str(tmp_path / "logs"))  # fmt: skip
     own = [
-        dict(strategy="hybrid", engines=4, partitions=2, partition_by="manual", cuts=(1,),
-             microbatches=2, schedule="gpipe", virtual_stages=3),
+        dict(
+            strategy="hybrid",
+            engines=4,
+            partitions=2,
+            partition_by="manual",
+            cuts=(1,),
+            microbatches=2,
+            schedule="gpipe",
+            virtual_stages=3,
+        ),
         dict(strategy="model", partitions=2, memory_budget=2.5),
         dict(strategy="tensor", engines=4, tensor_parallel=2),
         dict(strategy="sharded", engines=4, reshard_after_forward=False),

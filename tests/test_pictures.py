@@ -64,5 +64,3 @@ def test_the_check_reads_links_and_sees_a_stale_picture(tmp_path):
     assert defines("tests/test_pictures.py::test_no_picture_is_left_unshown")
     assert not defines("tests/test_pictures.py::test_that_is_gone")
     assert len(drawing_hash()) == 16 and drawing_hash() == drawing_hash()
-
-

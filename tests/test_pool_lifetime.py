@@ -97,7 +97,6 @@ def test_a_kernel_killed_by_sigkill_leaves_no_pool_behind():
         km.shutdown_kernel(now=True)
 
 
-
 def test_a_dead_controller_ends_the_run_with_a_clear_error(pool, tmp_path):
     """No rank can report once the controller is gone: the run says so within seconds (not
     after --timeout, and never hangs in a signal sent through the dead controller), nothing

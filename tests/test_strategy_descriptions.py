@@ -32,7 +32,7 @@ NAMES = ("data", "model", "hybrid", "sharded", "tensor")
 #: gradients, so it trains as one process does (on twice the compute: a teaching example, not a
 #: product); --mirror-shares 2 cuts each batch in two shares, one per engine, which trains as one
 #: process does too, and gives each engine a loss of its own.
-MADE_UP = '''
+MADE_UP = """
 from sagenb.config import ConfigError, Option
 from sagenb.engine.strategies.data_parallel import DataParallel
 from sagenb.engine.strategies.description import Description, plural
@@ -91,7 +91,7 @@ class MirroredDescription(Description):
 
 
 DESCRIPTIONS = (MirroredDescription(),)
-'''
+"""
 #: the help of its option, as the flag reference and the panel's tooltip show it
 SHARES_HELP = (
     "shares each batch is cut into, engine r training share r mod N (1: every engine trains the "

@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 
 from sagenb.engine.checkpoint import distributed as checkpoint
-from sagenb.engine.data.order import plan_steps, total_steps
 from sagenb.engine.data.loader import batches_of
+from sagenb.engine.data.order import plan_steps, total_steps
 from sagenb.engine.memory import MemoryMeter
 from sagenb.engine.objective import batch_size_of, model_inputs
 from sagenb.engine.precision import LossScaler, autocast

@@ -168,9 +168,7 @@ def weighted(loss: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
     return torch.where(count > 0, loss, torch.zeros_like(loss)) * count
 
 
-def piece_loss(
-    objective: Objective, module: Any, batch: Any, scale: float
-) -> torch.Tensor:
+def piece_loss(objective: Objective, module: Any, batch: Any, scale: float) -> torch.Tensor:
     """Forward and backward of one piece on a module that takes whole batches (data, sharded,
     tensor parallel): its loss enters the gradient as loss x counted targets x `scale`;
     returns loss x count, detached."""

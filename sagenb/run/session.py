@@ -144,9 +144,7 @@ class _Run:
         self.pool, self.config, self.job = pool, config, job
         self.on_failure = on_failure
         self.engines = config.engines or pool.size
-        self.cost = meter_for(
-            config, self.engines, runs_on=_runs_on(pool), projection=projection
-        )
+        self.cost = meter_for(config, self.engines, runs_on=_runs_on(pool), projection=projection)
         self.history = History(self.engines, config.batch_size)
         self.dashboard = (
             _make_dashboard(config, self.cost, self.history, live) if config.dashboard else None

@@ -195,6 +195,7 @@ def _scaling_line(row: ScalingRow) -> str:
 
 # -- the estimate ---------------------------------------------------------------------------
 
+
 def estimate(
     job: Any, config: TrainConfig | None = None, *, samples: int | None = None, **options: Any
 ) -> Estimate:
@@ -219,8 +220,6 @@ def estimate(
 
 def _key(job: Job, config: TrainConfig) -> tuple[Any, ...]:
     return (job.source, job.payload, config.for_engines(), config.instance, config.hardware_table)
-
-
 
 
 def _steps(config: TrainConfig, samples: int | None, fp: Footprint) -> int | None:

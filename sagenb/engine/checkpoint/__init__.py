@@ -1,2 +1,1 @@
-"""Checkpoints: written and resumed by every strategy, read without unpickling arbitrary objects.
-"""
+"""Checkpoints: written and resumed by every strategy, read without unpickling arbitrary objects."""

@@ -118,4 +118,3 @@ class Description:
 
     def __repr__(self) -> str:
         return f"<strategy {self.name}>"
-
