@@ -79,9 +79,13 @@ def feistel_index(i: int, n: int, seed: int) -> int:
 
 
 def batch(dataset, idx, collate_fn=None):
-    """The samples at `idx` as one batch: made by the cell's `collate_fn` when it has one (its
-    Mapping, such as transformers' BatchEncoding, read as a dict), else stacked."""
-    samples = [dataset[i] for i in idx.tolist()]
+    """The samples at `idx` as one batch (`of_samples`)."""
+    return of_samples([dataset[i] for i in idx.tolist()], collate_fn)
+
+
+def of_samples(samples, collate_fn=None):
+    """`samples` as one batch: made by the cell's `collate_fn` when it has one (its Mapping,
+    such as transformers' BatchEncoding, read as a dict), else stacked."""
     if collate_fn is not None:
         made = collate_fn(samples)
         return dict(made) if isinstance(made, Mapping) else made
@@ -165,25 +169,43 @@ def _train(
     )
     sched = ns["make_scheduler"](opt) if "make_scheduler" in ns else None
     losses: list[float] = []
-    n = len(dataset)
-    for epoch in range(epochs):
-        order = contract_order(n, seed + epoch)
-        for b in range(n // batch_size):
-            if steps is not None and len(losses) == steps:
-                return model, losses, ns
-            idx = order(b * batch_size, (b + 1) * batch_size)
-            step_loss = 0.0
-            # the whole global batch (each slice, with grad_accum) collated at once, padded to
-            # its own longest sample by a padding collate_fn
-            for piece in idx.chunk(grad_accum):
-                loss = loss_of(model, loss_fn, batch(dataset, piece, collate_fn))
-                (loss / grad_accum).backward()
-                step_loss += float(loss.detach()) / grad_accum
-            if clip_grad_norm is not None:
-                torch.nn.utils.clip_grad_norm_(params, clip_grad_norm)
-            opt.step()
-            if sched is not None:
-                sched.step()
-            opt.zero_grad()
-            losses.append(step_loss)
+    for samples in global_batches(dataset, batch_size=batch_size, epochs=epochs, seed=seed):
+        if steps is not None and len(losses) == steps:
+            return model, losses, ns
+        step_loss = 0.0
+        # the whole global batch (each slice, with grad_accum) collated at once, padded to
+        # its own longest sample by a padding collate_fn
+        for piece in torch.arange(len(samples)).chunk(grad_accum):
+            loss = loss_of(model, loss_fn, batch(samples, piece, collate_fn))
+            (loss / grad_accum).backward()
+            step_loss += float(loss.detach()) / grad_accum
+        if clip_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(params, clip_grad_norm)
+        opt.step()
+        if sched is not None:
+            sched.step()
+        opt.zero_grad()
+        losses.append(step_loss)
     return model, losses, ns
+
+
+def global_batches(dataset, *, batch_size: int, epochs: int, seed: int) -> Iterator[list]:
+    """The samples of each global batch, epoch after epoch, as docs/contract.md orders them: a
+    map-style dataset in the shuffled order of seed + epoch; a stream (no __len__) read in
+    order from its start each epoch (after set_epoch(epoch) where it has one). An incomplete
+    last batch is dropped."""
+    for epoch in range(epochs):
+        if hasattr(dataset, "__len__"):
+            n = len(dataset)
+            order = contract_order(n, seed + epoch)
+            for b in range(n // batch_size):
+                yield [dataset[i] for i in order(b * batch_size, (b + 1) * batch_size).tolist()]
+            continue
+        if hasattr(dataset, "set_epoch"):
+            dataset.set_epoch(epoch)
+        pending: list = []
+        for item in dataset:
+            pending.append(item)
+            if len(pending) == batch_size:
+                yield pending
+                pending = []

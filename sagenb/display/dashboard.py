@@ -224,11 +224,13 @@ class Dashboard:
 
     # -- live display ---------------------------------------------------------------------
     def _header_html(self) -> str:
-        rows, total = self.history.steps, self.total_steps or 1
+        rows, total = self.history.steps, self.total_steps
         done = rows[-1][keys.STEP] if rows else 0
+        # a stream of unknown length: an indeterminate bar (no value), and "step N/?" above it
+        value = f"value='{done}' max='{total}' " if total else ""
         return (
             f"<div class='smp-header'><b>sagenb</b> &middot; "
-            f"{html.escape(self.header_text())}<br><progress value='{done}' max='{total}' "
+            f"{html.escape(self.header_text())}<br><progress {value}"
             f"style='width: 100%'></progress>{self._warnings_html()}</div>"
         )
 

@@ -11,7 +11,7 @@ gradients divided by it before clipping; a step whose gradients overflowed is sk
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
@@ -19,7 +19,8 @@ import torch.distributed as dist
 
 from sagenb.engine.checkpoint import distributed as checkpoint
 from sagenb.engine.data.loader import batches_of
-from sagenb.engine.data.order import plan_steps, total_steps
+from sagenb.engine.data.order import Step, plan_steps
+from sagenb.engine.data.stream import StreamSource, stream_steps
 from sagenb.engine.memory import MemoryMeter
 from sagenb.engine.objective import batch_size_of, model_inputs
 from sagenb.engine.precision import LossScaler, autocast
@@ -69,16 +70,7 @@ def train_loop(
     start = _resume(config, objects)
     meter = MemoryMeter(strategy.module, optimizer, device)
     scaler = LossScaler(device=device) if config.precision == "fp16" else None
-    n = len(ws.dataset)
-    total = total_steps(n, batch_size=config.batch_size, epochs=config.epochs, steps=config.steps)
-    plan = plan_steps(
-        n,
-        batch_size=config.batch_size,
-        epochs=config.epochs,
-        steps=config.steps,
-        seed=config.seed,
-        start_after=start,
-    )
+    plan = _plan(ws, config, start)
     last, unsaved = start, None
     loading = batches_of(
         ws.dataset,
@@ -94,19 +86,27 @@ def train_loop(
     )
     with loading as steps:  # --data-workers: worker processes end with the block
         for data in steps:
-            publish(
-                _step(
-                    ws, strategy, config, data, total, optimizer, scheduler, meter, device, scaler
-                )
-            )
-            last = data.step.number
-            stop = last < total and should_stop(last)  # after the last step, none to skip
+            publish(_step(ws, strategy, config, data, optimizer, scheduler, meter, device, scaler))
+            last, total = data.step.number, data.step.total
+            stop = last != total and should_stop(last)  # after the last step, none to skip
             every = config.checkpoint_every
             if config.checkpoint_dir and (stop or last == total or (every and last % every == 0)):
                 unsaved = checkpoint.save(config.checkpoint_dir, last, **objects)
             if stop or unsaved is not None:
                 break
     return last, unsaved
+
+
+def _plan(ws: Workspace, config: EngineConfig, start: int) -> Iterator[Step]:
+    """The run's steps after step `start`: the contract's shuffled order of a map-style dataset,
+    or a stream read in order (data/stream.py)."""
+    b, epochs, steps = config.batch_size, config.epochs, config.steps
+    if isinstance(ws.dataset, StreamSource):
+        return stream_steps(ws.dataset, batch_size=b, epochs=epochs, steps=steps, start_after=start)
+    n = len(ws.dataset)
+    return plan_steps(
+        n, batch_size=b, epochs=epochs, steps=steps, seed=config.seed, start_after=start
+    )
 
 
 def _resume(config: EngineConfig, objects: _Saved) -> int:
@@ -117,11 +117,12 @@ def _resume(config: EngineConfig, objects: _Saved) -> int:
     return checkpoint.load(config.checkpoint_dir, **objects)
 
 
-def _step(ws, strategy, config, data, total, optimizer, scheduler, meter, device, scaler) -> dict:
+def _step(ws, strategy, config, data, optimizer, scheduler, meter, device, scaler) -> dict:
     """One optimizer step; returns its metrics. Its time counts the wait for its batches
     (their loading, without --data-workers), as when the loop loaded them itself."""
     started = time.perf_counter() - data.wait_s
     step = data.step
+    total = step.total
     meter.start_step(step.number, total)
     loss_scale = scaler.scale if scaler is not None else 1.0
     with autocast(config.precision, device):
@@ -211,7 +212,7 @@ def _counts(objective, target, counted, strategy) -> tuple[float, float]:
     return local, float(everywhere) * strategy.replicas / dist.get_world_size()
 
 
-def _eval_due(ws: Workspace, config: EngineConfig, step: int, total: int) -> bool:
+def _eval_due(ws: Workspace, config: EngineConfig, step: int, total: int | None) -> bool:
     if ws.eval_dataset is None:
         return False
     if config.eval_every:

@@ -112,7 +112,7 @@ class MemoryMeter:
             return nullcontext()
         return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
-    def start_step(self, step: int, last: int) -> None:
+    def start_step(self, step: int, last: int | None) -> None:
         """Step `step` of the run's `last` begins."""
         self._started += 1
         self.counting = self._started <= 3 or step % COUNT_EVERY == 0 or step == last

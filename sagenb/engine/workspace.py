@@ -13,7 +13,7 @@ from torch import nn
 
 from sagenb.config.job import Job, JobError
 from sagenb.engine.data.collation import Collate, example_batch
-from sagenb.engine.data.order import require_map_style
+from sagenb.engine.data.stream import as_source, readable
 from sagenb.engine.model.delayed import meta_parameters
 from sagenb.engine.objective import Objective
 
@@ -72,14 +72,14 @@ def build_workspace(job: Job, seed: int, *, delay_init: bool = False) -> Workspa
         collate_fn=ns.get("collate_fn"),
     )
     _check(ws)
-    if len(ws.dataset) == 0:
+    if readable(ws.dataset, 1) == 0:
         raise JobError("dataset is empty")
     # what the model will be given is checked: with a collate_fn, a batch it made (labels it
     # builds count), else a sample (default_collate keeps its keys)
     if ws.collate_fn is None:
         first = ws.dataset[0]
     else:
-        first, ws.collate_draws = example_batch(ws.dataset, ws.collate_fn)
+        first, ws.collate_draws = example_batch(ws.dataset, ws.collate_fn, readable(ws.dataset, 2))
     ws.objective = Objective.build(ws.model, ws.loss_fn, first, ws.collate_fn)
     return ws
 
@@ -87,9 +87,9 @@ def build_workspace(job: Job, seed: int, *, delay_init: bool = False) -> Workspa
 def _check(ws: Workspace) -> None:
     if not isinstance(ws.model, nn.Module):
         raise JobError(f"model must be a torch.nn.Module, got {type(ws.model).__name__}")
-    for name in ("dataset", "eval_dataset"):
-        if getattr(ws, name) is not None:
-            require_map_style(name, getattr(ws, name))
+    ws.dataset = as_source("dataset", ws.dataset)
+    if ws.eval_dataset is not None:
+        ws.eval_dataset = as_source("eval_dataset", ws.eval_dataset)
     for name in ("loss_fn", "make_optimizer", "make_scheduler", "collate_fn"):
         value = getattr(ws, name)
         if value is not None and not callable(value):

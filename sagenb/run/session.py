@@ -251,7 +251,7 @@ class _Run:
         """ "done" only when every rank finished the planned steps; a run that ended early is
         "interrupted" and says who asked (a request this notebook did not send is warned
         about: it carried the run's token, so it came from one of the run's own ranks)."""
-        planned = next((r.values[keys.TOTAL_STEPS] for r in self.history.records), None)
+        planned = self._planned()
         last = min(r.steps for r in results)
         if planned is None or last >= planned:
             return "done"
@@ -268,6 +268,12 @@ class _Run:
                 module="sagenb",
             )
         return "interrupted"
+
+    def _planned(self) -> int | None:
+        """The steps the run makes, as its latest step said: fixed for a map-style dataset; a
+        stream's is --steps (or None) until the engines read its end (engine/data/stream.py)."""
+        records = self.history.records
+        return records[-1].values.get(keys.TOTAL_STEPS) if records else None
 
     def _result(self, results: list[RankResult] | None, *, status: str) -> TrainResult:
         wall = self.wall_s  # as the dashboard shows it
@@ -298,7 +304,7 @@ class _Run:
         """What the run cost; a price the meter cannot use costs the result nothing."""
         try:
             rows = self.history.steps
-            total = next((r.values[keys.TOTAL_STEPS] for r in self.history.records), len(rows))
+            total = self._planned() or len(rows)
             label = f"{self.cost.this_run(wall)}; {self.cost.projected_on(total, len(rows))}"
             return self.cost.cost(wall), label
         except Exception as err:  # noqa: BLE001 - checked before the run; never lose it here

@@ -34,6 +34,7 @@ from sagenb.config.job import JobError
 __all__ = [
     "Collate",
     "collate",
+    "collate_samples",
     "as_batch",
     "concat",
     "example_batch",
@@ -61,12 +62,18 @@ FIXED_LENGTH = (
 
 
 def collate(dataset: Any, indices: torch.Tensor, collate_fn: Collate, parts: int = 1) -> Any:
-    """The batch of dataset[indices] made by `collate_fn`; with `parts` > 1, each of the
-    `parts` runs of indices torch.tensor_split makes is collated on its own (a pipeline's
-    microbatches) and the batches are concatenated."""
+    """The batch of dataset[indices] made by `collate_fn`, as `collate_samples` makes it."""
+    return collate_samples([dataset[i] for i in indices.tolist()], collate_fn, parts)
+
+
+def collate_samples(samples: list[Any], collate_fn: Collate, parts: int = 1) -> Any:
+    """The batch `collate_fn` makes of `samples`; with `parts` > 1, each of the `parts` runs
+    torch.tensor_split makes is collated on its own (a pipeline's microbatches) and the
+    batches are concatenated."""
     if parts == 1:
-        return as_batch(collate_fn([dataset[i] for i in indices.tolist()]))
-    return concat([collate(dataset, run, collate_fn) for run in indices.tensor_split(parts)])
+        return as_batch(collate_fn(samples))
+    runs = torch.arange(len(samples)).tensor_split(parts)
+    return concat([as_batch(collate_fn(samples[r[0] : r[-1] + 1])) for r in runs if len(r)])
 
 
 def as_batch(batch: Any) -> Any:
@@ -155,12 +162,14 @@ def _raw(state: torch.Tensor) -> bytes:
     return ctypes.string_at(state.data_ptr(), state.numel() * state.element_size())
 
 
-def example_batch(dataset: Any, collate_fn: Collate, size: int = 2) -> tuple[Any, bool]:
-    """The first `size` samples collated, before any step: what the labels check reads, and
-    whether collate_fn drew random numbers to make it (engine/model/equivalence.py says so).
-    A collate_fn that fails is named, with what it is given and must return; the samples are
-    read first, so that only collate_fn's own failures are put on it."""
-    indices = list(range(min(size, len(dataset))))
+def example_batch(dataset: Any, collate_fn: Collate, size: int) -> tuple[Any, bool]:
+    """The first `size` samples collated (as many as the dataset has: the caller knows, a
+    stream's by reading them, data/stream.py readable), before any step: what the labels
+    check reads, and whether collate_fn drew random numbers to make it
+    (engine/model/equivalence.py says so). A collate_fn that fails is named, with what it is
+    given and must return; the samples are read first, so that only collate_fn's own failures
+    are put on it."""
+    indices = list(range(size))
     samples = [dataset[i] for i in indices]
     try:
         with _RandomStateKept() as kept:
@@ -211,12 +220,14 @@ def require_one_length(
     *,
     strategy: str,
     name: str = "dataset",
+    probes: int = PROBES,
 ) -> None:
-    """Before a pipeline's first step: the first PROBES samples of `name`, each collated
-    alone, must have the first microbatch's shapes. A collator that pads to the longest
-    sample of its batch shows here whenever those samples differ in length; one that slips
-    past (its first samples all of one length) is refused at the first step that differs."""
+    """Before a pipeline's first step: the first `probes` samples of `name` (PROBES, or as
+    many as it has), each collated alone, must have the first microbatch's shapes. A collator
+    that pads to the longest sample of its batch shows here whenever those samples differ in
+    length; one that slips past (its first samples all of one length) is refused at the first
+    step that differs."""
     with _RandomStateKept():
-        for i in range(min(PROBES, len(dataset))):
+        for i in range(probes):
             batch = collate(dataset, torch.tensor([i]), collate_fn)
             require_shapes(expected, batch, strategy=strategy, what=f"{name}[{i}], collated alone,")

@@ -28,6 +28,11 @@ torch's global RNG and shift the training's random stream (dropout), so it gets 
 `__getitem__` that draws random numbers (random augmentation) draws from the worker's RNG, not
 the engine's: its samples differ from --data-workers 0 unless it seeds itself per index.
 
+A stream (data/stream.py) is read here, in the training process, in order and once: its items,
+not their indices, go to the workers, which collate them. Workers that each read the stream
+would either read it N times or, splitting it by worker (get_worker_info, a dataset's own
+shards), change which items make global batch k, and so the training.
+
 One iterator spans the whole run, every epoch included, so the workers start once per run and
 live until its end (what `persistent_workers` gives a loader iterated once per epoch); they are
 shut down when the run ends, stops early or fails (`batches_of` is a context manager), so an
@@ -49,7 +54,8 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from sagenb.engine.data.collation import Collate
-from sagenb.engine.data.order import Step, fetch, to_device
+from sagenb.engine.data.order import Step, collated, fetch, to_device
+from sagenb.engine.data.stream import StreamSource
 from sagenb.engine.torch_private import shutdown_workers
 
 __all__ = ["StepData", "batches_of", "START_METHOD"]
@@ -93,10 +99,13 @@ def batches_of(
     # the sampler and the loop both walk the plan, lazily: tee holds only the steps the
     # sampler is ahead by (the prefetch), never a whole epoch of a huge dataset's indices
     for_sampler, steps = itertools.tee(plan)
+    streamed = isinstance(dataset, StreamSource)
     loader = DataLoader(
-        _Samples(dataset, collating),
+        _Samples(None if streamed else dataset, collating),
         batch_sampler=(
-            piece for step in for_sampler for piece in _pieces(strategy, step, grad_accum)
+            piece
+            for step in for_sampler
+            for piece in _pieces(dataset, strategy, step, grad_accum, streamed)
         ),
         collate_fn=_as_is,
         num_workers=workers,
@@ -114,8 +123,14 @@ def batches_of(
         shutdown_workers(loaded)
 
 
-def _pieces(strategy: Any, step: Step, grad_accum: int) -> list[list[int]]:
-    return [strategy.local_indices(piece).tolist() for piece in step.indices.chunk(grad_accum)]
+def _pieces(
+    dataset: Any, strategy: Any, step: Step, grad_accum: int, streamed: bool
+) -> list[list[Any]]:
+    """This engine's share of each grad-accum slice of `step`, as the workers get it: indices
+    of a map-style dataset (the workers read the samples), or a stream's items themselves (the
+    stream is read here, in order, once: data/stream.py; the workers collate them)."""
+    shares = [strategy.local_indices(piece).tolist() for piece in step.indices.chunk(grad_accum)]
+    return [[dataset[i] for i in share] for share in shares] if streamed else shares
 
 
 @dataclass(frozen=True)
@@ -127,6 +142,9 @@ class _Collating:
 
     def fetch(self, dataset: Any, indices: torch.Tensor) -> Any:
         return fetch(dataset, indices, self.collate_fn, self.parts)
+
+    def collated(self, samples: list[Any]) -> Any:
+        return collated(samples, self.collate_fn, self.parts)
 
 
 def _in_thread(dataset, collating, strategy, plan, grad_accum, device) -> Iterator[StepData]:
@@ -155,6 +173,7 @@ class _Samples(Dataset):
     default_collate)."""
 
     def __init__(self, dataset: Any, collating: _Collating) -> None:
+        #: None for a stream: the batch sampler hands the workers its items, not indices
         self.dataset, self.collating = dataset, collating
 
     def __len__(self) -> int:
@@ -163,8 +182,10 @@ class _Samples(Dataset):
     def __getitem__(self, index: int) -> Any:
         return self.dataset[index]
 
-    def __getitems__(self, indices: list[int]) -> Any:
-        return self.collating.fetch(self.dataset, torch.tensor(indices, dtype=torch.int64))
+    def __getitems__(self, given: list[Any]) -> Any:
+        if self.dataset is None:
+            return self.collating.collated(given)
+        return self.collating.fetch(self.dataset, torch.tensor(given, dtype=torch.int64))
 
     def __reduce__(self):  # spawned workers only: the cell's classes and functions go by value
         import cloudpickle

@@ -38,10 +38,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils.data import IterableDataset, TensorDataset, default_collate
+from torch.utils.data import TensorDataset, default_collate
 
 from sagenb.config.job import JobError
-from sagenb.engine.data.collation import Collate, collate
+from sagenb.engine.data.collation import Collate, collate_samples
 
 __all__ = [
     "Step",
@@ -50,18 +50,22 @@ __all__ = [
     "plan_steps",
     "total_steps",
     "eval_batches",
-    "require_map_style",
     "fetch",
+    "collated",
 ]
 
 
 @dataclass(frozen=True)
 class Step:
-    """One optimizer step: its number (1-based, across epochs), epoch and global batch indices."""
+    """One optimizer step: its number (1-based, across epochs), epoch and global batch indices
+    (a stream's: positions in the stream, data/stream.py)."""
 
     number: int
     epoch: int
     indices: torch.Tensor
+    #: the steps the run makes, as known when this step was planned: a stream's is --steps (or
+    #: None) until its end is read, then the last step's number
+    total: int | None
 
 
 #: the largest dataset whose order is torch.randperm (see the module's docstring)
@@ -158,7 +162,7 @@ def plan_steps(
         if epoch != built:
             order, built = epoch_order(n, seed, epoch), epoch
         assert order is not None  # built at the first step: its epoch (>= 0) is not -1
-        yield Step(number, epoch, order[b * batch_size : (b + 1) * batch_size])
+        yield Step(number, epoch, order[b * batch_size : (b + 1) * batch_size], total)
 
 
 def eval_batches(n: int, size: int, *, parts: int = 1, part: int = 0) -> Iterator[torch.Tensor]:
@@ -174,38 +178,23 @@ def eval_batches(n: int, size: int, *, parts: int = 1, part: int = 0) -> Iterato
         yield torch.arange(first, min(first + size, stop))
 
 
-def require_map_style(name: str, data: Any) -> None:
-    """Refuse, before any step, a dataset the contract cannot order: an IterableDataset (or any
-    stream without random access). The contract draws each epoch's order as a permutation of
-    indices, and every engine loads its share of each global batch by index; a stream has
-    neither, and engines each reading a copy of it would each need every sample before theirs.
-    torch's IterableDataset has a __getitem__ that raises, so it is named here before
-    dataset[0] fails with "Subclasses of Dataset should implement __getitem__"."""
-    streaming = isinstance(data, IterableDataset)
-    if not streaming and hasattr(data, "__len__") and hasattr(data, "__getitem__"):
-        return
-    kind = "an IterableDataset" if streaming else f"a {type(data).__name__}"
-    raise JobError(
-        f"{name} must be a map-style Dataset (with __len__ and __getitem__); it is {kind}, "
-        "which has no random access for the contract's shuffled order to index: wrap it as "
-        "a map-style Dataset, e.g. collect the stream into a list or a TensorDataset, or "
-        "write __len__ and a __getitem__(i) that builds or reads sample i on demand (only "
-        "the samples of the steps run are built, however large __len__ is)"
-    )
-
-
 def fetch(
     dataset: Any, indices: torch.Tensor, collate_fn: Collate | None = None, parts: int = 1
 ) -> Any:
-    """Load and collate the samples at `indices`: in the training thread, or in a
-    --data-workers process (loader.py). With the cell's `collate_fn`, by it, in `parts` runs
-    collated one by one (a pipeline's microbatches, engine/data/collation.py); without, a
-    TensorDataset is indexed in one go, other datasets collated by default_collate."""
-    if collate_fn is not None:
-        return collate(dataset, indices, collate_fn, parts)
-    if isinstance(dataset, TensorDataset):
+    """Load and collate the samples at `indices` (a stream's: positions, data/stream.py): in
+    the training thread, or in a --data-workers process (loader.py). A TensorDataset without
+    a collate_fn is indexed in one go; other samples are collated by `collated`."""
+    if collate_fn is None and isinstance(dataset, TensorDataset):
         return tuple(t[indices] for t in dataset.tensors)
-    return default_collate([dataset[i] for i in indices.tolist()])
+    return collated([dataset[i] for i in indices.tolist()], collate_fn, parts)
+
+
+def collated(samples: list[Any], collate_fn: Collate | None = None, parts: int = 1) -> Any:
+    """The batch of `samples`: by the cell's collate_fn, in `parts` runs collated one by one
+    (a pipeline's microbatches, data/collation.py); without one, by default_collate."""
+    if collate_fn is not None:
+        return collate_samples(samples, collate_fn, parts)
+    return default_collate(samples)
 
 
 def to_device(batch: Any, device: torch.device) -> Any:

@@ -10,6 +10,7 @@ import torch
 
 from sagenb.config.job import Job, JobError
 from sagenb.engine.data.order import fetch
+from sagenb.engine.data.stream import readable
 from sagenb.engine.strategies.pipeline.cuts import (
     PARTITION_METHODS,
     check_blocks,
@@ -41,7 +42,7 @@ def plan_on_engine(job: Job, config: EngineConfig, engines: int, threads: int) -
     blocks = find_blocks(ws.model)
     check_blocks(config, len(blocks))  # the trainer's errors, before anything is measured
     mb = config.forward_size(engines)
-    example = fetch(ws.dataset, torch.arange(min(mb, len(ws.dataset))), ws.collate_fn)
+    example = fetch(ws.dataset, torch.arange(readable(ws.dataset, mb)), ws.collate_fn)
     profile = cut_profile(ws.model, config, example, ws.objective)
 
     def cuts(method: str) -> list[int]:

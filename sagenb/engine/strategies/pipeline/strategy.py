@@ -36,8 +36,14 @@ from torch.distributed.pipelining import (
 
 from sagenb.config.errors import ConfigError
 from sagenb.config.job import JobError
-from sagenb.engine.data.collation import require_one_length, require_shapes, shapes_of
+from sagenb.engine.data.collation import (
+    PROBES,
+    require_one_length,
+    require_shapes,
+    shapes_of,
+)
 from sagenb.engine.data.order import eval_batches, fetch, to_device
+from sagenb.engine.data.stream import readable
 from sagenb.engine.model.blocks import find_blocks, tied_groups
 from sagenb.engine.model.delayed import materialize, release_others
 from sagenb.engine.objective import Objective, logits_of, weighted
@@ -128,7 +134,7 @@ class Pipeline:
         (its shapes may be specialised to this size; export_split.py)."""
         cfg = self.config
         mb = cfg.forward_size(self.world_size)
-        return fetch(ws.dataset, torch.arange(min(mb, len(ws.dataset))), ws.collate_fn)
+        return fetch(ws.dataset, torch.arange(readable(ws.dataset, mb)), ws.collate_fn)
 
     def _fix_shapes(self, ws: Workspace, example: Any) -> None:
         """The shapes every batch must have: the first microbatch's. The stages are traced on
@@ -142,7 +148,12 @@ class Pipeline:
             data = getattr(ws, name)
             if data is not None:
                 require_one_length(
-                    data, ws.collate_fn, self._shapes, strategy=self.config.strategy, name=name
+                    data,
+                    ws.collate_fn,
+                    self._shapes,
+                    strategy=self.config.strategy,
+                    name=name,
+                    probes=readable(data, PROBES),
                 )
 
     def _choose_starts(self, ws: Workspace, example: Any) -> list[int]:
