@@ -1,9 +1,9 @@
 """Huge datasets (sagenb issue 19): a map-style dataset of 10**9 samples trains its first steps
 in seconds, in the contract's order for large datasets (a Feistel permutation computed per
 position, engine/data/order.py), on the pool and under an exported torchrun script alike, equal to
-the single-process reference; an IterableDataset is refused with the reason and what to do.
-A huge eval set is evaluated the same way (issue 28): in order, from the first batch on, with
-no index list of the whole set, and in the batches evaluation took before."""
+the single-process reference (streams, read in order, are tests/test_streams.py's). A huge eval
+set is evaluated the same way (issue 28): in order, from the first batch on, with no index list
+of the whole set, and in the batches evaluation took before."""
 
 from __future__ import annotations
 
@@ -107,32 +107,6 @@ def test_exported_script_keeps_the_large_order(pool, tmp_path):
     command = [str(TORCHRUN), "--nproc-per-node", "2", "--master-port", str(free_port())]
     run([*command, "train.py"], cwd=tmp_path)
     check_reference(torch.load(tmp_path / "train_state.pt", weights_only=True))
-
-
-STREAM_CELL = """
-import torch
-from torch import nn
-
-class Stream(torch.utils.data.IterableDataset):
-    def __iter__(self):
-        for _ in range(64):
-            x = torch.randn(4)
-            yield x, x.sum(0, keepdim=True)
-    def __len__(self):  # even with a length, there is no sample i to ask for
-        return 64
-
-model = nn.Linear(4, 1)
-dataset = Stream()
-loss_fn = nn.functional.mse_loss
-"""
-
-
-def test_an_iterable_dataset_is_refused_with_the_alternative(pool):
-    with pytest.raises(sagenb.JobError, match=r"dataset .* it is an IterableDataset, .*wrap it"):
-        sagenb.train(STREAM_CELL, batch_size=8, steps=1, dashboard=False)
-    generator = STREAM_CELL.replace("dataset = Stream()", "dataset = iter(Stream())")
-    with pytest.raises(sagenb.JobError, match=r"it is a generator, .*map-style Dataset"):
-        sagenb.train(generator, batch_size=8, steps=1, dashboard=False)
 
 
 class _Whole:

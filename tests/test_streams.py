@@ -59,7 +59,8 @@ files = {files!r}
 def tokenize(record):
     words = (record["prompt"] + " " + record["answer"]).split()
     return {{"input_ids": [int(w[1:]) for w in words]}}
-dataset = (datasets.load_dataset("json", data_files=files, split="train", streaming=True)
+dataset = (datasets.load_dataset("json", data_files=files, split="train", streaming={streaming},
+                                 cache_dir={cache!r})
            .map(tokenize, remove_columns=["prompt", "answer"]))
 FIXED = {fixed}
 def collate_fn(samples):
@@ -67,7 +68,7 @@ def collate_fn(samples):
     ids = torch.zeros(len(samples), longest, dtype=torch.long)
     mask = torch.zeros(len(samples), longest, dtype=torch.long)
     for row, s in enumerate(samples):
-        ids[row, : len(s["input_ids"])] = torch.tensor(s["input_ids"])
+        ids[row, : len(s["input_ids"])] = torch.as_tensor(s["input_ids"])
         mask[row, : len(s["input_ids"])] = 1
     return {{"input_ids": ids, "attention_mask": mask, "labels": ids.masked_fill(mask == 0, -100)}}
 def make_optimizer(params):
@@ -147,15 +148,21 @@ def test_an_endless_stream_stops_at_steps_and_resumes_mid_stream(pool, tmp_path)
         torch.testing.assert_close(resumed.state_dict()[name], value, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("streaming", [True, False], ids=["streaming", "map-style"])
 @pytest.mark.parametrize(
     "strategy, shards, fixed",
     [("data", 3, None), ("sharded", 5, None), ("tensor", 3, None), ("model", 5, 12)],
 )
-def test_a_hugging_face_stream_trains_as_one_process(pool, tmp_path, strategy, shards, fixed):
-    """datasets' streaming JSON reader over 3 or 5 files, whatever they divide by 2 engines:
-    60 records in batches of 8 make 7 steps on every engine (4 dropped), none hangs and no
-    sample is seen twice (the losses and parameters are one process's)."""
-    cell = HF_CELL.format(files=write_shards(tmp_path, shards), fixed=fixed)
+def test_a_hugging_face_dataset_trains_as_one_process(
+    pool, tmp_path, strategy, shards, fixed, streaming
+):
+    """datasets' JSON reader over 3 or 5 files, streamed or loaded map-style: 60 records in
+    batches of 8 make 7 steps on every engine (4 dropped). Streamed, whatever the files divide
+    by 2 engines, none hangs and no sample is seen twice (the losses and parameters are one
+    process's, reading the stream in order)."""
+    files = write_shards(tmp_path, shards)
+    # map-style: datasets' Arrow cache in the test's folder
+    cell = HF_CELL.format(files=files, fixed=fixed, streaming=streaming, cache=str(tmp_path))
     extra = {"partitions": 2, "microbatches": 2} if strategy == "model" else {}
     result = sagenb.train(cell, strategy=strategy, batch_size=8, dashboard=False, **extra)
     assert [row["step"] for row in result.history] == list(range(1, 8))
