@@ -245,3 +245,13 @@ def test_what_is_neither_a_dataset_nor_a_stream_is_refused_by_name():
         JobError, match=r"dataset yielded 2 items, fewer than one global batch \(--batch-size 4\)"
     ):
         list(stream_steps(as_source("dataset", _Counting(2)), batch_size=4, epochs=1, steps=None))
+
+
+def test_the_estimate_reads_a_streams_first_items_and_takes_its_steps_from_steps():
+    """%%smp_plan on a stream: its length is unknown, so the run's hours follow --steps."""
+    unsized = sagenb.estimate(torch_cell(), instance="ml.p4d.24xlarge", engines=2, batch_size=16)
+    assert "run: steps unknown (pass --steps" in unsized.table()
+    sized = sagenb.estimate(
+        torch_cell(), instance="ml.p4d.24xlarge", engines=2, batch_size=16, steps=10
+    )
+    assert "run: 10 steps" in sized.table()

@@ -30,6 +30,7 @@ from sagenb.config.errors import ConfigError
 from sagenb.config.job import Job, JobError
 from sagenb.config.options import EngineConfig, describe, strategy_names
 from sagenb.engine.data.order import fetch
+from sagenb.engine.data.stream import readable
 from sagenb.engine.model.blocks import find_blocks
 from sagenb.engine.model.recompute import checkpoint_blocks
 from sagenb.engine.objective import batch_size_of, model_inputs
@@ -67,6 +68,7 @@ class Footprint:
 
 
 def _samples(dataset: Any) -> int | None:
+    """The dataset's size; None for a stream (engine/data/stream.py): its steps are --steps."""
     try:
         return len(dataset)
     except TypeError:
@@ -120,7 +122,7 @@ def _build(job: Job, config: EngineConfig, world: int) -> FakeModel:
         state = {p: [(2 * p.numel() * p.element_size(), True)] for p in params}
         notes.append(f"optimizer state taken as AdamW's two moments (stepping it failed: {exc})")
     slice_size = config.forward_size(world)
-    n = min(slice_size, len(ws.dataset))
+    n = readable(ws.dataset, slice_size)  # a stream's first items read
     with unset_fake_temporarily():  # real values: a map-style dataset's __getitem__ reads them
         indices = torch.arange(n)
     example = fetch(ws.dataset, indices, ws.collate_fn)
