@@ -23,7 +23,7 @@ from sagenb.pool import cluster
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
-# the six notebooks run one after another in the build: their sum, with room for a busy machine
+# the notebooks run one after another in the build: their sum, with room for a busy machine
 pytestmark = pytest.mark.timeout(1800)
 
 
