@@ -131,3 +131,22 @@ def test_a_resumed_run_counts_its_progress_from_its_checkpoint():
     board.elapsed = 6.0
     assert "step 26/32" in board.header_text() and "~6 s left" in board.header_text()
     assert board.projected_cost() == pytest.approx(board.cost.cost(12.0))
+
+
+def test_a_stream_of_unknown_length_shows_its_steps_without_a_total():
+    """A stream's total is unknown until the engines read its end (engine/data/stream.py):
+    "step N/?", an indeterminate bar and no time left, then the total its last step gives."""
+    from sagenb.config import TrainConfig
+    from sagenb.display.dashboard import Dashboard
+    from sagenb.sizing.cost import CostMeter, instance_price
+
+    config = TrainConfig(engines=1, batch_size=8)
+    board = Dashboard(config, CostMeter(instance_price(config.instance), 1), live=False)
+    for step in range(1, 4):
+        row = dict(step=step, total_steps=None, epoch=0, loss=1.0, lr=0.1)
+        board.log({**row, "step_time(s)": 1.0}, step, 0)
+    board.elapsed = 3.0
+    assert "step 3/?" in board.header_text() and "left" not in board.header_text()
+    assert "<progress style=" in board._header_html()  # no value: indeterminate
+    board.log({**row, "step": 4, "total_steps": 4, "step_time(s)": 1.0}, 4, 0)
+    assert "step 4/4" in board.header_text()
