@@ -13,7 +13,7 @@ import sagenb
 from sagenb.config.job import Job
 from sagenb.run.trained import CellModel
 
-from .helpers import TOL
+from .helpers import TOL, check_equal
 from .models import LM_CELLS, SEQUENTIAL_CELL, llama_cell
 from .reference import namespace
 
@@ -139,12 +139,14 @@ def test_a_pipeline_saves_the_files_data_parallel_saves(pool, tmp_path):
 
 
 def test_a_peft_adapter_saves_and_loads_on_its_base(pool, tmp_path):
-    """LoRA on a "pretrained" tiny Llama (saved here), 2 steps: the adapter on the base, and
-    the base with the adapter merged, load back giving the trained model's logits."""
+    """LoRA on a "pretrained" tiny Llama (saved here), 2 steps data parallel, trained as one
+    process would: the adapter on the base, and the base with the adapter merged, load back
+    giving the trained model's logits."""
     base_dir = tmp_path / "base"
     namespace(llama_cell(tied=True), seed=11)["model"].save_pretrained(base_dir)
     cell = pretrained_peft_cell(str(base_dir))
     result = sagenb.train(cell, batch_size=8, steps=2, dashboard=False)
+    check_equal(result, cell, batch_size=8, steps=2)
     mine = result.model()
     assert isinstance(mine, PeftModel)
     lora_b = [v for k, v in result.state_dict().items() if "lora_B" in k]
@@ -159,4 +161,5 @@ def test_a_peft_adapter_saves_and_loads_on_its_base(pool, tmp_path):
     assert not (merged / "adapter_config.json").exists()
     back = AutoModelForCausalLM.from_pretrained(merged)
     # W + scale * B @ A folded into one matrix rounds differently from adding the two products
+    # (1.2e-7 measured in the logits): the equivalence bound
     torch.testing.assert_close(logits(back), logits(mine), rtol=0, atol=TOL)
