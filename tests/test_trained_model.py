@@ -68,6 +68,21 @@ def test_the_kernel_builds_the_model_as_the_engines_do(delay_init):
     assert not trained.training  # eval mode, as from_pretrained returns a model
 
 
+def test_a_callable_job_and_a_cell_s_own_class_come_back_without_their_data():
+    """A job given as a function (sagenb.train(fn)) builds again too; a class the cell defines
+    keeps the cell's names alive through its methods' globals, but not the dataset."""
+
+    def job():
+        layer = torch.nn.Linear(4, 2)
+        return {"model": layer, "dataset": torch.utils.data.TensorDataset(torch.ones(8, 4))}
+
+    state = {"weight": torch.ones(2, 4), "bias": torch.zeros(2)}
+    assert_same(CellModel(Job.from_callable(job), seed=0).trained(state).state_dict(), state)
+    wrapper = CellModel(Job.from_cell(LM_CELLS["llama"]), seed=0).build()
+    kept = type(wrapper).forward.__globals__
+    assert "ids" in kept and "dataset" not in kept
+
+
 def assert_same(state: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> None:
     assert list(state) == list(reference)
     for key, value in reference.items():
