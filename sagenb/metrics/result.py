@@ -1,17 +1,36 @@
-"""What a training run leaves in the notebook: history, full parameters, time and cost."""
+"""What a training run leaves in the notebook: history, full parameters, time and cost, and
+the trained model itself, built again in the kernel (run/trained.py builds it)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import Any, Protocol
 
 import torch
+from torch import nn
 
 from sagenb.config.options import TrainConfig
 from sagenb.metrics import keys
 from sagenb.metrics.stream import StepMetrics
 
-__all__ = ["TrainResult"]
+__all__ = ["TrainResult", "ModelSource"]
+
+
+class ModelSource(Protocol):
+    """How a run's model is built again in the kernel (sagenb.run.trained.CellModel)."""
+
+    def trained(self, state_dict: Mapping[str, torch.Tensor]) -> nn.Module: ...
+
+    def save_pretrained(
+        self,
+        state_dict: Mapping[str, torch.Tensor],
+        directory: str | Path,
+        *,
+        merge: bool = False,
+        **kwargs: Any,
+    ) -> Path: ...
 
 
 @dataclass
@@ -52,6 +71,9 @@ class TrainResult:
     #: who ended an "interrupted" run early: the kernel's interrupt, --stop-on-nonfinite (and
     #: the step), or a stop request the notebook did not send; None otherwise
     stopped_by: str | None = None
+    #: builds the cell's model again in the kernel, for model() and save_pretrained(); None
+    #: for a result made by hand
+    model_source: ModelSource | None = field(default=None, repr=False)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The full trained model's state_dict, with the keys of `model.state_dict()`."""
@@ -61,6 +83,43 @@ class TrainResult:
                 f"(after {len(self.history)} steps); its history is complete up to there"
             )
         return dict(self._state_dict)
+
+    def model(self) -> nn.Module:
+        """The trained model in this kernel, to generate with or evaluate: the cell's `model`
+        holding `state_dict()`, on the CPU, in eval mode (`.train()` to train on).
+
+        It costs running the whole cell once more, here, in this process: its imports, its
+        model and its dataset (whatever the cell loads or tokenizes is loaded again; only the
+        engines ran it so far). It runs after seeding as the engines seed it (--seed), in a
+        fresh namespace, leaving the kernel's random state as it was; sagenb's own checks and
+        first batch are skipped, and the dataset is dropped once the model is built. With
+        --delay-init the parameters are never initialised here: they are allocated and filled
+        with the trained values. Each call builds a new model: keep the one it returns.
+        """
+        return self._source().trained(self.state_dict())
+
+    def save_pretrained(self, directory: str | Path, *, merge: bool = False, **kwargs: Any) -> Path:
+        """Write the trained model to `directory` in its library's format; returns the Path.
+
+        A transformers model (transformers.PreTrainedModel): its `save_pretrained`, config.json
+        and model.safetensors, loaded back by `AutoModelFor...from_pretrained(directory)`. A
+        peft model (peft.PeftModel): its adapter alone (adapter_config.json and
+        adapter_model.safetensors), loaded back by `PeftModel.from_pretrained(base,
+        directory)` on the base the cell started from; with `merge=True` the adapter merged
+        into the base (`merge_and_unload()`) is written as a plain transformers model. Any
+        other model raises, naming its class: save `state_dict()` with torch.save. Every
+        strategy writes the same files: the state_dict is the full one. `kwargs` go to the
+        library's save_pretrained. Builds the model as `model()` does, at the same cost.
+        """
+        return self._source().save_pretrained(self.state_dict(), directory, merge=merge, **kwargs)
+
+    def _source(self) -> ModelSource:
+        if self.model_source is None:
+            raise RuntimeError(
+                "this result does not know how its model was built (it was made by hand, not "
+                "by a run): load state_dict() into your model with model.load_state_dict"
+            )
+        return self.model_source
 
     @property
     def losses(self) -> list[float]:

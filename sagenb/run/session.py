@@ -42,6 +42,7 @@ from sagenb.run.failures import (
     lost_a_peer,
 )
 from sagenb.run.output import RankOutput
+from sagenb.run.trained import CellModel
 from sagenb.sizing.cost import CostMeter, check_price, meter_for
 
 if TYPE_CHECKING:
@@ -298,6 +299,7 @@ class _Run:
             dashboard=self.dashboard,
             warnings=list(self.warnings),
             stopped_by=self.stop_reason if status == "interrupted" else None,
+            model_source=CellModel(self.job, self.config.seed, self.config.delay_init),
         )
 
     def _cost(self, wall: float) -> tuple[float, str]:
