@@ -107,7 +107,9 @@ def _relay(pipe: Pipe, out_spec: Any) -> list[nn.Module]:
             else:
                 env[(k, None)] = result
             carried = [v for v in env if last_use.get(v, -1) > k]
-            outs = tuple(env[v] for v in carried)
+            # sent as they are: an expanded view (ViT's attention mask, strides of 0) is
+            # refused by send, so each goes out contiguous (a no-op for the others)
+            outs = tuple(graph.call_method("contiguous", (env[v],)) for v in carried)
             graph.output(outs[0] if len(outs) == 1 else outs)
         graph.lint()
         stages.append(fx.GraphModule(module, graph, class_name=f"ExportStage{k}"))
