@@ -10,12 +10,16 @@ language-model and token heads, samples for sequence and image heads (engine/obj
 from __future__ import annotations
 
 import pytest
+import torch
 
 import sagenb
+from sagenb.engine.model.kv_cache import cache_off
+from sagenb.engine.objective import Objective
+from sagenb.engine.strategies.pipeline.partition import split_model
 
 from .helpers import check_equal
 from .models import head_cell
-from .reference import eval_loss, namespace
+from .reference import batch, eval_loss, namespace
 
 OPTIONS = dict(batch_size=8, steps=2)
 PIPELINE = dict(partitions=2, microbatches=2)
@@ -52,3 +56,39 @@ def test_more_heads(pool, head, strategy):
     ns = namespace(head_cell(head), 0)
     expected = eval_loss(model, ns["eval_dataset"], None)
     assert result.history[-1]["eval_loss"] == pytest.approx(expected, abs=TOL)
+
+
+@pytest.mark.parametrize("head", ["sequence", "causal-lm"])
+def test_last_exported_stage_returns_the_models_output(head):
+    """Split through torch.export with the labels among the inputs, the stages run one after
+    another give the model's own output, its loss included (the head's code, not sagenb's);
+    GPT-2 as its config comes (use_cache=True) splits once the cache is off, and gets it back."""
+    ns = namespace(head_cell(head), 0)
+    model, data = ns["model"], batch(ns["dataset"], torch.arange(4))
+    cached = getattr(model.config, "use_cache", None)
+    restore = cache_off(model)
+    stages, _ = split_model(model, [0, 1], ((), data))
+    value = stages[0](**data)
+    out = stages[1](*value)
+    restore()
+    assert getattr(model.config, "use_cache", None) == cached
+    expected = model(**data)
+    torch.testing.assert_close(out.loss, expected.loss, rtol=0, atol=TOL)
+    torch.testing.assert_close(out.logits, expected.logits, rtol=0, atol=TOL)
+
+
+@pytest.mark.parametrize(
+    ("head", "shifted", "counted"),
+    [("causal-lm", True, None), ("masked-lm", False, None), ("regression", False, 4)],
+)
+def test_each_head_counts_what_its_loss_averages(head, shifted, counted):
+    """Tokens other than -100 (after the shift for GPT-2, whose class names no head: its
+    loss_function is the causal LM's all the same), samples for a regression head."""
+    ns = namespace(head_cell(head), 0)
+    data = batch(ns["dataset"], torch.arange(4))
+    objective = Objective.build(ns["model"], None, ns["dataset"][0])
+    assert objective.shifted == shifted
+    labels = data["labels"]
+    kept = labels[:, 1:] if shifted else labels
+    expected = counted if counted is not None else int((kept != -100).sum())
+    assert int(objective.count(labels)) == expected
