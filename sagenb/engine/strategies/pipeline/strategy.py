@@ -18,10 +18,8 @@ stages are neighbours (SageMaker's "cluster" placement).
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Iterator
-from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -45,6 +43,10 @@ from sagenb.engine.strategies.base import Strategy
 from sagenb.engine.strategies.description import Description, plural
 from sagenb.engine.strategies.pipeline.attribution import PipelineAttribution
 from sagenb.engine.strategies.pipeline.cuts import MEMORY_FACTOR, check_blocks, choose_cuts
+from sagenb.engine.strategies.pipeline.metadata_inference import (
+    keep_buffers_through_inference,
+    zero_indices_through_inference,
+)
 from sagenb.engine.strategies.pipeline.partition import split_model
 from sagenb.engine.strategies.pipeline.prefetch_schedule import PrefetchingSchedule
 from sagenb.engine.strategies.pipeline.tensor_messages import (
@@ -118,8 +120,8 @@ class Pipeline:
             release_others(model, self.modules)
         self.modules = [m.to(self.device) for m in self.modules]
         for m in self.modules:
-            _keep_buffers_through_inference(m)
-            _zero_indices_through_inference(m)
+            keep_buffers_through_inference(m)
+            zero_indices_through_inference(m)
         self.module = nn.ModuleList(self.modules)
         self._setup_tied(model, stages)
         self.schedule = self._schedule(ws.objective)
@@ -407,64 +409,6 @@ def _eval_chunks(idx: torch.Tensor, size: int) -> list[tuple[torch.Tensor, float
         return [(idx, 1.0)]
     filled = torch.cat([idx, idx[-1:].expand(size - real)])
     return [(filled, 1.0), (idx[-1:].expand(size), -(size - real) / size)]
-
-
-def _inferring() -> bool:
-    """Whether this forward runs inside PipelineStage's metadata inference (below)."""
-    frame: FrameType | None = sys._getframe(2)
-    while frame is not None:
-        if frame.f_code.co_name == "_forward_metadata_inference":
-            return True
-        frame = frame.f_back
-    return False
-
-
-def _keep_buffers_through_inference(module: nn.Module) -> None:
-    """Undo what PipelineStage's metadata inference does to buffers.
-
-    At its first step PipelineStage runs each stage once more to learn the shapes it sends
-    (torch/distributed/pipelining/stage.py, _forward_metadata_inference), later stages on
-    torch.empty inputs: a BatchNorm's running statistics would count that pass, filled with
-    garbage (inf after one step, measured on a ResNet). Buffers are saved before a forward
-    made inside that inference and put back after it; other forwards are left alone."""
-    if not any(True for _ in module.buffers()):
-        return
-    saved: list[dict[str, torch.Tensor]] = []
-
-    def before(mod: nn.Module, args: Any) -> None:
-        if _inferring():
-            saved.append({k: b.clone() for k, b in mod.named_buffers()})
-
-    @torch.no_grad()
-    def after(mod: nn.Module, args: Any, output: Any) -> None:
-        if saved:
-            state = saved.pop()
-            for k, b in mod.named_buffers():
-                b.copy_(state[k])
-
-    module.register_forward_pre_hook(before)
-    module.register_forward_hook(after)
-
-
-def _zero_indices_through_inference(module: nn.Module) -> None:
-    """Give that inference's forward zeros for the integer tensors it would get as
-    torch.empty: labels carried to the last stage (the model's own loss, computed there),
-    token or position ids. Garbage there is out of range for cross_entropy or an embedding
-    and raises; 0 is a valid class and index, and only shapes are read from this pass."""
-
-    def before(mod: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-        if not _inferring():
-            return None
-        args, kwargs = tuple(_zeroed(a) for a in args), {k: _zeroed(v) for k, v in kwargs.items()}
-        return args, kwargs
-
-    module.register_forward_pre_hook(before, with_kwargs=True)
-
-
-def _zeroed(value: Any) -> Any:
-    if torch.is_tensor(value) and not (value.is_floating_point() or value.is_complex()):
-        return torch.zeros_like(value)
-    return value
 
 
 class _LastStage(nn.Module):
