@@ -214,3 +214,76 @@ def loss_fn(logits, labels):
 
 def llama_cell(*, tied: bool = False, own_loss: bool = True) -> str:
     return LLAMA_DICT_CELL.format(tied=tied, loss="" if own_loss else CELL_LOSS)
+
+
+# transformers heads given as they are, from tiny configs: dict samples with labels, no
+# loss_fn, so each trains on its own loss (issue 29). `{model}` builds the model, `{sample}`
+# one sample's dict from row i of `ids` (token ids, a prompt's length `cut`) or `images`.
+HEAD_CELL = """
+import torch
+import transformers as T
+
+bert = dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+            intermediate_size=64, max_position_embeddings=16, hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0)
+model = {model}
+g = torch.Generator().manual_seed(5)
+ids = torch.randint(1, 64, (48, 8), generator=g)
+images = torch.randn(48, 3, 8, 8, generator=g)
+cut = torch.randint(1, 6, (48,), generator=g)
+used = torch.randint(5, 9, (48,), generator=g)
+def sample(i):
+    pos = torch.arange(8)
+    mask = (pos < used[i]).long()
+    return {sample}
+dataset = [sample(i) for i in range(40)]
+eval_dataset = [sample(i) for i in range(40, 46)]
+def make_optimizer(params):
+    return torch.optim.SGD(params, lr=0.5)
+"""
+TOKENS = '"input_ids": ids[i], "attention_mask": mask'
+#: labels of -100 where no target is: a prompt, the padding, or (masked LM) unmasked tokens
+HEADS = {
+    "sequence": (
+        "T.BertForSequenceClassification(T.BertConfig(num_labels=3, **bert))",
+        f"{{{TOKENS}, 'labels': ids[i].sum() % 3}}",
+    ),
+    "multi-label": (
+        "T.BertForSequenceClassification(T.BertConfig(num_labels=3, "
+        "problem_type='multi_label_classification', **bert))",
+        f"{{{TOKENS}, 'labels': (ids[i, :3] % 2).float()}}",
+    ),
+    "regression": (
+        "T.BertForSequenceClassification(T.BertConfig(num_labels=1, **bert))",
+        f"{{{TOKENS}, 'labels': ids[i].float().mean() / 64}}",
+    ),
+    "masked-lm": (
+        "T.BertForMaskedLM(T.BertConfig(**bert))",
+        f"{{{TOKENS}, 'labels': torch.where((pos % 3 == 0) & (mask == 1), ids[i], -100)}}",
+    ),
+    "token": (
+        "T.BertForTokenClassification(T.BertConfig(num_labels=4, **bert))",
+        f"{{{TOKENS}, 'labels': torch.where(mask == 1, ids[i] % 4, -100)}}",
+    ),
+    "image": (
+        "T.ViTForImageClassification(T.ViTConfig(image_size=8, patch_size=4, hidden_size=32, "
+        "num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, num_labels=5))",
+        "{'pixel_values': images[i], 'labels': (images[i].mean() * 40).long() % 5}",
+    ),
+    # GPT-2 with its config's default use_cache=True: training builds no cache
+    "causal-lm": (
+        "T.GPT2LMHeadModel(T." + GPT2 + ")",
+        f"{{{TOKENS}, 'labels': torch.where((pos >= cut[i]) & (mask == 1), ids[i], -100)}}",
+    ),
+    "llama-sequence": (
+        "T.LlamaForSequenceClassification(T."
+        + LLAMA.format(n=2, tie=False)[:-1]
+        + ", num_labels=3, pad_token_id=0))",
+        f"{{{TOKENS}, 'labels': ids[i].sum() % 3}}",
+    ),
+}
+
+
+def head_cell(head: str) -> str:
+    model, sample = HEADS[head]
+    return HEAD_CELL.format(model=model, sample=sample)

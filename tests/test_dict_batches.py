@@ -41,7 +41,7 @@ def test_sharded_dicts_equal_one_process(pool, tied):
 @pytest.mark.parametrize("strategy", ["tensor", "model"])
 def test_transformers_model_as_it_is_in_tensor_and_pipeline(pool, strategy):
     """No wrapper: the tensor plan is the model's own, and the pipeline, split through
-    torch.export, computes the model's own loss (transformers' loss_function) on its last
+    torch.export, computes the model's own loss (its forward's, traced) on its last
     stage from the logits and the labels."""
     cell = llama_cell(tied=strategy == "model")
     options = {"partitions": 2, "microbatches": 2} if strategy == "model" else {}

@@ -23,6 +23,7 @@ from sagenb.config.errors import ConfigError
 from sagenb.config.job import Job, JobError
 from sagenb.engine.loop import train_loop
 from sagenb.engine.model.equivalence import EquivalenceWarning, equivalence_warnings
+from sagenb.engine.model.kv_cache import cache_off
 from sagenb.engine.model.recompute import checkpoint_blocks
 from sagenb.engine.precision import check_supported
 from sagenb.engine.strategies import make_strategy
@@ -150,16 +151,20 @@ def train_rank(spec: RankSpec, publish: Publisher) -> RankResult:
     if spec.config.activation_checkpointing:
         checkpoint_blocks(ws.model)  # before any strategy wraps or splits the model
     strategy = make_strategy(spec.config, rank=spec.rank, world_size=spec.world_size, device=device)
-    strategy.setup(ws)
-    steps, unsaved = train_loop(
-        ws,
-        strategy,
-        spec.config,
-        device=device,
-        publish=_first_step_with(notes, publish),
-        rank=spec.rank,
-        should_stop=process_group.stop_requested,
-    )
+    restore_cache = cache_off(ws.model)  # before a pipeline traces it (engine/model/kv_cache.py)
+    try:
+        strategy.setup(ws)
+        steps, unsaved = train_loop(
+            ws,
+            strategy,
+            spec.config,
+            device=device,
+            publish=_first_step_with(notes, publish),
+            rank=spec.rank,
+            should_stop=process_group.stop_requested,
+        )
+    finally:
+        restore_cache()
     return RankResult(
         rank=spec.rank,
         steps=steps,

@@ -5,16 +5,21 @@
 - Samples that are dicts (transformers style: `input_ids`, `attention_mask`, `labels`, ...) go
   in as keyword arguments, `model(**batch)`. With a `loss_fn` in the cell, `labels` stays out of
   the call and `loss = loss_fn(logits, labels)`, where `logits` is the output's `logits` (a
-  `ModelOutput` or dict) or the output itself. Without one, the model's own loss is used:
-  `labels` goes in and the output's `loss` is read (a pipeline, whose last stage never sees the
-  labels, computes the same loss with the model's `loss_function`, as transformers does inside).
+  `ModelOutput` or dict) or the output itself. Without one, the model's own loss is used, as
+  the model computes it, whatever its head: `labels` goes in and the output's `loss` is read.
+  A pipeline does the same: the labels travel with the inputs to the last stage, which
+  computes the loss the traced forward computes there (the head's own code, its signature and
+  its `config.problem_type` included), so no head needs a rule of sagenb's.
 
 A step's loss is the mean over every counted target of the global batch, as one process would
 compute it, however the batch is cut into engines' shares, grad-accum slices and microbatches.
 A mean-reduced loss over a piece is weighted by the targets it counted: integer targets count
 their entries other than -100 (cross_entropy's `ignore_index`: padding, prompts), after the
 first position of each sequence when the loss is a transformers causal LM's own (it predicts
-token t + 1 from token t); other targets count samples. Weighting each piece by its own count
+token t + 1 from token t: the model's `loss_function` is transformers' `ForCausalLMLoss`);
+other targets count samples. So a language-model or token-classification head counts its
+tokens, a sequence or image classifier (one integer label a sample, or a row of floats for
+multi-label and regression) its samples. Weighting each piece by its own count
 over the global count is what Hugging Face's Trainer got wrong for gradient accumulation until
 late 2024 (transformers issue #34242): averaging per-slice means over-weights short slices.
 """
@@ -23,7 +28,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import nn
@@ -55,8 +60,6 @@ class Objective:
     dict_samples: bool
     #: whether the model's own loss drops each sequence's first label (a causal LM's shift)
     shifted: bool = False
-    #: the model's own loss from (logits, labels), for pipelines (transformers' loss_function)
-    own_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
     #: the cell's collate_fn, which makes every piece's batch (None: default_collate)
     collate_fn: Collate | None = None
 
@@ -71,25 +74,18 @@ class Objective:
         if loss_fn is not None:
             return cls(loss_fn=loss_fn, dict_samples=dict_samples, collate_fn=collate_fn)
         _require_labels(first, collated=collate_fn is not None)
-        hf = _transformers_model(model)
-        loss_type = getattr(hf, "loss_type", None) if hf is not None else None
         return cls(
-            loss_fn=None,
-            dict_samples=True,
-            shifted=loss_type == "ForCausalLM",
-            own_loss=_hf_loss(hf) if hf is not None else None,
-            collate_fn=collate_fn,
+            loss_fn=None, dict_samples=True, shifted=_shifts_labels(model), collate_fn=collate_fn
         )
 
     # -- feeding the model -----------------------------------------------------------------
-    def split(self, batch: Any, *, labels_in: bool | None = None) -> tuple[tuple, dict, Any]:
-        """(positional args, keyword args, target) of a collated batch. `labels_in`: pass the
-        labels to the model (default: when the model's own output loss is read)."""
+    def split(self, batch: Any) -> tuple[tuple, dict, Any]:
+        """(positional args, keyword args, target) of a collated batch. The labels go in with
+        the rest when the model's own loss is read, in every strategy (a pipeline's included)."""
         if not self.dict_samples:
             inputs, target = batch
             return (inputs,), {}, target
-        if labels_in is None:
-            labels_in = self.loss_fn is None
+        labels_in = self.loss_fn is None
         kwargs = dict(batch) if labels_in else {k: v for k, v in batch.items() if k != "labels"}
         return (), kwargs, batch.get("labels")
 
@@ -101,29 +97,29 @@ class Objective:
         if self.loss_fn is not None:
             return self.loss_fn(logits_of(output) if self.dict_samples else output, target)
         own = _field(output, "loss")
-        if own is not None:
-            return own
-        if self.own_loss is None:
+        if own is None:
             raise JobError(
                 "the model's output has no 'loss' and the cell defines no loss_fn: define "
-                "loss_fn(logits, labels)"
+                "loss_fn(logits, labels), or return the loss as the output's 'loss' when "
+                "forward is given labels"
             )
-        return self.own_loss(logits_of(output), target)
+        return own
 
-    def pipeline_loss(self, output: Any, target: Any) -> torch.Tensor:
-        """The loss on a pipeline's last stage, whose input never included the labels."""
-        if self.loss_fn is None and self.own_loss is None:
-            raise JobError(
-                "a pipeline computes the loss from the last stage's output, and this model "
-                "has no transformers loss_function: define loss_fn(logits, labels) in the cell"
-            )
-        return self.loss(output, target)
+    def stage_output(self, output: Any) -> torch.Tensor:
+        """What a pipeline's last stage hands its schedule, which sends tensors only: the
+        logits a loss_fn takes, or the model's own loss, computed inside the stage."""
+        return logits_of(output) if self.loss_fn is not None else self.loss(output, None)
+
+    def stage_loss(self, handed: torch.Tensor, target: Any) -> torch.Tensor:
+        """The loss of what stage_output handed over."""
+        return self.loss(handed, target) if self.loss_fn is not None else handed
 
     # -- weighting ---------------------------------------------------------------------------
     def count(self, target: Any, batch: Any = None) -> torch.Tensor:
         """How many targets a mean-reduced loss over this piece averages (see the module)."""
         if torch.is_tensor(target) and not (target.is_floating_point() or target.is_complex()):
-            kept = target[..., 1:] if self.shifted else target
+            # a causal LM's labels are (batch, positions); one label a sample is not shifted
+            kept = target[..., 1:] if self.shifted and target.dim() > 1 else target
             return (kept != IGNORE_INDEX).sum()
         n = batch_size_of(target if target is not None else batch)
         device = target.device if torch.is_tensor(target) else None
@@ -210,21 +206,13 @@ def batch_size_of(batch: Any) -> int:
     raise JobError(f"cannot tell the batch size of a {type(batch).__name__}")
 
 
-def _transformers_model(model: nn.Module) -> nn.Module | None:
-    """The model, or its first submodule, that carries transformers' loss_function."""
+def _shifts_labels(model: nn.Module) -> bool:
+    """Whether the model's own loss is transformers' causal-LM loss, which predicts token t + 1
+    from token t: the loss_function of the model (or of its first submodule that has one),
+    the callable its forward uses (transformers' loss/loss_utils.py, LOSS_MAPPING; a model
+    whose class names no head, GPT2LMHeadModel among them, gets ForCausalLMLoss)."""
     for module in model.modules():
         if hasattr(type(module), "loss_function") and hasattr(module, "config"):
-            return module
-    return None
-
-
-def _hf_loss(hf: nn.Module) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
-    vocab = getattr(hf.config, "vocab_size", None)
-
-    def own_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        # nn.Module.__getattr__ is typed Tensor | Module; transformers' PreTrainedModel gives
-        # loss_function as a property that returns its loss callable
-        loss_function = cast("Callable[..., torch.Tensor]", hf.loss_function)
-        return loss_function(logits=logits, labels=labels, vocab_size=vocab)
-
-    return own_loss
+            found = getattr(module, "loss_function", None)
+            return getattr(found, "__name__", None) == "ForCausalLMLoss"
+    return False

@@ -45,8 +45,10 @@ from torch.nn.modules.dropout import _DropoutNd as DropoutBase
 from torch.utils._python_dispatch import TorchDispatchMode
 
 # no public equivalent in torch 2.13 (no torch.utils.pytree): every tensor in nested
-# tuples, lists and dicts, as torch's own modes walk them
-from torch.utils._pytree import tree_leaves
+# tuples, lists and dicts, as torch's own modes walk them; and a model's output put back
+# together from the leaves torch.export flattened it into (public: ExportedProgram.module(),
+# whose forward unflattens the same way, but runs the whole graph, not a pipeline's stage)
+from torch.utils._pytree import tree_leaves, tree_unflatten
 
 if TYPE_CHECKING:
     from torch.distributed.checkpoint._traverse import set_element
@@ -84,6 +86,7 @@ __all__ = [
     "shutdown_workers",
     "style_redistribution",
     "tree_leaves",
+    "tree_unflatten",
     "view_base",
     "warm_dynamo",
 ]
@@ -260,6 +263,11 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
         "sizing.footprint_trace (the tensor-parallel marks of trace_step)",
     ),
     PrivateName("torch.utils._pytree", "tree_leaves", "sizing.footprint_trace.trace_step"),
+    PrivateName(
+        "torch.utils._pytree",
+        "tree_unflatten",
+        "engine.strategies.pipeline.export_split (the last stage's output)",
+    ),
     PrivateName(
         "torch.nn.modules.batchnorm",
         "_BatchNorm",

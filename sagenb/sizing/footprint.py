@@ -32,6 +32,7 @@ from sagenb.config.options import EngineConfig, describe, strategy_names
 from sagenb.engine.data.order import fetch
 from sagenb.engine.data.stream import readable
 from sagenb.engine.model.blocks import find_blocks
+from sagenb.engine.model.kv_cache import cache_off
 from sagenb.engine.model.recompute import checkpoint_blocks
 from sagenb.engine.objective import batch_size_of, model_inputs
 from sagenb.engine.precision import autocast
@@ -108,6 +109,7 @@ def _at(config: EngineConfig, world: int) -> EngineConfig:
 def _build(job: Job, config: EngineConfig, world: int) -> FakeModel:
     """The cell's objects, fake, as an engine builds them (engine/entry.py)."""
     ws = build_workspace(job, config.seed)
+    cache_off(ws.model)  # as training runs it, without a key/value cache; built for this only
     if config.activation_checkpointing:
         checkpoint_blocks(ws.model)  # before any split, as training does
     params = [p for p in ws.model.parameters() if p.requires_grad]

@@ -2,7 +2,9 @@
 every helper it needs. The model is split into stages at block boundaries (by torch.fx in
 `partition`, by torch.export in `export_split`), at cuts chosen from a profile (`balance`,
 `cuts`, shared with the planner through `planning`), and stepped by GPipe or 1F1B schedules
-(`prefetch_schedule` on gloo) whose messages carry tensors only (`tensor_messages`).
+(`prefetch_schedule` on gloo) whose messages carry tensors only (`tensor_messages`);
+`metadata_inference` keeps the shape-finding pass PipelineStage makes at the first step from
+changing the model or raising.
 
 What others may use of it is named here, and nothing else: the registry's DESCRIPTIONS, the
 options' choices, and what the planner and the estimate (sagenb/sizing/) ask of a pipeline: the

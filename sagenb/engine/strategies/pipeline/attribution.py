@@ -43,7 +43,7 @@ class PipelineAttribution(Attribution):
             )
         profile = static_profile(model) if method in ("parameters",) else None
         starts = choose_cuts(model, cfg, m.example, m.ws.objective, method=method, profile=profile)
-        inputs = m.ws.objective.split(m.example, labels_in=False)[:2]
+        inputs = m.ws.objective.split(m.example)[:2]
         stages, _ = split_model(model, starts, inputs)
         return {}, (starts, stages)
 

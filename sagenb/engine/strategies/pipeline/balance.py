@@ -51,7 +51,7 @@ def profile_blocks(
     The microbatch's inputs are also the example torch.export traces on when torch.fx cannot
     trace the model (export_split.py): one piece per block either way."""
     n = len(find_blocks(model))
-    args, kwargs, targets = objective.split(batch, labels_in=False)
+    args, kwargs, targets = objective.split(batch)
     pieces, _ = split_model(model, list(range(n)), (args, kwargs))
     buffers = {name: b.clone() for name, b in model.named_buffers()}
     with torch.random.fork_rng(devices=[]):  # dropout's draws are the training's, not ours
@@ -86,7 +86,7 @@ def _measure(model, pieces, inputs, targets, objective, repeats: int) -> BlockPr
         for i in reversed(range(n)):
             started = time.perf_counter()
             if i == n - 1:
-                objective.pipeline_loss(outs[i], targets).backward()
+                objective.loss(outs[i], targets).backward()
             else:
                 _backward(outs[i], grad)
             times[r][i] += time.perf_counter() - started

@@ -43,6 +43,7 @@ from sagenb.engine.torch_private import (
     direct_parameters,
     non_persistent_buffers,
     pipe_from_traced,
+    tree_unflatten,
 )
 
 __all__ = ["export_stages"]
@@ -61,7 +62,7 @@ def export_stages(
             f"torch.export cut the model into {pipe.num_stages} stages, not {len(starts)}: a "
             "block where a stage should begin is not called by model.forward in order"
         )
-    stages = _relay(pipe)
+    stages = _relay(pipe, program.call_spec.out_spec)
     keys = set(model.state_dict().keys())
     for stage in stages:
         _tidy(stage, keys)
@@ -69,9 +70,10 @@ def export_stages(
     return stages
 
 
-def _relay(pipe: Pipe) -> list[nn.Module]:
+def _relay(pipe: Pipe, out_spec: Any) -> list[nn.Module]:
     """Stage modules that take only the previous stage's outputs and pass on, after their own
-    outputs, every earlier value a later stage reads."""
+    outputs, every earlier value a later stage reads. The last returns what the model returns
+    (`out_spec`: how export flattened it), a ModelOutput with its `loss` when given labels."""
     top = list(pipe.split_gm.graph.nodes)
     calls = [n for n in top if n.op == "call_module"]
     stage_of = {n: k for k, n in enumerate(calls)}
@@ -98,18 +100,29 @@ def _relay(pipe: Pipe) -> list[nn.Module]:
         inner = {p: env[v] for p, v in zip(_placeholders(module), needs[k])}
         result = graph.graph_copy(module.graph, inner)
         if k == len(calls) - 1:
-            graph.output(result)
+            graph.output(_unflattened(graph, module, result, out_spec))
         else:
             if isinstance(result, (tuple, list)):  # the stage's outputs, one key each
                 env.update({(k, j): out for j, out in enumerate(result)})
             else:
                 env[(k, None)] = result
             carried = [v for v in env if last_use.get(v, -1) > k]
-            outs = tuple(env[v] for v in carried)
+            # sent as they are: an expanded view (ViT's attention mask, strides of 0) is
+            # refused by send, so each goes out contiguous (a no-op for the others)
+            outs = tuple(graph.call_method("contiguous", (env[v],)) for v in carried)
             graph.output(outs[0] if len(outs) == 1 else outs)
         graph.lint()
         stages.append(fx.GraphModule(module, graph, class_name=f"ExportStage{k}"))
     return stages
+
+
+def _unflattened(graph: fx.Graph, module: nn.Module, result: Any, out_spec: Any) -> fx.Node:
+    """The model's output structure from the last stage's outputs (export's flattened leaves,
+    in order); the spec is kept on the stage as a plain attribute the graph reads."""
+    leaves = list(result) if isinstance(result, (tuple, list)) else [result]
+    module._sagenb_out_spec = out_spec  # copied onto the stage by fx.GraphModule (get_attr)
+    spec = graph.get_attr("_sagenb_out_spec")
+    return graph.call_function(tree_unflatten, (leaves, spec))
 
 
 def _placeholders(module: fx.GraphModule) -> list[fx.Node]:

@@ -11,6 +11,7 @@ import torch
 from sagenb.config.job import Job, JobError
 from sagenb.engine.data.order import fetch
 from sagenb.engine.data.stream import readable
+from sagenb.engine.model.kv_cache import cache_off
 from sagenb.engine.strategies.pipeline.cuts import (
     PARTITION_METHODS,
     check_blocks,
@@ -39,6 +40,7 @@ def plan_on_engine(job: Job, config: EngineConfig, engines: int, threads: int) -
     torch.set_num_threads(threads)
     with text_output():  # the cell's bars as text here too, no widget (engine/wire/output.py)
         ws = build_workspace(job, config.seed, delay_init=config.delay_init)
+    cache_off(ws.model)  # profiled as it trains, without a key/value cache; built for this only
     blocks = find_blocks(ws.model)
     check_blocks(config, len(blocks))  # the trainer's errors, before anything is measured
     mb = config.forward_size(engines)

@@ -18,10 +18,8 @@ stages are neighbours (SageMaker's "cluster" placement).
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Iterator
-from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -46,11 +44,15 @@ from sagenb.engine.data.order import eval_batches, fetch, to_device
 from sagenb.engine.data.stream import readable
 from sagenb.engine.model.blocks import find_blocks, tied_groups
 from sagenb.engine.model.delayed import materialize, release_others
-from sagenb.engine.objective import Objective, logits_of, weighted
+from sagenb.engine.objective import Objective, weighted
 from sagenb.engine.strategies.base import Strategy
 from sagenb.engine.strategies.description import Description, plural
 from sagenb.engine.strategies.pipeline.attribution import PipelineAttribution
 from sagenb.engine.strategies.pipeline.cuts import MEMORY_FACTOR, check_blocks, choose_cuts
+from sagenb.engine.strategies.pipeline.metadata_inference import (
+    keep_buffers_through_inference,
+    zero_indices_through_inference,
+)
 from sagenb.engine.strategies.pipeline.partition import split_model
 from sagenb.engine.strategies.pipeline.prefetch_schedule import PrefetchingSchedule
 from sagenb.engine.strategies.pipeline.tensor_messages import (
@@ -113,7 +115,8 @@ class Pipeline:
         example = self._example(ws)
         self._fix_shapes(ws, example)
         starts = self._choose_starts(ws, example)
-        inputs = ws.objective.split(example, labels_in=False)[:2]
+        # without a loss_fn the labels are inputs too: the last stage computes the model's loss
+        inputs = ws.objective.split(example)[:2]
         stages, self.blocks = split_model(model, starts, inputs)
         self.starts = starts
         self.modules = [stages[i] for i in self.stage_ids]
@@ -123,7 +126,8 @@ class Pipeline:
             release_others(model, self.modules)
         self.modules = [m.to(self.device) for m in self.modules]
         for m in self.modules:
-            _keep_buffers_through_inference(m)
+            keep_buffers_through_inference(m)
+            zero_indices_through_inference(m)
         self.module = nn.ModuleList(self.modules)
         self._setup_tied(model, stages)
         self.schedule = self._schedule(ws.objective)
@@ -196,7 +200,11 @@ class Pipeline:
     def _schedule(self, objective: Objective):
         stages = [
             PipelineStage(
-                _LogitsOut(m) if i == self.S - 1 else m, i, self.S, self.device, group=self.pp_group
+                _LastStage(m, objective) if i == self.S - 1 else m,
+                i,
+                self.S,
+                self.device,
+                group=self.pp_group,
             )
             for i, m in zip(self.stage_ids, self.modules)
         ]
@@ -205,7 +213,7 @@ class Pipeline:
 
         def scaled(output, target):
             # each microbatch's mean loss weighted by the targets it counts (engine/objective.py)
-            loss = objective.pipeline_loss(output, target)
+            loss = objective.stage_loss(output, target)
             count = objective.count(target)
             self._reported.append(weighted(loss, count))
             return loss * (count * self._scale)
@@ -279,7 +287,7 @@ class Pipeline:
         self, batch: Any, objective: Objective, *, scale: float, sync: bool
     ) -> torch.Tensor | None:
         require_shapes(self._shapes, batch, strategy=self.config.strategy, what="this step's batch")
-        args, kwargs, target = objective.split(batch, labels_in=False)
+        args, kwargs, target = objective.split(batch)
         if not self.events:
             self._step_started = time.time()
         self._scale, self._reported = scale, []
@@ -362,97 +370,70 @@ class Pipeline:
     @torch.no_grad()
     def evaluate(self, dataset: Any, objective: Objective, batch_size: int) -> float:
         """Forward only, stage by stage with point-to-point sends, in chunks of the training
-        microbatch's size: stages split through torch.export are specialised to it, so the
-        last chunk is filled up with repeats of its last sample, left out of the loss."""
+        microbatch's size: stages split through torch.export are specialised to it (see
+        _eval_chunks for the last chunk)."""
         size = max(1, self.config.forward_size(self.world_size))
         total = torch.zeros(2, dtype=torch.float64)
         for m in self.modules:
             m.eval()
         for idx in eval_batches(len(dataset), size, parts=self.D, part=self.replica):
-            real = len(idx)
-            idx = torch.cat([idx, idx[-1:].expand(size - real)])
-            batch = fetch(dataset, idx, objective.collate_fn)
-            require_shapes(
-                self._shapes, batch, strategy=self.config.strategy, what="an eval_dataset chunk"
-            )
-            batch = to_device(batch, self.device)
-            args, kwargs, target = objective.split(batch, labels_in=False)
-            value: Any = args
-            for i in self.stage_ids:
-                if i > 0:  # tensors only on the wire (tensor_messages.py)
-                    value, kwargs = recv_tensors(self._global(i - 1), self.device), {}
-                module = self.modules[self.stage_ids.index(i)]
-                value = module(*value, **kwargs) if isinstance(value, tuple) else module(value)
-                if i == self.S - 1:
-                    value, target = logits_of(value)[:real], _rows(target, real)
-                    count = objective.count(target)
-                    total[0] += float(weighted(objective.pipeline_loss(value, target), count))
-                    total[1] += float(count)
-                else:
-                    send_tensors(value, self._global(i + 1), self.device)
+            for chunk, sign in _eval_chunks(idx, size):
+                batch = fetch(dataset, chunk, objective.collate_fn)
+                require_shapes(
+                    self._shapes, batch, strategy=self.config.strategy, what="an eval_dataset chunk"
+                )
+                loss, count = self._eval_forward(to_device(batch, self.device), objective)
+                total += sign * torch.tensor([loss, count], dtype=torch.float64)
         for m in self.modules:
             m.train()
         dist.all_reduce(total)
         return float(total[0] / total[1])
 
-
-def _rows(value: Any, n: int) -> Any:
-    """The first n samples of a batch's targets (a tensor, or a tuple/dict of them)."""
-    if torch.is_tensor(value):
-        return value[:n]
-    if isinstance(value, dict):
-        return {k: _rows(v, n) for k, v in value.items()}
-    if isinstance(value, (tuple, list)):
-        return type(value)(_rows(v, n) for v in value)
-    return value
-
-
-def _keep_buffers_through_inference(module: nn.Module) -> None:
-    """Undo what PipelineStage's metadata inference does to buffers.
-
-    At its first step PipelineStage runs each stage once more to learn the shapes it sends
-    (torch/distributed/pipelining/stage.py, _forward_metadata_inference), later stages on
-    torch.empty inputs: a BatchNorm's running statistics would count that pass, filled with
-    garbage (inf after one step, measured on a ResNet). Buffers are saved before a forward
-    made inside that inference and put back after it; other forwards are left alone."""
-    if not any(True for _ in module.buffers()):
-        return
-    saved: list[dict[str, torch.Tensor]] = []
-
-    def inferring() -> bool:
-        frame: FrameType | None = sys._getframe(2)
-        while frame is not None:
-            if frame.f_code.co_name == "_forward_metadata_inference":
-                return True
-            frame = frame.f_back
-        return False
-
-    def before(mod: nn.Module, args: Any) -> None:
-        if inferring():
-            saved.append({k: b.clone() for k, b in mod.named_buffers()})
-
-    @torch.no_grad()
-    def after(mod: nn.Module, args: Any, output: Any) -> None:
-        if saved:
-            state = saved.pop()
-            for k, b in mod.named_buffers():
-                b.copy_(state[k])
-
-    module.register_forward_pre_hook(before)
-    module.register_forward_hook(after)
+    def _eval_forward(self, batch: Any, objective: Objective) -> tuple[float, float]:
+        """(loss x counted targets, counted targets) of one chunk on the last stage; zeros on
+        the other ranks, which send what their stages make."""
+        args, kwargs, target = objective.split(batch)
+        value: Any = args
+        for i in self.stage_ids:
+            if i > 0:  # tensors only on the wire (tensor_messages.py)
+                value, kwargs = recv_tensors(self._global(i - 1), self.device), {}
+            module = self.modules[self.stage_ids.index(i)]
+            value = module(*value, **kwargs) if isinstance(value, tuple) else module(value)
+            if i == self.S - 1:
+                count = objective.count(target)
+                return float(weighted(objective.loss(value, target), count)), float(count)
+            send_tensors(value, self._global(i + 1), self.device)
+        return 0.0, 0.0
 
 
-class _LogitsOut(nn.Module):
+def _eval_chunks(idx: torch.Tensor, size: int) -> list[tuple[torch.Tensor, float]]:
+    """The chunks an eval batch of up to `size` indices runs as, each with its sign in the sum.
+
+    A short last batch is filled up with repeats of its last sample, then those repeats are
+    taken out again: a chunk of `size` copies of that sample counts its loss x count `size`
+    times over, so subtracting (size - real) / size of it leaves the real samples' sum. It is
+    exact for any loss that is a mean over counted targets (the contract's), whether computed
+    from the logits by a loss_fn or inside the last stage by the model, whose output holds
+    no per-sample loss to slice."""
+    real = len(idx)
+    if real == size:
+        return [(idx, 1.0)]
+    filled = torch.cat([idx, idx[-1:].expand(size - real)])
+    return [(filled, 1.0), (idx[-1:].expand(size), -(size - real) / size)]
+
+
+class _LastStage(nn.Module):
     """The last stage as the schedule runs it: a stage's output must be tensors, so a
-    ModelOutput or dict (a transformers model given as it is) is reduced to its logits, from
-    which the loss is computed (engine/objective.py)."""
+    ModelOutput or dict (a transformers model given as it is) is reduced to its logits for the
+    cell's loss_fn, or to the model's own loss (engine/objective.py, stage_output)."""
 
-    def __init__(self, stage: nn.Module) -> None:
+    def __init__(self, stage: nn.Module, objective: Objective) -> None:
         super().__init__()
         self.stage = stage
+        self.objective = objective
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return logits_of(self.stage(*args, **kwargs))
+        return self.objective.stage_output(self.stage(*args, **kwargs))
 
 
 class PipelineDescription(Description):
