@@ -52,9 +52,8 @@ import datasets
 from transformers import LlamaConfig, LlamaForCausalLM
 
 config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-                     use_cache=False)
-model = LlamaForCausalLM(config)
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+model = LlamaForCausalLM(config)  # as it comes: use_cache=True, which training turns off
 files = {files!r}
 def tokenize(record):
     words = (record["prompt"] + " " + record["answer"]).split()
