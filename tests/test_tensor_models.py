@@ -1,7 +1,8 @@
 """Tensor parallel on the models people bring: transformers' Llama (its own plan, tied and
 untied embeddings) and GPT-2 (Conv1D layers, no shipped plan), a gated MLP with meaningless
-names (the dataflow-derived plan), each on 2 real engines against the single-process
-reference; and the plans that cannot work, refused by name before the first step."""
+names (the dataflow-derived plan), peft's LoRA on a Llama and BERT (a plan from one recorded
+forward), each on 2 real engines against the single-process reference; and the plans that
+cannot work, refused by name before the first step."""
 
 from __future__ import annotations
 
@@ -11,11 +12,14 @@ import torch
 import sagenb
 from sagenb.config.job import JobError
 from sagenb.engine.strategies.tensor.plan import derive_plan, plan_for
+from sagenb.engine.strategies.tensor.styles import splits
 from sagenb.run.failures import TrainingError
 
 from .helpers import check_equal
+from .models import llama_cell
 
 OPTIONS = dict(batch_size=16, steps=8, epochs=2)
+QKV = ("query", "key", "value")
 # a transformers model wrapped so that forward(ids) -> logits, as a cell would hold one
 WRAPPED = """
 import torch
@@ -81,6 +85,48 @@ loss_fn = F.mse_loss
 def make_optimizer(params):
     return torch.optim.SGD(params, lr=0.05)
 """
+
+
+# peft's LoRA on column-wise (q, v) and row-wise (o, down) layers; B drawn at random (peft's
+# default zeros would leave A without a gradient in the first step)
+LORA = """
+import peft
+model = peft.get_peft_model(model, peft.LoraConfig(
+    r=4, lora_alpha=8, target_modules={targets}, lora_dropout=0.0, init_lora_weights=False,
+    use_dora={dora}))
+"""
+# BERT fine-tuned for classification with its own loss, padded samples masked
+BERT = """
+import torch
+import transformers
+
+config = transformers.BertConfig(
+    vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+    intermediate_size=64, max_position_embeddings=16, hidden_dropout_prob=0.0,
+    attention_probs_dropout_prob=0.0, num_labels=3,
+)
+model = transformers.BertForSequenceClassification(config)
+ids = torch.randint(1, 64, (64, 12))
+used = torch.randint(6, 13, (64, 1))
+mask = (torch.arange(12) < used).long()
+dataset = [
+    {"input_ids": i * m, "attention_mask": m, "labels": y}
+    for i, m, y in zip(ids, mask, torch.randint(0, 3, (64,)))
+]
+def make_optimizer(params):
+    return torch.optim.SGD(params, lr=0.2)
+"""
+TARGETS = ["q_proj", "v_proj", "o_proj", "down_proj"]
+
+
+def lora(targets: list[str] = TARGETS, dora: bool = False) -> str:
+    return llama_cell() + LORA.format(targets=targets, dora=dora)
+
+
+def _example(ns: dict):
+    """The cell's model on its first sample, as the strategy runs it for the recorded plan."""
+    first = torch.utils.data.default_collate([ns["dataset"][0]])
+    return lambda: ns["model"](**first)
 
 
 def llama(kv: int = 2, tie: bool = False) -> str:
@@ -149,11 +195,11 @@ def test_plans_that_cannot_work_are_refused_by_name():
         plan_for(model, 2, None)
     with pytest.raises(
         JobError,
-        match=r"'llm.model.layers.0.mlp.up_proj' \(Linear\) split "
+        match=r"'llm.model.layers.0.mlp.up_proj' \(torch.nn.modules.linear.Linear\) split "
         r"colwise 3 ways, but its out_features = 64 does not divide by 3",
     ):
         plan_for(model, 3, {"llm.model.layers.0.mlp.up_proj": "colwise"})
-    with pytest.raises(JobError, match=r"'llm.model.norm' is a LlamaRMSNorm; colwise splits"):
+    with pytest.raises(JobError, match=r"'llm.model.norm' is a transformers.models.llama.modeling_llama.LlamaRMSNorm; colwise"):
         plan_for(model, 2, {"llm.model.norm": "colwise"})
     tied = _namespace(llama(tie=True))["model"]
     with pytest.raises(JobError, match=r"'llm.lm_head' shares its weight .* untie"):
@@ -173,3 +219,61 @@ def test_a_plan_that_breaks_the_forward_stops_before_the_first_step(pool):
         r"'llm.model.layers.0.mlp'",
     ):
         sagenb.train(cell, strategy="tensor", dashboard=False, **OPTIONS)
+
+
+@pytest.mark.parametrize("cell", ["lora", "bert"])
+def test_fine_tuned_models_train_as_one_process(pool, cell):
+    cell = lora() if cell == "lora" else BERT
+    options = dict(batch_size=16, steps=3)
+    result = sagenb.train(cell, strategy="tensor", dashboard=False, **options)
+    reference, _ = check_equal(result, cell, **options)  # the model's own keys, adapters too
+    if "peft" in cell:
+        trained = result.state_dict()
+        key = "base_model.model.model.layers.0.mlp.down_proj.lora_A.default.weight"
+        frozen = key.replace("lora_A.default", "base_layer")
+        assert not torch.equal(trained[key], _namespace(cell)["model"].state_dict()[key])
+        assert torch.equal(trained[frozen], reference.state_dict()[frozen])
+
+
+def test_plans_of_fine_tuned_models():
+    ns = _namespace(lora())
+    styles = plan_for(ns["model"], 2, None, example=_example(ns)).styles
+    layers = "base_model.model.model.layers.*."
+    kinds = {k[len(layers) :]: splits(v) for k, v in styles.items() if k.startswith(layers)}
+    assert kinds == {
+        **{f"self_attn.{n}_proj.base_layer": "colwise" for n in "qv"},
+        **{f"self_attn.{n}_proj.lora_B.default": "colwise" for n in "qv"},  # lora_A whole
+        "self_attn.k_proj": "colwise",
+        "self_attn.o_proj.base_layer": "rowwise",
+        "self_attn.o_proj.lora_A.default": "rowwise",  # lora_B whole
+        "mlp.down_proj.base_layer": "rowwise",
+        "mlp.down_proj.lora_A.default": "rowwise",
+        **{f"mlp.{n}_proj": "colwise" for n in ("gate", "up")},
+    }
+    ns = _namespace(BERT)
+    plan = plan_for(ns["model"], 2, None, example=_example(ns)).styles
+    layer = "bert.encoder.layer.{}."
+    assert {k: splits(v) for k, v in plan.items()} == {  # no plan shipped: one forward's
+        **{layer.format(i) + f"attention.self.{n}": "colwise" for i in (0, 1) for n in QKV},
+        **{layer.format(i) + "attention.output.dense": "rowwise" for i in (0, 1)},
+        **{layer.format(i) + "intermediate.dense": "colwise" for i in (0, 1)},
+        **{layer.format(i) + "output.dense": "rowwise" for i in (0, 1)},
+        "bert.pooler.dense": "colwise",  # tanh between them: a pair too
+        "classifier": "rowwise",
+    }
+    with pytest.raises(JobError, match=r"found no Linear layers to split"):
+        derive_plan(ns["model"], 2)  # torch.fx alone cannot trace BERT's blocks
+
+
+def test_peft_layers_that_cannot_split_are_refused_by_module_path():
+    ns = _namespace(lora(dora=True))
+    with pytest.raises(
+        JobError,
+        match=r"'base_model.model.model.layers.0.self_attn.q_proj' is a "
+        r"peft.tuners.lora.layer.Linear and colwise cannot split it: it uses a LoRA variant "
+        r".*leave 'q_proj' out of the LoRA config's target_modules",
+    ):
+        plan_for(ns["model"], 2, None)
+    ns = _namespace(lora(targets=["embed_tokens"]))
+    with pytest.raises(JobError, match=r"is a peft.tuners.lora.layer.Embedding and rowwise"):
+        plan_for(ns["model"], 2, None)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 
 from sagenb.engine.strategies.attribution import (
@@ -42,7 +43,7 @@ SPLIT_DIMS: dict[str, dict[str, dict[str, int]]] = {
 class TensorAttribution(Attribution):
     def prepare(self, m: FakeModel) -> tuple[dict[nn.Module, str], Any]:
         T = m.config.tensor_parallel or m.world
-        plan = plan_for(m.ws.model, T, m.ws.tp_plan)
+        plan = plan_for(m.ws.model, T, m.ws.tp_plan, example=_example(m))
         split: dict[nn.Module, str] = {}
         for key, style in plan.styles.items():
             kind = splits(style)
@@ -68,6 +69,18 @@ class TensorAttribution(Attribution):
             for h in held
         ]
         return Ranks(held, [act] * N, comm)
+
+
+def _example(m: FakeModel) -> Any:
+    """The traced example's forward, for the plan recorded from one forward (as training
+    records it from the dataset's first sample)."""
+
+    def run() -> Any:
+        args, kwargs, _ = m.ws.objective.split(m.example)
+        with torch.no_grad():
+            return m.ws.model(*args, **kwargs)
+
+    return run
 
 
 def _split_dims(split: dict[nn.Module, str]) -> dict[nn.Parameter, int]:

@@ -12,6 +12,7 @@ would have had without it; every engine runs it, as the split forward is a colle
 from __future__ import annotations
 
 import fnmatch
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -20,10 +21,11 @@ from torch import nn
 from sagenb.config.job import JobError
 from sagenb.engine.data.order import fetch, to_device
 from sagenb.engine.objective import Objective
+from sagenb.engine.strategies.tensor.adapters import qualified_name, refuse
 from sagenb.engine.strategies.tensor.dataflow import features, is_splittable
 from sagenb.engine.strategies.tensor.styles import splits
 
-__all__ = ["check_shapes", "trial_forward", "matches", "path_matches"]
+__all__ = ["check_shapes", "example", "trial_forward", "matches", "path_matches"]
 
 
 def path_matches(path: str, key: str) -> bool:
@@ -48,6 +50,7 @@ def check_shapes(model: nn.Module, styles: dict[str, Any], tp: int, tied: set[in
 
 
 def _check_layer(path: str, module: nn.Module, kind: str, tp: int, tied: set[int]) -> None:
+    refuse(path, module, kind)  # a peft layer other than LoRA on a Linear
     if isinstance(module, nn.Embedding):
         # row-wise splits the vocabulary, column-wise the width
         size = module.num_embeddings if kind == "rowwise" else module.embedding_dim
@@ -57,12 +60,13 @@ def _check_layer(path: str, module: nn.Module, kind: str, tp: int, tied: set[int
         what = "in_features" if kind == "rowwise" else "out_features"
     else:
         raise JobError(
-            f"tp plan: {path!r} is a {type(module).__name__}; {kind} splits only nn.Linear, "
-            "nn.Embedding and transformers' Conv1D; leave it out of tp_plan to keep it whole"
+            f"tp plan: {path!r} is a {qualified_name(module)}; {kind} splits only "
+            "torch.nn.Linear, torch.nn.Embedding, transformers' Conv1D and peft's LoRA layers "
+            "wrapping them; leave it out of tp_plan to keep it whole"
         )
     if size % tp:
         raise JobError(
-            f"tp plan: {path!r} ({type(module).__name__}) split {kind} {tp} ways, but its "
+            f"tp plan: {path!r} ({qualified_name(module)}) split {kind} {tp} ways, but its "
             f"{what} = {size} does not divide by {tp}; use a --tensor-parallel that divides "
             f"it or leave {path!r} whole"
         )
@@ -73,7 +77,27 @@ def _check_layer(path: str, module: nn.Module, kind: str, tp: int, tied: set[int
         )
 
 
-@torch.no_grad()
+def example(
+    module: nn.Module, dataset: Any, objective: Objective, device: torch.device
+) -> Callable[[], Any]:
+    """A forward of `module` on the dataset's first sample that leaves no trace: eval mode,
+    no gradients, the RNG forked (training starts from the state it would have had)."""
+
+    def run() -> Any:
+        was_training = module.training
+        devices = [device] if device.type != "cpu" else []
+        try:
+            with torch.no_grad(), torch.random.fork_rng(devices=devices, device_type=device.type):
+                module.eval()
+                first = fetch(dataset, torch.arange(1), objective.collate_fn)
+                args, kwargs, _ = objective.split(to_device(first, device))
+                return module(*args, **kwargs)
+        finally:
+            module.train(was_training)
+
+    return run
+
+
 def trial_forward(
     module: nn.Module, dataset: Any, objective: Objective, device: torch.device
 ) -> None:
@@ -91,14 +115,8 @@ def trial_forward(
 
     for m in module.modules():
         handles += [m.register_forward_pre_hook(enter), m.register_forward_hook(leave)]
-    was_training = module.training
-    devices = [device] if device.type != "cpu" else []
     try:
-        with torch.random.fork_rng(devices=devices, device_type=device.type):
-            module.eval()
-            first = fetch(dataset, torch.arange(1), objective.collate_fn)
-            args, kwargs, _ = objective.split(to_device(first, device))
-            module(*args, **kwargs)
+        example(module, dataset, objective, device)()
     except Exception as exc:
         where = running[-1] if running else "<model>"
         raise JobError(
@@ -109,4 +127,3 @@ def trial_forward(
     finally:
         for h in handles:
             h.remove()
-        module.train(was_training)

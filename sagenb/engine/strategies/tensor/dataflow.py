@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
+from sagenb.engine.strategies.tensor.adapters import base_layer
 from sagenb.engine.strategies.tensor.styles import is_conv1d
 
 __all__ = ["dataflow_pairs", "is_splittable", "features"]
@@ -55,11 +56,16 @@ _MODULES = (
 
 
 def is_splittable(module: nn.Module) -> bool:
-    return isinstance(module, nn.Linear) or is_conv1d(module)
+    """A Linear or Conv1D, or a peft LoRA layer wrapping one (planned as the layer it wraps,
+    its adapters split by adapters.expand)."""
+    return isinstance(module, nn.Linear) or is_conv1d(module) or base_layer(module) is not None
 
 
 def features(module: nn.Module) -> tuple[int, int]:
-    """(in, out) features of a Linear or Conv1D."""
+    """(in, out) features of a Linear or Conv1D (a LoRA layer's: its base layer's)."""
+    base = base_layer(module)
+    if base is not None:
+        return features(base)
     if is_conv1d(module):  # ints; nn.Module's __getattr__ types them Tensor | Module
         return cast(int, module.nx), cast(int, module.nf)
     assert isinstance(module, nn.Linear)  # callers pass only what is_splittable accepts

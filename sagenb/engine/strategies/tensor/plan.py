@@ -35,15 +35,18 @@ Every plan is checked before the first step (tp_check.py).
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from collections.abc import Set as AbstractSet
 from typing import Any
 
 from torch import nn
 
 from sagenb.config.job import JobError
+from sagenb.engine.strategies.tensor.adapters import expand
 from sagenb.engine.strategies.tensor.check import check_shapes, matches, path_matches
 from sagenb.engine.strategies.tensor.dataflow import dataflow_pairs, features, is_splittable
 from sagenb.engine.strategies.tensor.hf_plan import shipped_plans
+from sagenb.engine.strategies.tensor.recorded import recorded_pairs
 from sagenb.engine.strategies.tensor.styles import splits, to_styles
 from sagenb.engine.torch_private import direct_parameters
 
@@ -56,16 +59,26 @@ HEAD_ATTRS = ("n_head", "n_heads", "num_heads", "nhead")
 
 
 class Plan:
-    """The torch styles to apply, and what `split_heads` must leave alone (transformers
-    subtrees, whose attention needs no head count changed)."""
+    """What parallelize_module applies (`styles`: LoRA layers expanded into their base
+    layers and adapters), the same by layer (`layers`: what `split_heads` reads), and what
+    `split_heads` must leave alone (transformers subtrees, whose attention needs no head
+    count changed)."""
 
-    def __init__(self, styles: dict[str, Any], source: str, shipped_roots: set[str]):
-        self.styles, self.source, self.shipped_roots = styles, source, shipped_roots
+    def __init__(self, layers: dict[str, Any], source: str, shipped_roots: set[str]):
+        self.layers, self.source, self.shipped_roots = layers, source, shipped_roots
+        self.styles = layers
 
 
-def plan_for(model: nn.Module, tp: int, hand: dict[str, Any] | None) -> Plan:
-    """The plan for `model` split `tp` ways: by hand, else shipped plus derived; checked
-    against the model's shapes (a JobError naming the layer)."""
+def plan_for(
+    model: nn.Module,
+    tp: int,
+    hand: dict[str, Any] | None,
+    *,
+    example: Callable[[], Any] | None = None,
+) -> Plan:
+    """The plan for `model` split `tp` ways: by hand, else shipped plus derived (`example`
+    runs the model on one sample, for the recorded dataflow); checked against the model's
+    shapes (a JobError naming the layer)."""
     tied = _tied_ids(model)
     if hand is not None:
         check_plan(model, hand)
@@ -73,18 +86,26 @@ def plan_for(model: nn.Module, tp: int, hand: dict[str, Any] | None) -> Plan:
     else:
         shipped, roots = shipped_plans(model, tp)
         shipped = {k: v for k, v in shipped.items() if not _holds_tied(model, k, tied)}
-        derived = derive_plan(model, tp, skip=roots, required=not shipped)
+        derived = derive_plan(model, tp, skip=roots, required=not shipped, example=example)
         styles = {**to_styles(shipped, "the model's own _tp_plan"), **to_styles(derived)}
         plan = Plan(styles, "derived", roots)
-    check_shapes(model, plan.styles, tp, tied)
+    check_shapes(model, plan.layers, tp, tied)
+    plan.styles = expand(model, plan.layers, matches)
     return plan
 
 
 def derive_plan(
-    model: nn.Module, tp: int, *, skip: AbstractSet[str] = frozenset(), required: bool = True
+    model: nn.Module,
+    tp: int,
+    *,
+    skip: AbstractSet[str] = frozenset(),
+    required: bool = True,
+    example: Callable[[], Any] | None = None,
 ) -> dict[str, str]:
     """{module path: "colwise" | "rowwise"} for `model` split `tp` ways, leaving out the
-    modules under the paths in `skip`; with `required`, finding nothing is a JobError."""
+    modules under the paths in `skip`; with `example` (a forward on one sample), the groups
+    of one recorded forward are added where torch.fx found none; with `required`, finding
+    nothing is a JobError."""
     layers = [m for m in model.modules() if is_splittable(m)]
     if not layers and required:
         raise JobError(
@@ -99,13 +120,19 @@ def derive_plan(
         children = [
             (name, child)
             for name, child in module.named_children()
-            if isinstance(child, nn.Linear) and id(child.weight) not in tied
+            if is_splittable(child) and id(child.weight) not in tied
         ]
         prefix = f"{path}." if path else ""
         found = _attention(module, children, tp)
         plan.update({prefix + name: style for name, style in found.items()})
     pairs = dataflow_pairs(model, tp, skip=set(skip), tied=tied)
     plan.update({k: v for k, v in pairs.items() if k not in plan})
+    if example is not None:
+
+        def whole(path: str, module: nn.Module) -> bool:
+            return path in plan or _under(path, skip) or id(module.weight) in tied
+
+        plan.update(recorded_pairs(model, example, tp, whole=whole))
     if not plan and required:
         shapes = ", ".join("{}->{}".format(*features(m)) for m in layers[:6])
         raise JobError(

@@ -29,7 +29,7 @@ from sagenb.engine.strategies import dtensors
 from sagenb.engine.strategies.description import DEFAULT_ENGINES, Description, plural
 from sagenb.engine.strategies.split_params import SplitParameters
 from sagenb.engine.strategies.tensor.attribution import TensorAttribution
-from sagenb.engine.strategies.tensor.check import trial_forward
+from sagenb.engine.strategies.tensor.check import example, trial_forward
 from sagenb.engine.strategies.tensor.plan import plan_for, split_heads
 from sagenb.engine.workspace import Workspace
 
@@ -52,10 +52,12 @@ class TensorParallel(SplitParameters):
         if any(p.is_meta for p in model.parameters()):
             materialize(model, [model], seed=self.seed, device=self.device)
         mesh = init_device_mesh(self.device.type, (self.D, self.T), mesh_dim_names=("dp", "tp"))
-        plan = plan_for(model, self.T, ws.tp_plan)
-        split_heads(model, plan.styles, self.T, skip=plan.shipped_roots)
+        model.to(self.device)
+        run = example(model, ws.dataset, ws.objective, self.device)
+        plan = plan_for(model, self.T, ws.tp_plan, example=run)
+        split_heads(model, plan.layers, self.T, skip=plan.shipped_roots)
         try:
-            self.module = parallelize_module(model.to(self.device), mesh["tp"], plan.styles)
+            self.module = parallelize_module(model, mesh["tp"], plan.styles)
         except NotImplementedError as exc:  # a torch style on a layer kind it cannot split
             raise JobError(f"--strategy tensor: {plan.source} cannot be applied: {exc}") from exc
         trial_forward(self.module, ws.dataset, ws.objective, self.device)
