@@ -116,11 +116,43 @@ dataset = [
 def make_optimizer(params):
     return torch.optim.SGD(params, lr=0.2)
 """
+# ViT's encoder: BERT's structure, Llama's names, no head count attribute sagenb knows
+VIT = """
+import torch
+import transformers
+
+config = transformers.ViTConfig(
+    image_size=8, patch_size=4, num_channels=3, hidden_size=32, num_hidden_layers=2,
+    num_attention_heads=4, intermediate_size=64, num_labels=3,
+)
+model = transformers.ViTForImageClassification(config)
+dataset = [
+    {"pixel_values": x, "labels": y}
+    for x, y in zip(torch.randn(64, 3, 8, 8), torch.randint(0, 3, (64,)))
+]
+def make_optimizer(params):
+    return torch.optim.SGD(params, lr=0.2)
+"""
 TARGETS = ["q_proj", "v_proj", "o_proj", "down_proj"]
 
 
 def lora(targets: list[str] = TARGETS, dora: bool = False) -> str:
     return llama_cell() + LORA.format(targets=targets, dora=dora)
+
+
+# LoRA on BERT's attention and MLP, its classifier trained whole (peft's modules_to_save)
+BERT_LORA = """
+import peft
+model = peft.get_peft_model(model, peft.LoraConfig(
+    task_type="SEQ_CLS", r=4, target_modules=["query", "value", "dense"], lora_dropout=0.0,
+    init_lora_weights=False))
+"""
+CELLS = {
+    "llama-lora": lora,
+    "bert": lambda: BERT,
+    "bert-lora": lambda: BERT + BERT_LORA,
+    "vit": lambda: VIT,
+}
 
 
 def _example(ns: dict):
@@ -199,7 +231,10 @@ def test_plans_that_cannot_work_are_refused_by_name():
         r"colwise 3 ways, but its out_features = 64 does not divide by 3",
     ):
         plan_for(model, 3, {"llm.model.layers.0.mlp.up_proj": "colwise"})
-    with pytest.raises(JobError, match=r"'llm.model.norm' is a transformers.models.llama.modeling_llama.LlamaRMSNorm; colwise"):
+    with pytest.raises(
+        JobError,
+        match=r"'llm.model.norm' is a transformers.models.llama.modeling_llama.LlamaRMSNorm; ",
+    ):
         plan_for(model, 2, {"llm.model.norm": "colwise"})
     tied = _namespace(llama(tie=True))["model"]
     with pytest.raises(JobError, match=r"'llm.lm_head' shares its weight .* untie"):
@@ -221,18 +256,18 @@ def test_a_plan_that_breaks_the_forward_stops_before_the_first_step(pool):
         sagenb.train(cell, strategy="tensor", dashboard=False, **OPTIONS)
 
 
-@pytest.mark.parametrize("cell", ["lora", "bert"])
-def test_fine_tuned_models_train_as_one_process(pool, cell):
-    cell = lora() if cell == "lora" else BERT
+@pytest.mark.parametrize("name", list(CELLS))
+def test_fine_tuned_models_train_as_one_process(pool, name):
+    cell = CELLS[name]()
     options = dict(batch_size=16, steps=3)
     result = sagenb.train(cell, strategy="tensor", dashboard=False, **options)
-    reference, _ = check_equal(result, cell, **options)  # the model's own keys, adapters too
-    if "peft" in cell:
-        trained = result.state_dict()
+    check_equal(result, cell, **options)  # the model's own keys, adapters included
+    if name == "llama-lora":  # the adapters trained, the frozen base did not move
+        trained, initial = result.state_dict(), _namespace(cell)["model"].state_dict()
         key = "base_model.model.model.layers.0.mlp.down_proj.lora_A.default.weight"
-        frozen = key.replace("lora_A.default", "base_layer")
-        assert not torch.equal(trained[key], _namespace(cell)["model"].state_dict()[key])
-        assert torch.equal(trained[frozen], reference.state_dict()[frozen])
+        assert not torch.equal(trained[key], initial[key])
+        base = key.replace("lora_A.default", "base_layer")
+        assert torch.equal(trained[base], initial[base])
 
 
 def test_plans_of_fine_tuned_models():
@@ -263,6 +298,17 @@ def test_plans_of_fine_tuned_models():
     }
     with pytest.raises(JobError, match=r"found no Linear layers to split"):
         derive_plan(ns["model"], 2)  # torch.fx alone cannot trace BERT's blocks
+    eight = plan_for(ns["model"], 8, None, example=_example(ns)).styles
+    assert not any("attention" in k for k in eight)  # 4 heads cannot split 8 ways: whole
+    assert layer.format(0) + "output.dense" in eight  # its MLP still splits
+    ns = _namespace(VIT)
+    plan = plan_for(ns["model"], 2, None, example=_example(ns)).styles
+    assert {k: splits(v) for k, v in plan.items()} == {
+        **{f"vit.layers.{i}.attention.{n}_proj": "colwise" for i in (0, 1) for n in "qkv"},
+        **{f"vit.layers.{i}.attention.o_proj": "rowwise" for i in (0, 1)},
+        **{f"vit.layers.{i}.mlp.fc1": "colwise" for i in (0, 1)},
+        **{f"vit.layers.{i}.mlp.fc2": "rowwise" for i in (0, 1)},
+    }  # the classifier reads the first token after a LayerNorm: whole
 
 
 def test_peft_layers_that_cannot_split_are_refused_by_module_path():
@@ -277,3 +323,11 @@ def test_peft_layers_that_cannot_split_are_refused_by_module_path():
     ns = _namespace(lora(targets=["embed_tokens"]))
     with pytest.raises(JobError, match=r"is a peft.tuners.lora.layer.Embedding and rowwise"):
         plan_for(ns["model"], 2, None)
+    ns = _namespace(lora())
+    q = "base_model.model.model.layers.*.self_attn.q_proj"
+    with pytest.raises(
+        JobError,
+        match=r"names 'base_model.model.model.layers.0.self_attn.q_proj.base_layer', part of "
+        r"the LoRA layer .* \(peft.tuners.lora.layer.Linear\); name .*q_proj' instead",
+    ):
+        plan_for(ns["model"], 2, {q + ".base_layer": "colwise"})

@@ -30,7 +30,7 @@ from torch.distributed.tensor import Replicate
 from sagenb.config.job import JobError
 from sagenb.engine.strategies.tensor.styles import is_conv1d, splits
 
-__all__ = ["base_layer", "is_peft", "expand", "qualified_name"]
+__all__ = ["base_layer", "is_peft", "expand", "inner_layers", "qualified_name", "refuse"]
 
 
 def qualified_name(module: nn.Module) -> str:
@@ -51,15 +51,25 @@ def base_layer(module: nn.Module) -> nn.Module | None:
     return module.base_layer if isinstance(module.base_layer, nn.Module) else None
 
 
+def inner_layers(model: nn.Module) -> dict[int, str]:
+    """{id of a base layer or adapter: path of the LoRA layer holding it}."""
+    inside: dict[int, str] = {}
+    for path, module in model.named_modules():
+        if base_layer(module) is not None:
+            parts = [module.base_layer, *module.lora_A.values(), *module.lora_B.values()]
+            inside.update({id(part): path for part in parts})
+    return inside
+
+
 def _refusal(module: nn.Module) -> str | None:
     """Why a peft layer cannot be split, or None."""
-    adapters = (getattr(module, "lora_A", None), getattr(module, "lora_B", None))
-    if not all(isinstance(a, nn.ModuleDict) for a in adapters):
-        return "sagenb splits only LoRA's Linear layers (lora_A and lora_B nn.Linear)"
-    if not all(isinstance(m, nn.Linear) for a in adapters for m in a.values()):
-        return "its adapters are no nn.Linear layers"
-    if getattr(module, "lora_variant", None):
-        return f"it uses a LoRA variant ({', '.join(map(str, module.lora_variant))}, e.g. DoRA)"
+    adapters = [getattr(module, "lora_A", None), getattr(module, "lora_B", None)]
+    dicts = [a for a in adapters if isinstance(a, nn.ModuleDict)]
+    if len(dicts) != 2 or not all(isinstance(m, nn.Linear) for a in dicts for m in a.values()):
+        return "sagenb splits only LoRA layers whose lora_A and lora_B are nn.Linear"
+    variants = getattr(module, "lora_variant", None)
+    if variants:  # DoRA and others read the base weight whole (its norm)
+        return f"it uses a LoRA variant ({', '.join(map(str, variants))}, e.g. DoRA)"
     base = getattr(module, "base_layer", None)
     if not (isinstance(base, nn.Linear) or (base is not None and is_conv1d(base))):
         return f"its base layer is a {qualified_name(base) if base is not None else None}"

@@ -13,23 +13,32 @@ Where the plan comes from (`plan_for`), in order:
    parallelize_module takes it) to a style name or a torch ParallelStyle, e.g.
    `tp_plan = {"blocks.*.mlp.0": "colwise", "blocks.*.mlp.2": "rowwise"}`. Used as given.
 2. Shipped: a transformers model, or one held by the cell's model as a submodule, brings its
-   own `_tp_plan` (tp_hf.py); its style names are translated to torch styles
-   (tp_styles.py). Tied embedding/head entries are dropped (left whole).
+   own `_tp_plan` (hf_plan.py); its style names are translated to torch styles
+   (styles.py). Tied embedding/head entries are dropped (left whole).
 3. Derived, for the rest of the model (`derive_plan`): attention from names (below), then
-   column/row groups from the dataflow of each traced module (tp_dataflow.py).
+   column/row groups from the dataflow of each module torch.fx traces (dataflow.py), then
+   the groups of one recorded forward on the dataset's first sample (recorded.py), which
+   follows the split axis through the views of attention by the tensors' shapes: BERT's and
+   ViT's encoders, whose blocks torch.fx cannot trace, get q/k/v column-wise and the
+   attention output row-wise, their MLP's up column-wise and down row-wise.
 
 Attention from names: in every module, Linear children named like q/k/v projections (q, k,
 v, query, key, value, wq, wk, wv, q_proj, k_proj, v_proj) beside one output projection (o,
 out, wo, proj, out_proj, o_proj, c_proj, dense) and a head count (n_head, n_heads, num_heads,
 nhead), which `split_heads` divides by T on each engine (its forward must size its views from
 that count and its tensors, e.g. `q.view(B, L, self.n_head, -1)`, as torchtitan's models do).
-The dataflow cannot see heads (the views between q and the output projection are no
-elementwise ops), hence names here. Fused projections (GPT-2's Conv1D `c_attn`, torch's
-nn.MultiheadAttention) stay whole: a column split would give each engine a slice of q, k, v
-side by side, not its own heads; GPT-2's MLP (Conv1D c_fc, c_proj) is split. Layers whose
-weight is tied to another parameter stay whole.
+torch.fx's graph cannot see heads without shapes, hence names there; the recorded forward
+has the shapes, and asks each view that splits the features into heads to say -1 for the
+heads (transformers' `view(*shape, -1, head_dim)`), so that each engine's view counts its
+own heads with no attribute changed, as transformers' own plans rely on. Fused projections
+(GPT-2's Conv1D `c_attn`, torch's nn.MultiheadAttention) stay whole: a column split would
+give each engine a slice of q, k, v side by side, not its own heads; GPT-2's MLP (Conv1D c_fc,
+c_proj) is split. Layers whose weight is tied to another parameter stay whole.
 
-Every plan is checked before the first step (tp_check.py).
+A peft LoRA layer is planned as the Linear it wraps, then expanded into its base layer and
+adapters (adapters.py): `Plan.layers` names the LoRA layer, `Plan.styles` its parts.
+
+Every plan is checked before the first step (check.py).
 """
 
 from __future__ import annotations
@@ -42,7 +51,7 @@ from typing import Any
 from torch import nn
 
 from sagenb.config.job import JobError
-from sagenb.engine.strategies.tensor.adapters import expand
+from sagenb.engine.strategies.tensor.adapters import expand, inner_layers, qualified_name
 from sagenb.engine.strategies.tensor.check import check_shapes, matches, path_matches
 from sagenb.engine.strategies.tensor.dataflow import dataflow_pairs, features, is_splittable
 from sagenb.engine.strategies.tensor.hf_plan import shipped_plans
@@ -176,8 +185,19 @@ def check_plan(model: nn.Module, plan: dict[str, Any]) -> None:
     """Raise a JobError for a key of a hand-written plan that names no module of `model`.
 
     parallelize_module only warns about such a key, on the engine where nobody sees it, and
-    splits nothing for it: a typo would train every layer whole without a word."""
+    splits nothing for it: a typo would train every layer whole without a word. A key naming
+    the base layer or an adapter inside a LoRA layer is refused too: split alone, it would
+    leave the others a shape they cannot meet."""
+    inside = inner_layers(model)
     for key in plan:
+        for path, module in matches(model, key):
+            if id(module) in inside:
+                lora = inside[id(module)]
+                raise JobError(
+                    f"tp_plan[{key!r}] names {path!r}, part of the LoRA layer {lora!r} "
+                    f"({qualified_name(model.get_submodule(lora))}); name {lora!r} instead: "
+                    "its base layer and adapters are split together"
+                )
         if key and not matches(model, key):
             linears = [name for name, m in model.named_modules() if is_splittable(m)]
             more = ", ..." if len(linears) > 6 else ""

@@ -30,7 +30,7 @@ anything else (or be an output of the model): they are one engine's slices.
 from __future__ import annotations
 
 import math
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -115,12 +115,14 @@ def recorded_pairs(
     except Exception:  # noqa: BLE001 - a forward the recorder disturbs: the fx plan stands
         return {}
     graph = _Graph(calls, final)
+    # a layer called twice (shared) would need the same split at both calls: left whole
+    called = Counter(c.layer for c in calls if c.layer is not None)
     plan: dict[str, str] = {}
     for call in calls:
-        if call.layer is None or call.layer in plan:
+        if call.layer is None or call.layer in plan or called[call.layer] > 1:
             continue
         sources = graph.group(call, tp)
-        if sources and not any(s in plan for s in sources):
+        if sources and not any(s in plan or called[s] > 1 for s in sources):
             plan.update(dict.fromkeys(sources, "colwise"))
             plan[call.layer] = "rowwise"
     return plan
@@ -262,7 +264,7 @@ def _dims(call: _Call) -> list[int]:
 
 
 def _transpose(call: _Call, axes: dict[int, int], tp: int) -> int | None:
-    (src, axis), n = _split(call, axes)[0], call.outputs[0].dim()
+    axis, n = _split(call, axes)[0][1], call.outputs[0].dim()
     dims = [d % n for d in _dims(call)]
     pos = n + axis
     if call.name == "permute":

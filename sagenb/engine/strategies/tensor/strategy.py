@@ -1,11 +1,13 @@
 """Tensor parallel: single Linear layers split across T engines, data parallel across the rest.
 
 The engines form groups of T (--tensor-parallel): within a group every engine sees the same
-samples and holds 1/T of each split layer. The plan (plan.py) is the cell's
-`tp_plan`, else the plan a transformers model ships plus one derived from the dataflow of the
-rest; it is checked against the layers' shapes, and after `parallelize_module` has turned those
-weights into DTensors and inserted the all-reduces Megatron-LM needs, by a trial forward on one
-sample, so a plan that cannot work stops the job naming the layer before the first step.
+samples and holds 1/T of each split layer. The plan (plan.py) is the cell's `tp_plan`, else
+the plan a transformers model ships plus one derived from the dataflow of the rest (torch.fx,
+and one forward on the first sample, recorded before any split; peft's LoRA layers split with
+the layers they wrap); it is checked against the layers' shapes, and after
+`parallelize_module` has turned those weights into DTensors and inserted the all-reduces
+Megatron-LM needs, by a trial forward on one sample, so a plan that cannot work stops the job
+naming the layer before the first step.
 With more engines than T, the groups are data-parallel replicas: each takes its share of the
 global batch and their gradients are averaged, as DDP would, after the last slice.
 Ranks are laid out group-major (rank = replica * T + position), so a group's engines are
