@@ -285,6 +285,12 @@ def test_plans_of_fine_tuned_models():
         "mlp.down_proj.lora_A.default": "rowwise",
         **{f"mlp.{n}_proj": "colwise" for n in ("gate", "up")},
     }
+    ns = _namespace(
+        lora().replace("init_lora_weights", "layers_to_transform=[1], init_lora_weights")
+    )
+    styles = plan_for(ns["model"], 2, None, example=_example(ns)).styles
+    assert splits(styles[layers.replace("*", "0") + "self_attn.q_proj"]) == "colwise"  # plain
+    assert splits(styles[layers.replace("*", "1") + "self_attn.q_proj.lora_B.default"])
     ns = _namespace(BERT)
     plan = plan_for(ns["model"], 2, None, example=_example(ns)).styles
     layer = "bert.encoder.layer.{}."

@@ -91,22 +91,31 @@ def refuse(path: str, module: nn.Module, kind: str) -> None:
 def expand(model: nn.Module, styles: dict[str, Any], matches: Any) -> dict[str, Any]:
     """`styles` with each entry that names LoRA layers replaced by entries for their base
     layers and adapters (see the module's docstring); `matches(model, key)` lists the modules
-    a key names."""
+    a key names. A key naming LoRA and plain layers alike (LoRA on some blocks only) is
+    replaced by one entry per layer."""
     out: dict[str, Any] = {}
     for key, style in styles.items():
         found = matches(model, key)
         kind = splits(style)
-        if kind is None or not found or not all(base_layer(m) is not None for _, m in found):
+        lora = [path for path, m in found if base_layer(m) is not None]
+        if kind is None or not lora:
             out[key] = style
-            continue
-        out[f"{key}.base_layer"] = style
-        names = {name for _, m in found for name in m.lora_A}
-        for name in sorted(names):
-            if kind == "colwise":  # lora_A's r-wide output comes whole to every engine
-                out[f"{key}.lora_B.{name}"] = _with_input(style, Replicate())
-            else:  # lora_A's input comes as the base's does; its partial sum is reduced
-                out[f"{key}.lora_A.{name}"] = copy.deepcopy(style)
+        elif len(lora) == len(found):
+            out.update(_parts(key, style, kind, [m for _, m in found]))
+        else:
+            for path, m in found:
+                out.update(_parts(path, style, kind, [m]) if path in lora else {path: style})
     return out
+
+
+def _parts(key: str, style: Any, kind: str, layers: list[nn.Module]) -> dict[str, Any]:
+    parts = {f"{key}.base_layer": style}
+    for name in sorted({name for m in layers for name in m.lora_A}):
+        if kind == "colwise":  # lora_A's r-wide output comes whole to every engine
+            parts[f"{key}.lora_B.{name}"] = _with_input(style, Replicate())
+        else:  # lora_A's input comes as the base's does; its partial sum is reduced
+            parts[f"{key}.lora_A.{name}"] = copy.deepcopy(style)
+    return parts
 
 
 def _with_input(style: Any, layout: Any) -> Any:
