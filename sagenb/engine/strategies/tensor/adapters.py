@@ -22,7 +22,7 @@ module path when a plan would split them.
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import Any, cast
 
 from torch import nn
 from torch.distributed.tensor import Replicate
@@ -110,7 +110,9 @@ def expand(model: nn.Module, styles: dict[str, Any], matches: Any) -> dict[str, 
 
 def _parts(key: str, style: Any, kind: str, layers: list[nn.Module]) -> dict[str, Any]:
     parts = {f"{key}.base_layer": style}
-    for name in sorted({name for m in layers for name in m.lora_A}):
+    # lora_A: a ModuleDict by adapter name (nn.Module's __getattr__ types it Tensor | Module)
+    adapters: set[str] = {name for m in layers for name in cast(nn.ModuleDict, m.lora_A)}
+    for name in sorted(adapters):
         if kind == "colwise":  # lora_A's r-wide output comes whole to every engine
             parts[f"{key}.lora_B.{name}"] = _with_input(style, Replicate())
         else:  # lora_A's input comes as the base's does; its partial sum is reduced
