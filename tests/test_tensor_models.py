@@ -16,7 +16,7 @@ from sagenb.engine.strategies.tensor.styles import splits
 from sagenb.run.failures import TrainingError
 
 from .helpers import check_equal
-from .models import llama_cell
+from .models import head_cell, llama_cell
 
 OPTIONS = dict(batch_size=16, steps=8, epochs=2)
 QKV = ("query", "key", "value")
@@ -95,44 +95,9 @@ model = peft.get_peft_model(model, peft.LoraConfig(
     r=4, lora_alpha=8, target_modules={targets}, lora_dropout=0.0, init_lora_weights=False,
     use_dora={dora}))
 """
-# BERT fine-tuned for classification with its own loss, padded samples masked
-BERT = """
-import torch
-import transformers
-
-config = transformers.BertConfig(
-    vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-    intermediate_size=64, max_position_embeddings=16, hidden_dropout_prob=0.0,
-    attention_probs_dropout_prob=0.0, num_labels=3,
-)
-model = transformers.BertForSequenceClassification(config)
-ids = torch.randint(1, 64, (64, 12))
-used = torch.randint(6, 13, (64, 1))
-mask = (torch.arange(12) < used).long()
-dataset = [
-    {"input_ids": i * m, "attention_mask": m, "labels": y}
-    for i, m, y in zip(ids, mask, torch.randint(0, 3, (64,)))
-]
-def make_optimizer(params):
-    return torch.optim.SGD(params, lr=0.2)
-"""
-# ViT's encoder: BERT's structure, Llama's names, no head count attribute sagenb knows
-VIT = """
-import torch
-import transformers
-
-config = transformers.ViTConfig(
-    image_size=8, patch_size=4, num_channels=3, hidden_size=32, num_hidden_layers=2,
-    num_attention_heads=4, intermediate_size=64, num_labels=3,
-)
-model = transformers.ViTForImageClassification(config)
-dataset = [
-    {"pixel_values": x, "labels": y}
-    for x, y in zip(torch.randn(64, 3, 8, 8), torch.randint(0, 3, (64,)))
-]
-def make_optimizer(params):
-    return torch.optim.SGD(params, lr=0.2)
-"""
+# BERT fine-tuned for classification and ViT for images, each on its own loss (padding masked);
+# BERT's masked LM keeps its decoder (tied to the embedding) whole
+BERT, VIT = head_cell("sequence"), head_cell("image")
 TARGETS = ["q_proj", "v_proj", "o_proj", "down_proj"]
 
 
@@ -152,6 +117,7 @@ CELLS = {
     "bert": lambda: BERT,
     "bert-lora": lambda: BERT + BERT_LORA,
     "vit": lambda: VIT,
+    "bert-mlm": lambda: head_cell("masked-lm"),
 }
 
 
