@@ -118,7 +118,7 @@ def derive_plan(
     layers = [m for m in model.modules() if is_splittable(m)]
     if not layers and required:
         raise JobError(
-            f"--strategy tensor splits nn.Linear layers, and model ({type(model).__name__}) has "
+            f"--strategy tensor splits nn.Linear layers, and model ({qualified_name(model)}) has "
             "none; use --strategy data or sharded"
         )
     tied = _tied_ids(model)
