@@ -163,6 +163,22 @@ def test_values_that_would_fail_later_are_refused_now(options, message):
         sagenb.TrainConfig(**options)
 
 
+@pytest.mark.parametrize(
+    "name",
+    ["__builtins__", "__name__", "_", "__", "___", "_i", "_ii", "_i3", "_7", "_oh", "_dh", "_ih"]
+    + ["In", "Out", "get_ipython", "exit", "quit", "len", "class", "2x", "a-b", ""],
+)
+def test_out_refuses_names_the_notebook_needs(name):
+    """`--out __builtins__` made every later cell fail (`len` raised TypeError); IPython's
+    own names (history, In/Out) and builtins are refused alike, by the magic's line too."""
+    allowed = "must be a Python identifier that is neither a keyword nor a builtin's name"
+    with pytest.raises(ConfigError, match=re.escape(f"--out {name!r}: {allowed}")):
+        sagenb.TrainConfig(out=name)
+    with pytest.raises(UsageError, match="--out .*does not start with '_'"):
+        parse_train_line(f"--out {shlex.quote(name)}")
+    assert sagenb.TrainConfig(out="run_2").out == "run_2"
+
+
 def test_a_checkpoint_dir_that_is_a_file_is_refused_before_training(tmp_path):
     path = tmp_path / "a_file"
     path.write_text("")
