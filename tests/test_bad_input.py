@@ -3,8 +3,11 @@ before any engine runs user code; never an internal traceback (hypothesis)."""
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
+import time
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -143,6 +146,39 @@ def _table(tmp_path, content: str) -> str:
     path = tmp_path / "prices.json"
     path.write_text(content)
     return str(path)
+
+
+@pytest.mark.parametrize("option", ["price_table", "hardware_table"])
+@pytest.mark.parametrize("kind", ["device", "fifo", "oversized"])
+def test_a_table_that_is_not_a_small_regular_file_is_refused_unread(tmp_path, option, kind):
+    """--price-table /dev/zero grew the kernel to 22 GB; a 2 GB file was read whole to be
+    refused. Both tables are refused by what the file is (a device, a FIFO: opening one
+    without a writer used to block) or by its size, before any pool starts."""
+    from sagenb.pool import cluster
+    from sagenb.sizing.cost import check_price
+    from sagenb.sizing.hardware import check_hardware
+
+    path = tmp_path / "table.json"
+    if kind == "device":
+        path = Path("/dev/zero")
+    elif kind == "fifo":
+        os.mkfifo(path)
+    else:
+        with open(path, "wb") as f:
+            f.truncate(2 * 2**30)  # sparse: 2 GB that take no disk and no time to make
+    config = sagenb.TrainConfig(**{option: str(path)})
+    what = {"device": "a character device", "fifo": "a FIFO", "oversized": "2147483648 bytes"}
+    message = rf"--{option.replace('_', '-')} '{path}': cannot be read: must be a regular file"
+    message += rf" of at most \d+ MiB; this .*{what[kind]}"
+    running = cluster.current_pool()
+    started = time.monotonic()
+    with pytest.raises(ConfigError, match=message):
+        (check_price if option == "price_table" else check_hardware)(config)
+    if option == "price_table":
+        with pytest.raises(ConfigError, match=message):
+            sagenb.train(REGRESSION_CELL, config)
+    assert time.monotonic() - started < 5  # refused, not read
+    assert cluster.current_pool() is running  # none started
 
 
 @pytest.mark.parametrize(
