@@ -3,8 +3,11 @@ before any engine runs user code; never an internal traceback (hypothesis)."""
 
 from __future__ import annotations
 
+import os
 import re
 import shlex
+import time
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -145,6 +148,39 @@ def _table(tmp_path, content: str) -> str:
     return str(path)
 
 
+@pytest.mark.parametrize("option", ["price_table", "hardware_table"])
+@pytest.mark.parametrize("kind", ["device", "fifo", "oversized"])
+def test_a_table_that_is_not_a_small_regular_file_is_refused_unread(tmp_path, option, kind):
+    """--price-table /dev/zero grew the kernel to 22 GB; a 2 GB file was read whole to be
+    refused. Both tables are refused by what the file is (a device, a FIFO: opening one
+    without a writer used to block) or by its size, before any pool starts."""
+    from sagenb.pool import cluster
+    from sagenb.sizing.cost import check_price
+    from sagenb.sizing.hardware import check_hardware
+
+    path = tmp_path / "table.json"
+    if kind == "device":
+        path = Path("/dev/zero")
+    elif kind == "fifo":
+        os.mkfifo(path)
+    else:
+        with open(path, "wb") as f:
+            f.truncate(2 * 2**30)  # sparse: 2 GB that take no disk and no time to make
+    config = sagenb.TrainConfig(**{option: str(path)})
+    what = {"device": "a character device", "fifo": "a FIFO", "oversized": "2147483648 bytes"}
+    message = rf"--{option.replace('_', '-')} '{path}': cannot be read: must be a regular file"
+    message += rf" of at most \d+ MiB; this .*{what[kind]}"
+    running = cluster.current_pool()
+    started = time.monotonic()
+    with pytest.raises(ConfigError, match=message):
+        (check_price if option == "price_table" else check_hardware)(config)
+    if option == "price_table":
+        with pytest.raises(ConfigError, match=message):
+            sagenb.train(REGRESSION_CELL, config)
+    assert time.monotonic() - started < 5  # refused, not read
+    assert cluster.current_pool() is running  # none started
+
+
 @pytest.mark.parametrize(
     "options, message",
     [
@@ -161,6 +197,22 @@ def test_values_that_would_fail_later_are_refused_now(options, message):
     """Each of these used to fail on the engines, after the run, or not at all."""
     with pytest.raises(ConfigError, match=re.escape(message)):
         sagenb.TrainConfig(**options)
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["__builtins__", "__name__", "_", "__", "___", "_i", "_ii", "_i3", "_7", "_oh", "_dh", "_ih"]
+    + ["In", "Out", "get_ipython", "exit", "quit", "len", "class", "2x", "a-b", ""],
+)
+def test_out_refuses_names_the_notebook_needs(name):
+    """`--out __builtins__` made every later cell fail (`len` raised TypeError); IPython's
+    own names (history, In/Out) and builtins are refused alike, by the magic's line too."""
+    allowed = "must be a Python identifier that is neither a keyword nor a builtin's name"
+    with pytest.raises(ConfigError, match=re.escape(f"--out {name!r}: {allowed}")):
+        sagenb.TrainConfig(out=name)
+    with pytest.raises(UsageError, match="--out .*does not start with '_'"):
+        parse_train_line(f"--out {shlex.quote(name)}")
+    assert sagenb.TrainConfig(out="run_2").out == "run_2"
 
 
 def test_a_checkpoint_dir_that_is_a_file_is_refused_before_training(tmp_path):

@@ -134,3 +134,45 @@ def test_a_dead_controller_ends_the_run_with_a_clear_error(pool, tmp_path):
     wait_clean(pids, [])
     result = sagenb.train(REGRESSION_CELL, batch_size=32, steps=2, dashboard=False)
     assert len(result.history) == 2
+
+
+def test_a_pool_restarted_under_a_run_ends_it_with_a_clear_error(pool, tmp_path):
+    """`%smp_cluster restart` (or stop) from another thread while a run trains: the run said
+    nothing for --timeout plus about 60 s, then blamed the ranks with a StalledError (the old
+    pool looked alive once ipyparallel had dropped its controller). It ends within seconds,
+    saying the pool was stopped, and leaves the new pool to the next run."""
+    import threading
+
+    import sagenb
+    from sagenb.pool import cluster
+
+    from .conftest import REGRESSION_CELL
+
+    marker = tmp_path / "training"
+    cell = (
+        f"from pathlib import Path\nPath({str(marker)!r}).touch()\nimport time\n"
+        + REGRESSION_CELL
+        + "\n_mse = loss_fn\ndef loss_fn(out, y):\n    time.sleep(0.1)\n    return _mse(out, y)\n"
+    )
+    asked: list[float] = []
+
+    def restart():
+        deadline = time.monotonic() + 60
+        while not marker.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(2)
+        asked.append(time.monotonic())
+        cluster.restart_pool()
+
+    thread = threading.Thread(target=restart, daemon=True)
+    thread.start()
+    try:
+        with pytest.raises(sagenb.PoolDiedError, match="was stopped or restarted"):
+            sagenb.train(cell, batch_size=8, epochs=100, timeout=20, dashboard=False)
+        ended = time.monotonic()
+    finally:
+        thread.join(120)  # the new pool, started by the restart
+    assert asked and ended - asked[0] < 5, ended - asked[0]
+    assert cluster.current_pool() is not pool and cluster.current_pool().size == 2
+    result = sagenb.train(REGRESSION_CELL, batch_size=32, steps=2, dashboard=False)
+    assert len(result.history) == 2

@@ -544,18 +544,34 @@ class TrainConfig(EngineConfig):
         for name in ("price_table", "hardware_table"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
                 raise ConfigError(name, getattr(self, name), "must be a JSON file's path")
-        if (
-            not isinstance(self.out, str)
-            or not self.out.isidentifier()
-            or keyword.iskeyword(self.out)
-            or hasattr(builtins, self.out)
-        ):
-            raise ConfigError(
-                "out",
-                self.out,
-                "must be a Python identifier that is neither a keyword nor a builtin's name "
-                "(the result would shadow it in the notebook)",
-            )
+        _check_out(self.out)
+
+
+#: the names IPython's shell keeps in the notebook's namespace (besides those starting with
+#: "_": _, __, ___, _i, _ii, _iN, _N, _ih, _oh, _dh): a result stored there replaces them
+SHELL_NAMES = frozenset({"In", "Out", "get_ipython", "exit", "quit"})
+
+
+def _check_out(out: Any) -> None:
+    """--out names a variable of the notebook: one that shadows nothing. A builtin's name
+    (`len`) or IPython's own (`Out`, `_oh`) would break later cells, and `__builtins__` every
+    later cell: the kernel looks `len` up in it. Every name starting with "_" is refused:
+    IPython's history names (`_`, `_i3`, `_12`) and Python's dunders are all of that form."""
+    if (
+        not isinstance(out, str)
+        or not out.isidentifier()
+        or keyword.iskeyword(out)
+        or out.startswith("_")
+        or out in SHELL_NAMES
+        or hasattr(builtins, out)
+    ):
+        raise ConfigError(
+            "out",
+            out,
+            "must be a Python identifier that is neither a keyword nor a builtin's name, "
+            f"does not start with '_' and is not one of IPython's {', '.join(sorted(SHELL_NAMES))} "
+            "(the result would shadow it in the notebook)",
+        )
 
 
 def _fields(config: Any) -> tuple[dataclasses.Field, ...]:

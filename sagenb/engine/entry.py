@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import os
 import socket
+import sys
 import traceback
 import warnings
 from collections.abc import Callable
@@ -26,6 +27,7 @@ from sagenb.engine.model.equivalence import EquivalenceWarning, equivalence_warn
 from sagenb.engine.model.kv_cache import cache_off
 from sagenb.engine.model.recompute import checkpoint_blocks
 from sagenb.engine.precision import check_supported
+from sagenb.engine.scratch import UnsafeDirectory
 from sagenb.engine.strategies import make_strategy
 from sagenb.engine.torch_private import warm_dynamo
 from sagenb.engine.wire import process_group
@@ -122,6 +124,9 @@ def _tracer(spec: RankSpec) -> Tracer | None:
             rank=spec.rank,
             timeout=timedelta(seconds=spec.config.collective_timeout),
         )
+    except UnsafeDirectory as exc:  # said under the cell (rank 0's stderr), every run
+        print(f"sagenb: a stalled run cannot show its stacks: {exc}", file=sys.stderr)
+        return None
     except Exception:  # noqa: BLE001 - the same store fails init_process_group, with its error
         return None
 

@@ -110,6 +110,8 @@ class EnginePool:
         self.pids: dict[int, int] = {}  # engine id -> its process id (on its host)
         #: every local process the pool started: {pid: (start time, process group)}
         self.known: dict[int, tuple[float, int]] = {}
+        #: stop() was called (`%smp_cluster stop` or `restart`, maybe from another thread)
+        self.stopped = False
 
     @classmethod
     def start(
@@ -317,10 +319,19 @@ class EnginePool:
         self.known.update(reaper.identities(procs))
 
     def controller_alive(self) -> bool:
-        """Whether the controller process of a pool started here still runs (an attached
-        pool's controller is someone else's: assumed alive)."""
-        proc = getattr(getattr(self.cluster, "controller", None), "process", None)
-        if not self.owned or proc is None:
+        """Whether the controller process of a pool started here still runs: not once the
+        pool was stopped, nor once ipyparallel has dropped its controller (`cluster.controller`
+        is None after its stop). An attached pool's controller is someone else's: assumed
+        alive until this process lets go of the pool."""
+        if self.stopped:
+            return False
+        if not self.owned:
+            return True
+        controller = getattr(self.cluster, "controller", None)
+        if controller is None:
+            return False
+        proc = getattr(controller, "process", None)
+        if proc is None:  # a launcher that does not say: nothing to check
             return True
         try:
             return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
@@ -358,6 +369,8 @@ class EnginePool:
     def stop(self, *, timeout: float = 10.0) -> None:
         """Stop controller, nannies and engines, and wait until every one of them has exited
         (an attached pool is only let go of: whoever started it stops it)."""
+        alive = self.controller_alive()
+        self.stopped = True  # a run on this pool ends now, saying so (run/session.py)
         if not self.owned:
             self.client.close()
             return
@@ -365,7 +378,7 @@ class EnginePool:
         known = {**self.known, **reaper.identities(procs)}
         try:
             self.client.close()
-            if self.controller_alive():  # ipyparallel's stop waits on its controller
+            if alive:  # ipyparallel's stop waits on its controller
                 _bounded(self.cluster.stop_cluster_sync, timeout)
         finally:
             # whatever is left (an engine stuck in C++ ignores SIGTERM; a killed controller's

@@ -92,8 +92,9 @@ class StalledError(TrainingError):
 
 
 class PoolDiedError(RuntimeError):
-    """The pool's controller died: no rank can report or be told anything any more. The
-    run's engines were stopped and the pool closed; the next run starts a new pool."""
+    """The pool's controller died, or the pool was stopped or restarted under the run: no
+    rank can report or be told anything any more. The run's engines were stopped and the pool
+    closed; the next run starts a new pool (or trains on the one a restart started)."""
 
 
 class TrainingInterrupted(KeyboardInterrupt):

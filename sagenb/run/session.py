@@ -212,8 +212,10 @@ class _Run:
             raise TrainingInterrupted(self._interrupted()) from None
         except BaseException as err:
             # one place ends a run: whatever failed here (a sink, the dashboard, the cost
-            # meter), no rank trains on into the next run's time
-            self._stop_ranks()
+            # meter), no rank trains on into the next run's time (a pool that died or was
+            # stopped has no rank left to stop: _pool_died saw to them)
+            if not isinstance(err, PoolDiedError):
+                self._stop_ranks()
             self._last_metrics()
             self._close_sinks(status="failed")
             _attach(err, self._failed())
@@ -426,9 +428,19 @@ class _Run:
 
     def _pool_died(self) -> None:
         """The controller is gone, so no rank can report or be told anything: stop the run's
-        engines by pid, close the pool (the next run starts a new one) and say so."""
-        self._notice("controller died")
+        engines by pid, close the pool (the next run starts a new one) and say so. A pool
+        stopped under the run (`%smp_cluster stop` or `restart` from another thread) is being
+        ended by whoever stopped it: its engines are theirs to end, not signalled by pids
+        that a restarted pool's engines may have taken."""
+        self._notice("controller died")  # stopped with its pool, or died on its own
         self._mark_end()
+        if self.pool.stopped:
+            raise PoolDiedError(
+                "the engine pool was stopped or restarted while the run trained (%smp_cluster "
+                "stop or restart, or sagenb.pool.cluster.stop_pool/restart_pool from another "
+                "thread), so the run cannot go on: its engines are gone with the pool. Run the "
+                "cell again: it trains on the running pool, or starts a new one."
+            )
         self.pool.kill(self.ids)
         pid = getattr(getattr(self.pool.cluster, "controller", None), "process", None)
         if cluster.current_pool() is self.pool:

@@ -17,6 +17,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from sagenb.engine.scratch import read_private
 from sagenb.engine.wire.tracing import STACK_SIGNAL, collectives_key, request_key, stack_path
 
 __all__ = ["RankTrace", "collect", "describe", "CELL_FILE"]
@@ -128,10 +129,11 @@ def _read(trace: RankTrace, store, port: int) -> bool:
 
 
 def _read_file(path: str) -> str:
+    """The dump, read only from the private directory the rank writes it to (scratch.py),
+    never through a link."""
     try:
-        with open(path) as f:
-            return f.read()
-    except OSError:
+        return read_private(path)
+    except OSError:  # UnsafeDirectory too: the rank refused to dump there
         return ""
 
 

@@ -11,10 +11,11 @@ import dataclasses
 import datetime
 import json
 import math
+import os
+import stat
 from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
-from pathlib import Path
 from typing import Any, TypeGuard
 
 __all__ = [
@@ -42,13 +43,46 @@ class InstancePrice:
         return max(1, self.accelerators)
 
 
+#: the largest table read (the package's are a few KiB): --price-table /dev/zero grew the
+#: kernel to 22 GB until the OOM killer ended it, and a 2 GB file was read whole to be refused
+MAX_TABLE_BYTES = 4 * 2**20
+
+
 def read_table(packaged: str, path: str | None) -> Any:
     """A JSON table: the file at `path`, else the package's sagenb/sizing/tables/`packaged` (the
     price table here, the hardware table in hardware.py: one shape of loading for both)."""
     if path is None:
         table = resources.files("sagenb.sizing").joinpath(f"tables/{packaged}")
         return json.loads(table.read_text())
-    return json.loads(Path(path).read_text())
+    return json.loads(_read_bounded(path, MAX_TABLE_BYTES))
+
+
+def _read_bounded(path: str, limit: int) -> str:
+    """The text of the regular file at `path`, or a ValueError saying what is allowed: a
+    device (/dev/zero never ends) or a FIFO (blocks until a writer comes) is refused before
+    anything is read, and a file over `limit` bytes by its size, never read whole."""
+    allowed = f"must be a regular file of at most {limit // 2**20} MiB"
+    # O_NONBLOCK: opening a FIFO without a writer would block; a regular file ignores it
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    with os.fdopen(fd, "rb") as f:
+        info = os.fstat(fd)  # of what was opened: no swap between a check and the open
+        if not stat.S_ISREG(info.st_mode):
+            raise ValueError(f"{allowed}; this is {_kind(info.st_mode)}")
+        data = f.read(limit + 1)  # bounded even if the file grows after the fstat
+        if info.st_size > limit or len(data) > limit:
+            raise ValueError(f"{allowed}; this one has {max(info.st_size, len(data))} bytes")
+    return data.decode()
+
+
+def _kind(mode: int) -> str:
+    kinds = {
+        stat.S_ISDIR: "a directory",
+        stat.S_ISFIFO: "a FIFO",
+        stat.S_ISCHR: "a character device",
+        stat.S_ISBLK: "a block device",
+        stat.S_ISSOCK: "a socket",
+    }
+    return next((name for test, name in kinds.items() if test(mode)), "not a regular file")
 
 
 @lru_cache(maxsize=8)

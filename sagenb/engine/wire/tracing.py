@@ -5,7 +5,9 @@ The stack: `faulthandler` dumps every thread's Python frames from a C signal han
 SIGUSR1 (https://docs.python.org/3/library/faulthandler.html#dumping-the-traceback-on-a-user-signal),
 so it works while the rank's main thread spins in a Python loop or is blocked in a C++
 collective with the GIL released. It writes to a per-rank file (`stack_path`) the notebook reads
-on the same host; the file's first line names the thread that runs the rank.
+on the same host, in a directory private to the user (engine/scratch.py: $TMPDIR is shared, and
+a planted symlink there made the dump overwrite a file of the user's); the file's first line
+names the thread that runs the rank.
 
 The collectives: torch's flight recorder keeps the last collectives of every process group
 (2000 by default in torch 2.13, gloo included; `TORCH_FR_BUFFER_SIZE` sets how many). A
@@ -20,19 +22,20 @@ import faulthandler
 import json
 import os
 import signal
-import tempfile
 import threading
 import time
 from datetime import timedelta
 
 import torch.distributed as dist
 
+from sagenb.engine.scratch import create_private, dir_path, private_dir
 from sagenb.engine.torch_private import dump_flight_recorder_json
 from sagenb.engine.wire.rendezvous import wait_for_key
 
 __all__ = ["STACK_SIGNAL", "Tracer", "stack_path", "request_key", "collectives_key"]
 
 STACK_SIGNAL = signal.SIGUSR1
+STACKS_DIR = "sagenb-stacks"  # $TMPDIR/sagenb-stacks-<uid>, private to the user (scratch.py)
 _END = "end"
 _CONNECT = timedelta(seconds=2)  # to release the thread at the end of the run
 
@@ -40,7 +43,7 @@ _CONNECT = timedelta(seconds=2)  # to release the thread at the end of the run
 def stack_path(port: int, rank: int) -> str:
     """Where rank `rank` of the run whose store listens on `port` dumps its stack: derived,
     not sent, so the notebook and the engine agree without a field in RankSpec."""
-    return os.path.join(tempfile.gettempdir(), f"sagenb-stacks-{os.getuid()}", f"{port}-{rank}")
+    return os.path.join(dir_path(STACKS_DIR), f"{port}-{rank}")
 
 
 def request_key(rank: int) -> str:
@@ -68,8 +71,8 @@ class Tracer:
     def __init__(self, *, addr: str, port: int, rank: int, timeout: timedelta) -> None:
         self.path, self.rank = stack_path(port, rank), rank
         self.started_ns = time.time_ns()  # an earlier run's unfinished entries are not ours
-        os.makedirs(os.path.dirname(self.path), mode=0o700, exist_ok=True)
-        self._file = open(self.path, "w")  # noqa: SIM115 - faulthandler writes to it until close
+        private_dir(STACKS_DIR)  # UnsafeDirectory when another user could redirect the dump
+        self._file = create_private(self.path)  # faulthandler writes to it until close
         self._file.write(f"rank thread 0x{threading.get_ident():016x}\n")
         self._file.flush()  # faulthandler appends at the descriptor's offset, after this line
         faulthandler.register(STACK_SIGNAL, file=self._file, all_threads=True, chain=False)
