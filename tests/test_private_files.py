@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import stat
 import tempfile
+import threading
 from datetime import timedelta
 
 import pytest
@@ -23,6 +24,12 @@ def store():
     """The run's store, which the rank's tracer thread connects to (and is released by)."""
     store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     yield store
+    # the tracer's threads end once released through the store: joined while it still
+    # answers, since a thread still connecting when pytest exits aborts the process (torch's
+    # C++ store, "terminate called without an active exception": exit status 134)
+    for thread in threading.enumerate():
+        if thread.name.startswith("sagenb-trace"):
+            thread.join(timeout=10)
     del store
 
 
