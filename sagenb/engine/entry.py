@@ -16,7 +16,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -34,7 +34,7 @@ from sagenb.engine.wire import process_group
 from sagenb.engine.wire.output import text_output
 from sagenb.engine.wire.publish import Publisher
 from sagenb.engine.wire.tracing import Tracer
-from sagenb.engine.workspace import build_workspace
+from sagenb.engine.workspace import Workspace, build_workspace
 from sagenb.metrics import keys
 
 if TYPE_CHECKING:
@@ -164,7 +164,7 @@ def train_rank(spec: RankSpec, publish: Publisher) -> RankResult:
             strategy,
             spec.config,
             device=device,
-            publish=_first_step_with(notes, publish),
+            publish=_first_step_with(notes, publish, _read_figure(ws)),
             rank=spec.rank,
             should_stop=process_group.stop_requested,
         )
@@ -181,20 +181,30 @@ def train_rank(spec: RankSpec, publish: Publisher) -> RankResult:
     )
 
 
-def _first_step_with(notes: list[str], publish: Publisher) -> Callable[[dict], None]:
+def _first_step_with(
+    notes: list[str], publish: Publisher, first: dict[str, float]
+) -> Callable[[dict], None]:
     """`publish`, adding `notes` to the first step's metrics as "warnings" (the notebook shows
-    them, run/session.py); also warned here, for a script under torchrun (launch.py)."""
+    them, run/session.py), and `first`; notes are also warned here, for a script under
+    torchrun (launch.py)."""
     for note in notes:
         warnings.warn(note, EquivalenceWarning, stacklevel=2)
-    pending = list(notes)
+    pending: dict[str, Any] = {**first, **({keys.WARNINGS: list(notes)} if notes else {})}
 
     def send(metrics: dict) -> None:
         nonlocal pending
         if pending:
-            metrics, pending = {**metrics, keys.WARNINGS: pending}, []
+            metrics, pending = {**metrics, **pending}, {}
         publish(metrics)
 
     return send
+
+
+def _read_figure(ws: Workspace) -> dict[str, float]:
+    """What this rank read of the cell's pretrained checkpoint, for its first step."""
+    if ws.checkpoint is None:
+        return {}
+    return {keys.PRETRAINED_READ: ws.checkpoint.bytes_read / 2**20}
 
 
 def merge_states(

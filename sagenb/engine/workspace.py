@@ -15,6 +15,7 @@ from sagenb.config.job import Job, JobError
 from sagenb.engine.data.collation import Collate, example_batch
 from sagenb.engine.data.stream import as_source, readable
 from sagenb.engine.model.delayed import meta_parameters
+from sagenb.engine.model.pretrained import Checkpoint, check_matches, find_checkpoint, load_whole
 from sagenb.engine.objective import Objective
 
 __all__ = ["Workspace", "build_workspace", "seed_everything"]
@@ -34,6 +35,9 @@ class Workspace:
     tp_plan: dict[str, Any] | None = None
     #: the cell's collate_fn(samples) -> batch, or None: torch's default_collate
     collate_fn: Collate | None = None
+    #: the pretrained weights the cell names (its `pretrained` variable, or what its
+    #: from_pretrained loaded under --delay-init), which each strategy reads only its part of
+    checkpoint: Checkpoint | None = None
     #: whether collate_fn drew random numbers making its first batch (set by build_workspace)
     collate_draws: bool = field(init=False, default=False)
     #: how batches reach the model and become a loss: set by build_workspace, the one place
@@ -56,7 +60,7 @@ def seed_everything(seed: int) -> None:
 def build_workspace(job: Job, seed: int, *, delay_init: bool = False) -> Workspace:
     """Run the job after seeding; with delay_init its parameters are left on the meta device."""
     seed_everything(seed)
-    with meta_parameters() if delay_init else nullcontext():
+    with meta_parameters() if delay_init else nullcontext() as loaded:
         ns = job.namespace()
     missing = [n for n in ("model", "dataset") if n not in ns]
     if missing:
@@ -72,6 +76,11 @@ def build_workspace(job: Job, seed: int, *, delay_init: bool = False) -> Workspa
         collate_fn=ns.get("collate_fn"),
     )
     _check(ws)
+    ws.checkpoint = find_checkpoint(ns, ws.model, loaded)
+    if ws.checkpoint is not None:
+        check_matches(ws.model, ws.checkpoint)
+        if not delay_init:  # every engine reads the whole checkpoint: no split to read by
+            load_whole(ws.model, ws.checkpoint)
     if readable(ws.dataset, 1) == 0:
         raise JobError("dataset is empty")
     # what the model will be given is checked: with a collate_fn, a batch it made (labels it

@@ -34,6 +34,9 @@ THROUGHPUT: Final = "throughput(samples/s)"
 TOKEN_THROUGHPUT: Final = "throughput(tokens/s)"  # history rows, token-id inputs only
 TIME: Final = "time(unix s)"  # when the step ended
 WARNINGS: Final = "warnings"  # the first step's, rank 0: why the run cannot equal one process
+#: the first step's, each rank: the bytes of tensors it read from the cell's pretrained
+#: checkpoint (engine/model/pretrained.py), in MiB; absent when the cell names none
+PRETRAINED_READ: Final = "pretrained_read(MiB)"
 
 # -- memory per rank (engine/memory.py) -------------------------------------------------------
 MEMORY_PREFIX: Final = "memory/"

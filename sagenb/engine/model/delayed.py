@@ -22,36 +22,54 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from sagenb.engine.model.pretrained import Checkpoint, name_aliases
 from sagenb.engine.torch_private import direct_parameters
 
 __all__ = ["meta_parameters", "materialize", "release_others"]
 
 
 @contextmanager
-def meta_parameters() -> Iterator[None]:
-    """Parameters registered inside are created on the meta device."""
+def meta_parameters() -> Iterator[set[int]]:
+    """Parameters registered inside are created on the meta device.
+
+    Yields the ids of the modules whose parameters were given values after they were built
+    (a real parameter set where a meta one was: how transformers' `from_pretrained` loads):
+    those values are dropped too, and `pretrained.find_checkpoint` reads them again."""
     original = nn.Module.register_parameter
+    loaded: set[int] = set()
 
     def register(self: nn.Module, name: str, param: nn.Parameter | None) -> None:
         if param is not None and not param.is_meta:
+            held = direct_parameters(self).get(name)
+            if held is not None and held.is_meta:
+                loaded.add(id(self))
             param = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
         original(self, name, param)
 
     # a patch of the class for the duration of the block, on purpose
     nn.Module.register_parameter = register  # type: ignore[method-assign]
     try:
-        yield
+        yield loaded
     finally:
         nn.Module.register_parameter = original  # type: ignore[method-assign]
 
 
 def materialize(
-    model: nn.Module, parts: Sequence[nn.Module], *, seed: int, device: torch.device
+    model: nn.Module,
+    parts: Sequence[nn.Module],
+    *,
+    seed: int,
+    device: torch.device,
+    checkpoint: Checkpoint | None = None,
+    defer: bool = False,
 ) -> None:
-    """Give real, initialised values to the meta parameters that `parts` use.
+    """Give real values to the meta parameters that `parts` use: the checkpoint's where it
+    holds them, else sagenb's seeded initial values.
 
     `parts` are the unsplit `model` itself or stage modules cut from it (they share its
-    submodules). A tied parameter is materialised once and stays shared.
+    submodules). A tied parameter is materialised (and read) once and stays shared. With
+    `defer`, parameters the checkpoint holds stay on the meta device, for the strategy to
+    split them first and read only its part (`pretrained.load_local`).
     """
     # keyed by id(), holding the objects: a freed meta parameter's id could be reused
     wanted = {
@@ -60,11 +78,15 @@ def materialize(
         for _, p in part.named_parameters(remove_duplicate=False)
         if p.is_meta
     }
+    aliases = name_aliases(model)
     fresh: dict[int, nn.Parameter] = {}
     for name, owner in model.named_modules(remove_duplicate=False):
         own = direct_parameters(owner)
         direct = {key: p for key, p in own.items() if p is not None and id(p) in wanted}
         direct = {key: p for key, p in direct.items() if id(p) not in fresh}
+        keys = {key: _file_key(checkpoint, aliases[id(p)]) for key, p in direct.items()}
+        if defer:
+            direct = {key: p for key, p in direct.items() if keys[key] is None}
         if not direct:
             continue
         for key, p in direct.items():
@@ -72,12 +94,25 @@ def materialize(
                 torch.empty_like(p, device=device), requires_grad=p.requires_grad
             )
             own[key] = fresh[id(p)]
-        _initialise(owner, name, seed)
+        if any(keys[key] is None for key in direct):  # seeded values for what no file holds
+            _initialise(owner, name, seed)
+        _read(own, {key: keys[key] for key in direct}, checkpoint)
     for module in [*model.modules(), *(m for part in parts for m in part.modules())]:
         own = direct_parameters(module)
         for key, held in own.items():
             if held is not None and id(held) in fresh:
                 own[key] = fresh[id(held)]
+
+
+def _file_key(checkpoint: Checkpoint | None, names: list[str]) -> str | None:
+    return checkpoint.key_of(names) if checkpoint is not None else None
+
+
+@torch.no_grad()
+def _read(own: dict, keys: dict[str, str | None], checkpoint: Checkpoint | None) -> None:
+    for key, file_key in keys.items():
+        if file_key is not None and checkpoint is not None:
+            own[key].copy_(checkpoint.read(file_key))
 
 
 @torch.no_grad()

@@ -46,7 +46,9 @@ class DataParallel:
     def setup(self, ws: Workspace) -> None:
         self.key_order = list(ws.model.state_dict().keys())
         if any(p.is_meta for p in ws.model.parameters()):  # --delay-init: every engine needs all
-            materialize(ws.model, [ws.model], seed=self.seed, device=self.device)
+            materialize(
+                ws.model, [ws.model], seed=self.seed, device=self.device, checkpoint=ws.checkpoint
+            )
         # More than one replica: BatchNorm over the global batch, as one process would see it
         model = sync_batchnorm(ws.model, device=self.device) if self.world_size > 1 else ws.model
         self.module = model.to(self.device)

@@ -21,6 +21,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from sagenb.config.job import JobError
 from sagenb.engine.model.blocks import find_blocks
 from sagenb.engine.model.delayed import materialize
+from sagenb.engine.model.pretrained import Checkpoint, load_local
 from sagenb.engine.model.sync_batchnorm import sync_batchnorm
 from sagenb.engine.objective import Objective, piece_loss
 from sagenb.engine.strategies.attribution import (
@@ -67,13 +68,20 @@ class Sharded(SplitParameters):
         delayed = any(p.is_meta for p in model.parameters())
         for block in _blocks(model):
             if delayed:  # materialise one block at a time: no engine ever holds the whole
-                materialize(model, [block], seed=self.seed, device=self.device)
-            fully_shard(block.to(self.device), mesh=mesh, **self._options())
+                self._materialize(model, block, ws.checkpoint)
+            fully_shard(_to(block, self.device), mesh=mesh, **self._options())
         if delayed:
-            materialize(model, [model], seed=self.seed, device=self.device)
-        root = fully_shard(model.to(self.device), mesh=mesh, **self._options())
+            self._materialize(model, model, ws.checkpoint)
+        root = fully_shard(_to(model, self.device), mesh=mesh, **self._options())
         assert isinstance(root, nn.Module)  # fully_shard returns the module it was given
+        if delayed and ws.checkpoint is not None:  # each engine reads the rows of its shards
+            load_local(root, ws.checkpoint, device=self.device)
         self.module = root
+
+    def _materialize(self, model: nn.Module, part: nn.Module, ckpt: Checkpoint | None) -> None:
+        """Seeded values for what no checkpoint holds; the checkpoint's parameters stay on
+        the meta device until they are sharded (fully_shard keeps them there), then read."""
+        materialize(model, [part], seed=self.seed, device=self.device, checkpoint=ckpt, defer=True)
 
     def _options(self) -> dict[str, Any]:
         return {"reshard_after_forward": self.reshard_after_forward}
@@ -84,6 +92,14 @@ class Sharded(SplitParameters):
         root: FSDPModule = self.module  # type: ignore[assignment]
         root.set_requires_gradient_sync(sync)  # accumulate locally until the last slice
         return piece_loss(objective, self.module, batch, scale)
+
+
+def _to(module: nn.Module, device: torch.device) -> nn.Module:
+    """`module` on `device`; one holding meta parameters is left to fully_shard, which moves
+    its real states and keeps the meta ones for deferred initialisation."""
+    if any(p.is_meta for p in module.parameters()):
+        return module
+    return module.to(device)
 
 
 def _blocks(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -121,7 +121,13 @@ class Pipeline:
         self.starts = starts
         self.modules = [stages[i] for i in self.stage_ids]
         if self.config.delay_init:  # only this engine's stages get real parameters
-            materialize(model, self.modules, seed=self.config.seed, device=self.device)
+            materialize(
+                model,
+                self.modules,
+                seed=self.config.seed,
+                device=self.device,
+                checkpoint=ws.checkpoint,
+            )
         else:  # free the other stages' parameters, which the cell's namespace still holds
             release_others(model, self.modules)
         self.modules = [m.to(self.device) for m in self.modules]

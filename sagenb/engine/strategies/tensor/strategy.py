@@ -26,6 +26,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 from sagenb.config.errors import ConfigError
 from sagenb.config.job import JobError
 from sagenb.engine.model.delayed import materialize
+from sagenb.engine.model.pretrained import load_local
 from sagenb.engine.objective import Objective, piece_loss
 from sagenb.engine.strategies import dtensors
 from sagenb.engine.strategies.description import DEFAULT_ENGINES, Description, plural
@@ -51,17 +52,32 @@ class TensorParallel(SplitParameters):
     def setup(self, ws: Workspace) -> None:
         model = ws.model
         self.key_order = list(model.state_dict().keys())
+        # --delay-init with a checkpoint: its parameters stay meta until split, then each
+        # engine reads its slices (without one, `defer` leaves nothing meta)
         if any(p.is_meta for p in model.parameters()):
-            materialize(model, [model], seed=self.seed, device=self.device)
+            materialize(
+                model,
+                [model],
+                seed=self.seed,
+                device=self.device,
+                checkpoint=ws.checkpoint,
+                defer=True,
+            )
+        deferred = any(p.is_meta for p in model.parameters())
         mesh = init_device_mesh(self.device.type, (self.D, self.T), mesh_dim_names=("dp", "tp"))
-        model.to(self.device)
-        run = example(model, ws.dataset, ws.objective, self.device)
+        if not deferred:
+            model.to(self.device)
+        # meta parameters cannot run the recorded forward: the plan then comes from torch.fx,
+        # the layers' names and a shipped plan
+        run = None if deferred else example(model, ws.dataset, ws.objective, self.device)
         plan = plan_for(model, self.T, ws.tp_plan, example=run)
         split_heads(model, plan.layers, self.T, skip=plan.shipped_roots)
         try:
             self.module = parallelize_module(model, mesh["tp"], plan.styles)
         except NotImplementedError as exc:  # a torch style on a layer kind it cannot split
             raise JobError(f"--strategy tensor: {plan.source} cannot be applied: {exc}") from exc
+        if deferred and ws.checkpoint is not None:
+            load_local(self.module, ws.checkpoint, device=self.device)
         trial_forward(self.module, ws.dataset, ws.objective, self.device)
         self._dp_group = mesh["dp"].get_group() if self.D > 1 else None
 

@@ -1,0 +1,123 @@
+"""Pretrained weights a cell names, read shard by shard under --delay-init (issue 29, item 5):
+the same parameters as one process that loads them whole, and each engine reads only its part."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import sagenb
+from sagenb.config.job import Job, JobError
+from sagenb.engine.model.delayed import materialize
+from sagenb.engine.workspace import build_workspace
+
+from .helpers import assert_params_equal, check_equal
+from .models import SPLIT_GPT_CELL
+from .reference import namespace
+
+OPTIONS = dict(batch_size=32, steps=2)
+TIED_LLAMA = dict(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    use_cache=False,
+    tie_word_embeddings=True,
+)
+LLAMA_CELL = """
+import torch
+from transformers import LlamaForCausalLM
+model = LlamaForCausalLM.from_pretrained({folder!r})
+ids = torch.randint(0, 64, (64, 8), generator=torch.Generator().manual_seed(1))
+dataset = [{{"input_ids": i, "labels": i}} for i in ids]
+"""
+# its own generator for the data: building the model on the meta device draws fewer numbers
+GPT_CELL = SPLIT_GPT_CELL.replace(
+    "(128, CONTEXT + 1))", "(128, CONTEXT + 1), generator=torch.Generator().manual_seed(1))"
+)
+assert GPT_CELL != SPLIT_GPT_CELL
+# the one process the runs are compared with loads the file whole, by hand
+LOAD_BY_HAND = """
+from safetensors.torch import load_file
+model.load_state_dict(load_file({file!r}), strict=False)  # the head is tied: not in the file
+"""
+
+
+def _pretrained_gpt(folder) -> tuple[str, int]:
+    """The GPT cell's model with other values than its seeded ones, saved as transformers
+    saves a tied model (the head's name left out); the file and its tensors' bytes."""
+    model = namespace(GPT_CELL, seed=123)["model"]
+    state = {k: v for k, v in model.state_dict().items() if k != "head.weight"}
+    file = str(folder / "model.safetensors")
+    save_file(state, file)
+    return file, sum(v.numel() * v.element_size() for v in state.values())
+
+
+def _tied_llama(folder) -> LlamaForCausalLM:
+    torch.manual_seed(5)
+    model = LlamaForCausalLM(LlamaConfig(**TIED_LLAMA))
+    model.save_pretrained(folder)
+    return model
+
+
+def test_from_pretrained_under_delay_init_keeps_its_weights(tmp_path):
+    """Before: the values from_pretrained loaded were replaced by the seeded ones, silently."""
+    pretrained = _tied_llama(tmp_path)
+    ws = build_workspace(Job.of(LLAMA_CELL.format(folder=str(tmp_path))), 0, delay_init=True)
+    assert all(p.is_meta for p in ws.model.parameters())  # nothing was kept while the cell ran
+    materialize(ws.model, [ws.model], seed=0, device=torch.device("cpu"), checkpoint=ws.checkpoint)
+    assert_params_equal(ws.model.state_dict(), pretrained, tol=0)
+    assert ws.model.lm_head.weight is ws.model.model.embed_tokens.weight  # tied, read once
+    assert ws.checkpoint.bytes_read == sum(p.numel() * 4 for p in pretrained.parameters())
+
+
+def test_values_with_no_file_are_refused():
+    cell = SPLIT_GPT_CELL + "\nmodel.wte.weight = torch.nn.Parameter(torch.ones(64, 32))\n"
+    with pytest.raises(JobError, match="pretrained = "):
+        build_workspace(Job.of(cell), 0, delay_init=True)
+
+
+def test_a_checkpoint_of_another_model_is_refused(tmp_path):
+    save_file({"encoder.weight": torch.zeros(2)}, str(tmp_path / "model.safetensors"))
+    cell = SPLIT_GPT_CELL + f"\npretrained = {str(tmp_path)!r}\n"
+    with pytest.raises(JobError, match="holds none of the model's parameters"):
+        build_workspace(Job.of(cell), 0, delay_init=True)
+
+
+@pytest.mark.parametrize(
+    "strategy, delay_init", [("sharded", True), ("model", True), ("sharded", False)]
+)
+def test_each_engine_reads_its_part(pool, tmp_path, strategy, delay_init):
+    """Sharded engines read half of each tensor, pipeline engines their stages' tensors (the
+    tied embedding and head both); without --delay-init each engine reads the whole file."""
+    file, total = _pretrained_gpt(tmp_path)
+    cell = GPT_CELL + f"\npretrained = {file!r}\n"
+    split = {"partitions": 2} if strategy == "model" else {}
+    result = sagenb.train(
+        cell, strategy=strategy, delay_init=delay_init, dashboard=False, **split, **OPTIONS
+    )
+    check_equal(result, GPT_CELL + LOAD_BY_HAND.format(file=file), **OPTIONS)
+    read = [rec.values["pretrained_read(MiB)"] * 2**20 for rec in result.metrics if rec.step == 1]
+    assert len(read) == 2
+    if not delay_init:
+        assert read == [total, total]
+    elif strategy == "sharded":  # FSDP2's rows of every tensor: halves that add up to one file
+        assert sum(read) == total and max(read) < 0.6 * total, (read, total)
+    else:  # each its stages: the embedding (tied to the head) on both ends
+        embedding = 64 * 32 * 4
+        assert sum(read) == total + embedding and max(read) < 0.8 * total, (read, total)
+
+
+def test_from_pretrained_sharded_equals_one_process(pool, tmp_path):
+    """A tied transformers Llama loaded by from_pretrained trains, sharded with --delay-init,
+    as one process that loads it."""
+    _tied_llama(tmp_path)
+    cell = LLAMA_CELL.format(folder=str(tmp_path))
+    result = sagenb.train(cell, strategy="sharded", delay_init=True, dashboard=False, **OPTIONS)
+    check_equal(result, cell, **OPTIONS)
+    read = [rec.values["pretrained_read(MiB)"] for rec in result.metrics if rec.step == 1]
+    assert len(read) == 2 and read[0] == pytest.approx(read[1], rel=0.1)
