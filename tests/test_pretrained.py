@@ -75,6 +75,36 @@ def test_from_pretrained_under_delay_init_keeps_its_weights(tmp_path):
     assert ws.checkpoint.bytes_read == sum(p.numel() * 4 for p in pretrained.parameters())
 
 
+PEFT_CELL = """
+import torch
+from transformers import AutoConfig, LlamaForCausalLM
+from peft import LoraConfig, get_peft_model
+base = {base}
+model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+dataset = [{{"input_ids": torch.arange(8), "labels": torch.arange(8)}}] * 4
+"""
+
+
+@pytest.mark.parametrize("naming", ["from_pretrained", "variable"])
+def test_a_peft_model_reads_its_base(tmp_path, naming):
+    """The base's keys lie under base_model.model., LoRA's wrapped layers under .base_layer."""
+    pretrained = _tied_llama(tmp_path)
+    folder = str(tmp_path)
+    if naming == "from_pretrained":
+        cell = PEFT_CELL.format(base=f"LlamaForCausalLM.from_pretrained({folder!r})")
+    else:  # built from its config: nothing read while the cell runs
+        base = f"LlamaForCausalLM(AutoConfig.from_pretrained({folder!r}))"
+        cell = PEFT_CELL.format(base=base) + f"pretrained = {folder!r}\n"
+    ws = build_workspace(Job.of(cell), 0, delay_init=True)
+    materialize(ws.model, [ws.model], seed=0, device=torch.device("cpu"), checkpoint=ws.checkpoint)
+    state = ws.model.base_model.model.state_dict()
+    for key, value in pretrained.state_dict().items():
+        wrapped = key.replace("q_proj.", "q_proj.base_layer.").replace(
+            "v_proj.", "v_proj.base_layer."
+        )
+        torch.testing.assert_close(state[wrapped], value, rtol=0, atol=0)
+
+
 def test_values_with_no_file_are_refused():
     cell = SPLIT_GPT_CELL + "\nmodel.wte.weight = torch.nn.Parameter(torch.ones(64, 32))\n"
     with pytest.raises(JobError, match="pretrained = "):
@@ -89,11 +119,13 @@ def test_a_checkpoint_of_another_model_is_refused(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "strategy, delay_init", [("sharded", True), ("model", True), ("sharded", False)]
+    "strategy, delay_init",
+    [("sharded", True), ("model", True), ("tensor", True), ("sharded", False)],
 )
 def test_each_engine_reads_its_part(pool, tmp_path, strategy, delay_init):
     """Sharded engines read half of each tensor, pipeline engines their stages' tensors (the
-    tied embedding and head both); without --delay-init each engine reads the whole file."""
+    tied embedding and head both), tensor-parallel ones their slices of the split layers and
+    the rest whole; without --delay-init each engine reads the whole file."""
     file, total = _pretrained_gpt(tmp_path)
     cell = GPT_CELL + f"\npretrained = {file!r}\n"
     split = {"partitions": 2} if strategy == "model" else {}
@@ -107,6 +139,8 @@ def test_each_engine_reads_its_part(pool, tmp_path, strategy, delay_init):
         assert read == [total, total]
     elif strategy == "sharded":  # FSDP2's rows of every tensor: halves that add up to one file
         assert sum(read) == total and max(read) < 0.6 * total, (read, total)
+    elif strategy == "tensor":  # the split layers' halves, the embedding and norms whole
+        assert total < sum(read) < 1.2 * total and max(read) < 0.6 * total, (read, total)
     else:  # each its stages: the embedding (tied to the head) on both ends
         embedding = 64 * 32 * 4
         assert sum(read) == total + embedding and max(read) < 0.8 * total, (read, total)

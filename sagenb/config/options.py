@@ -281,8 +281,9 @@ class EngineConfig:
     delay_init: bool = _opt(
         "memory",
         False,
-        "build the model's parameters on the meta device and materialise only each engine's "
-        "own stage (a model larger than one engine); initial values as documented",
+        "build the model's parameters on the meta device and materialise only what each engine "
+        "keeps (its stage, shard or slice: a model larger than one engine); initial values as "
+        "documented, or the cell's pretrained checkpoint, each engine reading only its part",
     )
     reshard_after_forward: bool = _opt(
         "memory",
