@@ -57,8 +57,13 @@ def seed_everything(seed: int) -> None:
         pass
 
 
-def build_workspace(job: Job, seed: int, *, delay_init: bool = False) -> Workspace:
-    """Run the job after seeding; with delay_init its parameters are left on the meta device."""
+def build_workspace(
+    job: Job, seed: int, *, delay_init: bool = False, read_pretrained: bool = True
+) -> Workspace:
+    """Run the job after seeding; with delay_init its parameters are left on the meta device.
+
+    Without delay_init, the `pretrained` checkpoint a cell names is read into the model here,
+    unless `read_pretrained` is False (the estimate and the planner need shapes, not values)."""
     seed_everything(seed)
     with meta_parameters() if delay_init else nullcontext() as loaded:
         ns = job.namespace()
@@ -79,7 +84,7 @@ def build_workspace(job: Job, seed: int, *, delay_init: bool = False) -> Workspa
     ws.checkpoint = find_checkpoint(ns, ws.model, loaded)
     if ws.checkpoint is not None:
         check_matches(ws.model, ws.checkpoint)
-        if not delay_init:  # every engine reads the whole checkpoint: no split to read by
+        if not delay_init and read_pretrained:  # the whole checkpoint: no split to read by
             load_whole(ws.model, ws.checkpoint)
     if readable(ws.dataset, 1) == 0:
         raise JobError("dataset is empty")

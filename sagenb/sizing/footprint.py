@@ -108,7 +108,7 @@ def _at(config: EngineConfig, world: int) -> EngineConfig:
 
 def _build(job: Job, config: EngineConfig, world: int) -> FakeModel:
     """The cell's objects, fake, as an engine builds them (engine/entry.py)."""
-    ws = build_workspace(job, config.seed)
+    ws = build_workspace(job, config.seed, read_pretrained=False)
     cache_off(ws.model)  # as training runs it, without a key/value cache; built for this only
     if config.activation_checkpointing:
         checkpoint_blocks(ws.model)  # before any split, as training does

@@ -78,7 +78,7 @@ class Checkpoint:
 
     def read(self, key: str, index: tuple[slice, ...] | None = None) -> torch.Tensor:
         """The tensor `key`, or only its `index` box: nothing else of the file is read."""
-        # safetensors.safe_open looked up at each call: a test counts reads by wrapping it
+        # opened for each read, so the file's pages it mapped are let go straight after
         with safetensors.safe_open(self.files[key], framework="pt") as f:
             part = f.get_slice(key)
             tensor = part[index] if index is not None else part[:]

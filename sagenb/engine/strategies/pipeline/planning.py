@@ -39,7 +39,7 @@ def plan_on_engine(job: Job, config: EngineConfig, engines: int, threads: int) -
     the profile holds parameter bytes only (`measured` False)."""
     torch.set_num_threads(threads)
     with text_output():  # the cell's bars as text here too, no widget (engine/wire/output.py)
-        ws = build_workspace(job, config.seed, delay_init=config.delay_init)
+        ws = build_workspace(job, config.seed, delay_init=config.delay_init, read_pretrained=False)
     cache_off(ws.model)  # profiled as it trains, without a key/value cache; built for this only
     blocks = find_blocks(ws.model)
     check_blocks(config, len(blocks))  # the trainer's errors, before anything is measured
