@@ -11,9 +11,10 @@ import subprocess
 import sys
 import time
 
+import psutil
 import pytest
 
-from .helpers import wait_clean
+from .helpers import leftovers, wait_clean
 
 #: a plain Python process that starts a pool, says what it started, then trains for minutes
 SCRIPT = """
@@ -60,6 +61,56 @@ def test_a_killed_process_leaves_no_pool_behind(tmp_path, sig):
         time.sleep(1.0)  # mid-run
         os.kill(proc.pid, sig)
         proc.wait(timeout=10)
+        wait_clean(started["pids"], started["ports"])
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+#: a kernel-like process: starts a pool, says what it started and which watcher guards it, then
+#: uses the pool (as a run does) each time it reads a line, saying which watcher guards it now
+USER = """
+import json, sys, warnings
+import psutil
+from sagenb.pool import cluster, reaper
+
+warnings.simplefilter("always")
+cluster.start_pool(1)
+procs = cluster._pool_processes()
+ports = sorted({c.laddr.port for p in procs for c in p.net_connections("tcp")
+                if c.status == psutil.CONN_LISTEN})
+print(json.dumps({"pids": [p.pid for p in procs], "ports": ports,
+                  "watcher": reaper.watcher_pid()}), flush=True)
+for _ in sys.stdin:
+    cluster.ensure_pool(1)
+    print(json.dumps({"watcher": reaper.watcher_pid()}), flush=True)
+"""
+
+
+def test_a_dead_watcher_is_replaced_and_guards_the_same_pool():
+    """The watcher SIGKILLed (as an OOM kill would): a new one runs, the death is reported
+    naming the old pid, and the new one ends the whole pool when its process is SIGKILLed."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", USER],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        started = json.loads(proc.stdout.readline())
+        old = started["watcher"]
+        os.kill(old, signal.SIGKILL)
+        time.sleep(0.5)
+        proc.stdin.write("use the pool\n")
+        proc.stdin.flush()
+        new = json.loads(proc.stdout.readline())["watcher"]
+        assert new not in (None, old) and psutil.pid_exists(new)
+        assert leftovers(started["pids"], [])[0] == started["pids"]  # the pool still runs
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+        assert f"watcher process {old}" in proc.stderr.read()
         wait_clean(started["pids"], started["ports"])
     finally:
         if proc.poll() is None:

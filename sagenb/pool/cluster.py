@@ -267,6 +267,7 @@ class EnginePool:
     def status(self) -> list[EngineStatus]:
         from sagenb.engine.entry import probe
 
+        reaper.check()  # `%smp_cluster status`: a dead watcher is replaced, and said so
         ids = self.engine_ids
         results = [self.client[e].apply_async(probe) for e in ids]
         rows = []
@@ -557,6 +558,7 @@ def ensure_pool(n: int = DEFAULT_ENGINES) -> EnginePool:
     least n engines (its error, if it failed, is raised here); else a new one of n engines."""
     if _current is None and _background is not None and _background.n >= n:
         _join_background(raise_error=True)
+    reaper.check()  # each run: a dead watcher is replaced, and said so
     return _current if _current is not None else start_pool(n)
 
 

@@ -13,6 +13,12 @@ group of each (a killed controller leaves its children in its group, re-parented
 their descendants, SIGTERM first, SIGKILL two seconds later. A pool stopped normally is
 forgotten first; an attached pool (`ipcluster`) is never handed to the watcher: not ours.
 
+The watcher itself can die (an OOM kill picks the largest process, but a stray `kill` does not
+choose): a thread here waits on it and, the moment it ends while this process runs on, starts
+a new one and hands it the whole list (kept here, as sent), with a warning naming the dead
+watcher's pid; `check()`, made each time the pool is used, does the same should that thread be
+gone.
+
 Each process is identified by pid and start time, so a pid the system has reused since is never
 touched, and neither is the group of the process that started the pool.
 """
@@ -25,31 +31,73 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+import warnings
 from collections.abc import Iterable
 from typing import IO, Any
 
 import psutil
 
-__all__ = ["watch", "forget", "identities", "end", "main"]
+__all__ = ["watch", "forget", "check", "watcher_pid", "identities", "end", "main"]
 
 #: seconds between SIGTERM and SIGKILL for whatever is still alive
 GRACE_S = 2.0
 
+_lock = threading.RLock()  # the pool starts in a background thread too (prewarm)
 _pipe: IO[str] | None = None
+_watcher: subprocess.Popen[str] | None = None
+#: what the watcher was told to guard, {pid: [pid, start time, process group]}: a restarted
+#: watcher is handed it whole
+_watched: dict[int, list[Any]] = {}
+_closing = False  # this process exits normally: the watcher ends on purpose
+_exit_registered = False
 
 
 def watch(processes: Iterable[psutil.Process]) -> None:
     """Have the watcher end `processes` (and their groups and descendants) if this process
     dies before it forgets them; starts the watcher on first use."""
-    entries = [_identity(p) for p in processes]
-    _send({"watch": [e for e in entries if e is not None]})
+    entries = [e for e in map(_identity, processes) if e is not None]
+    with _lock:
+        _watched.update({e[0]: e for e in entries})
+        _send({"watch": entries})
 
 
 def forget(processes: Iterable[psutil.Process]) -> None:
     """The pool was stopped normally: nothing of it to end any more."""
-    entries = [_identity(p) for p in processes]
-    _send({"forget": [e for e in entries if e is not None]})
+    entries = [e for e in map(_identity, processes) if e is not None]
+    with _lock:
+        for e in entries:
+            _watched.pop(e[0], None)
+        _send({"forget": entries})
+
+
+def check() -> int | None:
+    """Restart the watcher if it died (an OOM kill, a stray `kill`), handing the new one the
+    same processes to guard; the dead one's pid when it did. The thread that waits on each
+    watcher (`_guard`) does so within milliseconds of its death; this check, cheap (one read of
+    /proc), is made each time the pool is used, should that thread have been stopped."""
+    with _lock:
+        if _watcher is None or _closing or _running(_watcher):
+            return None
+        return _restart()
+
+
+def watcher_pid() -> int | None:
+    """The pid of the running watcher (None before the first pool, or once it has ended)."""
+    with _lock:
+        return _watcher.pid if _watcher is not None and _running(_watcher) else None
+
+
+def _running(watcher: subprocess.Popen[str]) -> bool:
+    """Whether `watcher` still runs. Not Popen.poll(): it answers None while another thread
+    (`_guard`) waits on the same process."""
+    if watcher.returncode is not None:
+        return False
+    try:  # our child, not yet reaped: its pid cannot have been reused
+        return psutil.Process(watcher.pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def identities(processes: Iterable[psutil.Process]) -> dict[int, tuple[float, int]]:
@@ -72,25 +120,90 @@ def _identity(proc: psutil.Process) -> list[Any] | None:
 
 
 def _send(message: dict[str, Any]) -> None:
-    global _pipe
+    """Write to the watcher (caller holds _lock), starting it first when there is none; a
+    watcher found dead is replaced and handed the whole list, this message's changes included."""
+    if _watcher is None:
+        _start()
+    if not _write(message) and not _closing:
+        _restart()  # it is sent _watched, which already holds this message's changes
+
+
+def _write(message: dict[str, Any]) -> bool:
+    """Write one line to the watcher; False when it has died (its end of the pipe is closed)."""
     if _pipe is None or _pipe.closed:
-        watcher = subprocess.Popen(
-            [sys.executable, "-m", "sagenb.pool.reaper", str(os.getpid()), str(os.getpgrp())],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            text=True,
-            start_new_session=True,  # a signal to this process's group must not reach it
-        )
-        # Popen sets .stdin to a file exactly when stdin=PIPE, as here
-        assert watcher.stdin is not None, "Popen(stdin=PIPE) gives no stdin"
-        _pipe = watcher.stdin
-        atexit.register(_pipe.close)  # a normal exit closes it too; the watcher then ends
+        return False
     try:
         _pipe.write(json.dumps(message) + "\n")
         _pipe.flush()
-    except (BrokenPipeError, OSError):  # the watcher died: start a new one next time
-        _pipe = None
+        return True
+    except (BrokenPipeError, OSError):
+        return False
+
+
+def _start() -> None:
+    """Start a watcher (caller holds _lock) and a thread that waits for its end."""
+    global _pipe, _watcher
+    _watcher = subprocess.Popen(
+        [sys.executable, "-m", "sagenb.pool.reaper", str(os.getpid()), str(os.getpgrp())],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        start_new_session=True,  # a signal to this process's group must not reach it
+    )
+    # Popen sets .stdin to a file exactly when stdin=PIPE, as here
+    assert _watcher.stdin is not None, "Popen(stdin=PIPE) gives no stdin"
+    _pipe = _watcher.stdin
+    if not _exit_registered:
+        _register_exit()
+    threading.Thread(target=_guard, args=(_watcher,), name="sagenb-reaper", daemon=True).start()
+
+
+def _restart() -> int:
+    """Replace a dead watcher (caller holds _lock) by one that guards the same processes, and
+    say so; the dead one's pid."""
+    assert _watcher is not None, "only a started watcher can be restarted"
+    old, status = _watcher.pid, _watcher.returncode  # set once _guard has reaped it
+    if _pipe is not None:
+        try:
+            _pipe.close()
+        except OSError:  # flushing what the dead watcher never read
+            pass
+    _start()
+    how = f" (exit status {status})" if status is not None else ""
+    warnings.warn(
+        f"sagenb: the watcher process {old}, which ends the engine pool if this kernel dies, "
+        f"has died{how}; started watcher {_watcher.pid}, guarding the same "
+        f"{len(_watched)} processes",
+        RuntimeWarning,
+        stacklevel=2,
+    )
+    _write({"watch": list(_watched.values())})  # a new watcher that died at once: next check
+    return old
+
+
+def _guard(watcher: subprocess.Popen[str]) -> None:
+    """Wait (in a daemon thread, no polling) for `watcher` to end; replace it if this process
+    did not end it (it ends only when the pipe closes: this process's normal exit)."""
+    watcher.wait()
+    with _lock:
+        if not _closing and watcher is _watcher:
+            _restart()
+
+
+def _register_exit() -> None:
+    global _exit_registered
+    _exit_registered = True
+    atexit.register(_close)
+
+
+def _close() -> None:
+    """At a normal exit: close the pipe, so the watcher ends (and is not replaced)."""
+    global _closing
+    with _lock:
+        _closing = True
+        if _pipe is not None:
+            _pipe.close()
 
 
 def main(argv: list[str]) -> None:
