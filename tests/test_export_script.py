@@ -6,9 +6,14 @@ from __future__ import annotations
 
 import ast
 import json
+import os
 import runpy
+import signal
+import subprocess
 import sys
+import time
 
+import psutil
 import pytest
 import torch
 from IPython.core.error import UsageError
@@ -18,7 +23,7 @@ from sagenb.config import ConfigError, EngineConfig, TrainConfig
 from sagenb.notebook.export import ExportError
 
 from .conftest import REGRESSION_CELL
-from .helpers import TORCHRUN, assert_params_equal, run
+from .helpers import TORCHRUN, assert_params_equal, run, wait_clean
 from .lab import free_port
 from .models import SEQUENTIAL_CELL
 
@@ -48,6 +53,58 @@ def test_torchrun_script_trains_what_the_pool_trains(pool, tmp_path, strategy):
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [r["step"] for r in result.history]
     torch.testing.assert_close([r["loss"] for r in rows], result.losses, rtol=0, atol=TOL)
+
+
+#: a cell whose steps last long enough for the agent to be killed mid-run
+SLOW_CELL = """
+import time, torch
+model = torch.nn.Linear(4, 1)
+dataset = torch.utils.data.TensorDataset(torch.randn(64, 4), torch.randn(64, 1))
+def loss_fn(out, y):
+    time.sleep(0.05)
+    return torch.nn.functional.mse_loss(out, y)
+"""
+
+
+@pytest.mark.pool  # starts processes of its own: two torch ranks
+def test_ranks_die_with_their_torchrun_agent(tmp_path):
+    """torchrun's agent SIGKILLed mid-run (it can stop nothing): its ranks exit within
+    seconds and release their ports, rather than train on with ppid 1."""
+    sagenb.export(SLOW_CELL, tmp_path / "train.py", batch_size=8, epochs=10_000, threads=1)
+    metrics = tmp_path / "metrics.jsonl"
+    command = [str(TORCHRUN), "--nproc-per-node", "2", "--master-port", str(free_port())]
+    agent = subprocess.Popen(
+        [*command, "train.py", "--metrics-file", str(metrics)],
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    ranks: list[psutil.Process] = []
+    try:
+        deadline = time.monotonic() + 120
+        while not (metrics.exists() and metrics.read_text()) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert metrics.exists() and metrics.read_text(), "the ranks never trained a step"
+        ranks += [p for p in psutil.Process(agent.pid).children() if "train.py" in p.cmdline()]
+        ports = sorted(
+            {
+                c.laddr.port
+                for p in ranks
+                for c in p.net_connections("tcp")
+                if c.status == psutil.CONN_LISTEN
+            }
+        )
+        assert len(ranks) == 2 and ports
+        os.kill(agent.pid, signal.SIGKILL)
+        wait_clean([p.pid for p in ranks], ports, timeout=5.0)
+    finally:
+        for proc in ranks:  # torchrun starts each in a session of its own
+            try:
+                proc.kill()  # psutil's: never a pid reused since
+            except psutil.NoSuchProcess:
+                pass
+        agent.kill()
+        agent.wait(timeout=10)
 
 
 def test_script_reads_back_the_cell_and_the_options(tmp_path):

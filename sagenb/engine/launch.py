@@ -8,14 +8,21 @@ cell after seeding, the strategy, the loop), so the script trains the model `%%s
 would. Only the surroundings differ: the rendezvous comes from torchrun's environment, rank 0
 writes every step's metrics, combined across ranks as `smp_result.history` rows are, as JSON
 lines, and the full state_dict is gathered on rank 0 and saved with torch.save.
+
+A rank dies with its torchrun agent: SIGKILLed (an OOM kill, a scheduler's), the agent cannot
+stop its ranks, and they would train on as orphans holding their ports, as they did. On Linux
+each rank asks the kernel to SIGKILL it when its parent dies (prctl PR_SET_PDEATHSIG, man 2
+PR_SET_PDEATHSIG), as the pool's engines are ended by its watcher (sagenb/pool/reaper.py).
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import dataclasses
 import json
 import os
+import signal
 import sys
 import time
 from collections.abc import Mapping, Sequence
@@ -123,6 +130,7 @@ def main(
     """Train `cell` with `config` as this torchrun process's rank; rank 0 writes the metrics
     and saves the full state_dict to --output."""
     env = TorchrunEnv.from_environ()
+    _die_with_agent()
     args = parse_args(argv, script=script)
     try:
         config = _for_this_run(config, args, env)
@@ -152,6 +160,39 @@ def main(
                 file=sys.stderr,
             )
         raise SystemExit(1)
+
+
+#: prctl(2)'s option: the signal this process gets when its parent dies (linux/prctl.h)
+PR_SET_PDEATHSIG = 1
+
+
+def _die_with_agent(environ: Mapping[str, str] = os.environ) -> None:
+    """Under torchrun on Linux, have the kernel SIGKILL this rank when the agent that started
+    it dies; if it already has (before this call, or during it), exit now. Elsewhere nothing:
+    a script run as `python train.py` under nohup must outlive its shell."""
+    if "TORCHELASTIC_RUN_ID" not in environ or not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        errno = ctypes.get_errno()
+        print(f"sagenb: prctl(PR_SET_PDEATHSIG) failed: {os.strerror(errno)}", file=sys.stderr)
+        return
+    # the setting counts from now: an agent gone before it (during `import torch`, say) has
+    # re-parented this rank to init (pid 1), or, between the two calls, to another pid
+    if os.getppid() != parent or (parent == 1 and not _is_agent(1)):
+        print(f"sagenb: torchrun's agent (pid {parent}) has exited; rank stops", file=sys.stderr)
+        raise SystemExit(1)
+
+
+def _is_agent(pid: int) -> bool:
+    """Whether `pid` runs torchrun (as pid 1 does where a container starts with it); True
+    when its command line cannot be read: never stop a rank on a guess."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return True
+    return b"torchrun" in cmdline or b"torch.distributed.run" in cmdline
 
 
 def _for_this_run(config: EngineConfig, args: argparse.Namespace, env: TorchrunEnv) -> EngineConfig:
