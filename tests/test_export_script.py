@@ -107,6 +107,38 @@ def test_ranks_die_with_their_torchrun_agent(tmp_path):
         agent.wait(timeout=10)
 
 
+#: an "agent" that starts a rank (TORCHELASTIC_RUN_ID set, as torchrun does) and exits at once,
+#: before the rank, importing torch, gets to set PR_SET_PDEATHSIG
+ORPHANED_RANK = """
+import os, subprocess, sys
+rank = '''
+import os
+from sagenb.engine import launch
+ppid = os.getppid()
+try:
+    launch._die_with_agent()
+    print(ppid, "trains on", flush=True)
+except SystemExit as exc:
+    print(ppid, "exit", exc.code, flush=True)
+'''
+env = dict(os.environ, TORCHELASTIC_RUN_ID="test")
+subprocess.Popen([sys.executable, "-c", rank], env=env, stdout=open(sys.argv[1], "w"))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_rank_whose_agent_is_already_gone_stops(tmp_path):
+    out = tmp_path / "rank.txt"
+    subprocess.run([sys.executable, "-c", ORPHANED_RANK, str(out)], check=True, timeout=30)
+    deadline = time.monotonic() + 60
+    while not (out.exists() and out.read_text().endswith("\n")) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    ppid, said = out.read_text().split(" ", 1)
+    if ppid != "1":  # a subreaper (systemd --user, some containers) adopted it: not detectable
+        pytest.skip(f"the orphaned rank was adopted by pid {ppid}, not init")
+    assert said == "exit 1\n"
+
+
 def test_script_reads_back_the_cell_and_the_options(tmp_path):
     config = TrainConfig(strategy="data", engines=2, batch_size=16, lr=0.01, grad_accum=2)
     cell = REGRESSION_CELL + 'note = r"a \\ backslash" + """triple"""\n'
