@@ -160,3 +160,43 @@ def test_footprint_agrees_with_the_engines_accounting(pool, strategy):
             (keys.MEMORY_ACTIVATIONS, 0.20),
         ):
             assert fp.ranks[rec.rank][key] == pytest.approx(rec.values[key], rel=limit), key
+
+
+LORA_CELL = """
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+from peft import LoraConfig, get_peft_model
+config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32)
+model = get_peft_model(LlamaForCausalLM(config),
+                       LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+dataset = [{"input_ids": i, "labels": i} for i in torch.randint(1, 64, (32, 12))]
+"""
+
+
+@pytest.mark.parametrize("strategy", ["data", "sharded"])
+def test_a_lora_model_is_estimated_with_only_its_adapters_trained(strategy):
+    """peft moves each adapter it adds with Module.to(), which fake tensors refused ("Couldn't
+    swap Linear.weight"): a LoRA cell could not be estimated. Gradients and AdamW's two moments
+    are held for the adapters alone, the frozen base's parameters for every weight."""
+    fp = footprint(LORA_CELL, EngineConfig(strategy=strategy, batch_size=16), 2)
+    # 2 layers x (lora_A 4x32 + lora_B 32x4 on q_proj, lora_A 4x32 + lora_B 16x4 on v_proj:
+    # 2 key/value heads of 8), fp32; the whole model's parameters are counted by the footprint
+    adapters = 2 * ((4 * 32 + 32 * 4) + (4 * 32 + 16 * 4))
+    whole = fp.params
+    shards = 1 if strategy == "data" else 2
+    rank = fp.ranks[0]
+    assert rank[keys.MEMORY_GRADS] * MIB == pytest.approx(adapters * 4 / shards)
+    # AdamW's two moments, and one fp32 step count per adapter tensor (8), never sharded
+    assert rank[keys.MEMORY_OPTIMIZER] * MIB == pytest.approx(2 * adapters * 4 / shards + 8 * 4)
+    assert rank[keys.MEMORY_PARAMS] * MIB == pytest.approx(whole * 4 / shards, rel=0.01)
+
+
+def test_a_lora_models_state_is_estimated_as_the_engines_hold_it(pool):
+    """Sharded, the frozen base is sharded like the adapters (FSDP2 shards every parameter):
+    the estimate held it whole on every rank, twice what the engines hold here."""
+    fp = footprint(LORA_CELL, EngineConfig(strategy="sharded", batch_size=16), 2)
+    result = sagenb.train(LORA_CELL, strategy="sharded", batch_size=16, steps=2, dashboard=False)
+    for rec in result.metrics:
+        for key in (keys.MEMORY_PARAMS, keys.MEMORY_GRADS, keys.MEMORY_OPTIMIZER):
+            assert fp.ranks[rec.rank][key] == pytest.approx(rec.values[key], rel=0.02), key

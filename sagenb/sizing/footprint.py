@@ -20,6 +20,8 @@ Each also counts the bytes its ranks send per optimizer step, by collective kind
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,7 +38,14 @@ from sagenb.engine.model.kv_cache import cache_off
 from sagenb.engine.model.recompute import checkpoint_blocks
 from sagenb.engine.objective import batch_size_of, model_inputs
 from sagenb.engine.precision import autocast
-from sagenb.engine.strategies.attribution import MIB, Attribution, FakeModel, Ranks, Trace
+from sagenb.engine.strategies.attribution import (
+    MIB,
+    Attribution,
+    FakeModel,
+    Ranks,
+    Trace,
+    grad_bytes,
+)
 from sagenb.engine.torch_private import FakeTensorMode, unset_fake_temporarily
 from sagenb.engine.workspace import build_workspace
 from sagenb.metrics import keys
@@ -84,7 +93,7 @@ def footprint(job: Any, config: EngineConfig, world_size: int) -> Footprint:
     config = _at(config.for_engines(), world_size)
     attribute = _attribution(config)
     # real tensors may meet fake ones: the example's indices are real (see _build)
-    with FakeTensorMode(allow_non_fake_inputs=True):
+    with FakeTensorMode(allow_non_fake_inputs=True), _unchanged_conversions_pass():
         m = _build(job, config, world_size)
         split, layout = attribute.prepare(m)
         trace = _trace(m, split)
@@ -104,6 +113,42 @@ def _at(config: EngineConfig, world: int) -> EngineConfig:
         raise ConfigError(
             "engines", world, f"cannot run --strategy {config.strategy} here: {exc}"
         ) from None
+
+
+@contextmanager
+def _unchanged_conversions_pass() -> Iterator[None]:
+    """`Module.to(...)` that changes no tensor returns the module, as it does outside fake mode.
+
+    Under FakeTensorMode, torch 2.13's `Module._apply` swaps every fake parameter for its
+    converted copy (torch.utils.swap_tensors), and the swap fails on the weakrefs the mode keeps
+    of its tensors: "_apply(): Couldn't swap Linear.weight", even when the conversion is a
+    no-op. peft calls `.to(device_of_base, dtype=...)` on each adapter it adds, so every cell
+    with a LoRA model failed to estimate. A conversion that does change a tensor still raises."""
+    original = nn.Module.to
+
+    def to(module: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
+        try:
+            return original(module, *args, **kwargs)
+        except RuntimeError as exc:
+            if "swap" in str(exc) and all(
+                _unchanged(t, args, kwargs) for t in [*module.parameters(), *module.buffers()]
+            ):
+                return module
+            raise
+
+    nn.Module.to = to  # type: ignore[method-assign, assignment]
+    try:
+        yield
+    finally:
+        nn.Module.to = original  # type: ignore[method-assign]
+
+
+def _unchanged(t: torch.Tensor, args: tuple, kwargs: dict) -> bool:
+    """Whether Module.to(*args, **kwargs) leaves `t` as it is: a floating tensor converted to
+    itself; any other only moved, to its own device (Module.to casts only floating ones)."""
+    if t.is_floating_point() or t.is_complex():
+        return t.to(*args, **kwargs) is t
+    return torch.empty((), device=t.device).to(*args, **kwargs).device == t.device
 
 
 def _build(job: Job, config: EngineConfig, world: int) -> FakeModel:
@@ -134,7 +179,11 @@ def _build(job: Job, config: EngineConfig, world: int) -> FakeModel:
     except JobError:
         block_modules = []
     scale = slice_size / n
-    return FakeModel(ws, config, world, params, state, example, scale, block_modules, notes)
+    # every parameter, frozen ones too (a LoRA model's base): each strategy holds them as it
+    # holds the trained ones (FSDP2 shards them, tensor parallel splits them, a stage keeps
+    # its own), with no gradient and no optimizer state (attribution.grad_bytes skips them)
+    everything = list(ws.model.parameters())
+    return FakeModel(ws, config, world, everything, state, example, scale, block_modules, notes)
 
 
 def _trace(m: FakeModel, split: dict[nn.Module, str]) -> Trace:
@@ -156,14 +205,13 @@ def _device() -> torch.device:
 def _assemble(m: FakeModel, trace: Trace, ranks: Ranks) -> Footprint:
     rows = []
     for held, act in zip(ranks.held, ranks.activations):
-        grads = sum(p.element_size() * n for p, n in held.items())
+        grads = grad_bytes(held)
         opt = sum(
             nbytes * n / p.numel() if shaped else nbytes
             for p, n in held.items()  # an empty shard still has its step count
-            for nbytes, shaped in m.state[p]
+            for nbytes, shaped in m.state.get(p, [])  # a frozen parameter has none
         )
         params = sum(p.element_size() * n for p, n in held.items())
-        params += _frozen_bytes(m)
         rows.append(
             {
                 keys.MEMORY_PARAMS: params / MIB,
@@ -187,13 +235,6 @@ def _assemble(m: FakeModel, trace: Trace, ranks: Ranks) -> Footprint:
         samples=_samples(m.ws.dataset),
         notes=m.notes,
     )
-
-
-def _frozen_bytes(m: FakeModel) -> int:
-    """Parameters that do not train are held whole by every rank (an estimate: sharded and
-    split strategies may split them too)."""
-    trained = set(m.params)
-    return sum(p.numel() * p.element_size() for p in m.ws.model.parameters() if p not in trained)
 
 
 def _attribution(config: EngineConfig) -> Attribution:

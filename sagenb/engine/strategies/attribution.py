@@ -30,6 +30,7 @@ __all__ = [
     "Trace",
     "chunk_sizes",
     "grad_bytes",
+    "param_bytes",
     "module_bytes",
     "ring",
 ]
@@ -63,6 +64,8 @@ class FakeModel:
     ws: Workspace
     config: EngineConfig
     world: int
+    #: every parameter of the model, frozen ones too (only trained ones have gradients and
+    #: optimizer state: grad_bytes, `state`)
     params: list[nn.Parameter]
     #: per parameter: (bytes of each optimizer state tensor, shaped like the parameter)
     state: dict[nn.Parameter, list[tuple[int, bool]]]
@@ -104,7 +107,13 @@ def chunk_sizes(size: int, parts: int) -> list[int]:
 
 
 def grad_bytes(held: dict[nn.Parameter, int]) -> float:
-    """Bytes of the gradients of the elements `held`."""
+    """Bytes of the gradients of the elements `held`: of trained parameters only (a frozen
+    one, a LoRA model's base, has no gradient to hold or reduce)."""
+    return float(sum(p.element_size() * n for p, n in held.items() if p.requires_grad))
+
+
+def param_bytes(held: dict[nn.Parameter, int]) -> float:
+    """Bytes of the elements `held`, trained or frozen."""
     return float(sum(p.element_size() * n for p, n in held.items()))
 
 

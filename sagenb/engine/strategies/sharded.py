@@ -33,6 +33,7 @@ from sagenb.engine.strategies.attribution import (
     chunk_sizes,
     grad_bytes,
     module_bytes,
+    param_bytes,
     ring,
 )
 from sagenb.engine.strategies.description import Description, plural
@@ -153,11 +154,11 @@ class ShardedAttribution(Attribution):
             rows = chunk_sizes(p.shape[0], N) if p.dim() else [1] + [0] * (N - 1)
             for r in range(N):
                 held[r][p] = rows[r] * (p.numel() // max(p.shape[0], 1) if p.dim() else 1)
-        whole = grad_bytes({p: p.numel() for p in m.params})
+        whole = {p: p.numel() for p in m.params}
         gathers = (2 if cfg.reshard_after_forward else 1) * cfg.grad_accum
-        send = {
-            "all_gather": gathers * ring("all_gather", whole, N),
-            "reduce_scatter": ring("reduce_scatter", whole, N),
+        send = {  # frozen parameters are gathered too, only gradients are reduce-scattered
+            "all_gather": gathers * ring("all_gather", param_bytes(whole), N),
+            "reduce_scatter": ring("reduce_scatter", grad_bytes(whole), N),
         }
         biggest = max((module_bytes(b) for b in m.blocks), default=0)
         m.notes.append(

@@ -53,12 +53,12 @@ class PipelineAttribution(Attribution):
         P, S = cfg.partitions, len(starts)
         D = N // P
         per_stage = _stage_bytes(trace, starts)
-        trained = set(m.params)
+        held_here = set(m.params)  # every parameter, frozen ones too
         held, acts, comm = [], [], []
         for r in range(N):
             position = r % P
             mine = range(position, S, P)
-            params = {p for s in mine for p in stages[s].parameters() if p in trained}
+            params = {p for s in mine for p in stages[s].parameters() if p in held_here}
             held.append({p: p.numel() for p in params})
             flight = _in_flight(cfg, position)
             acts.append(sum(per_stage[s] for s in mine) * flight / len(mine) * m.scale)
