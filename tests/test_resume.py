@@ -5,13 +5,18 @@ named as such, leftovers of a crash never block it, and a full disk says so."""
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 
 import pytest
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
 
 import sagenb
 from sagenb.config import ConfigError
 from sagenb.engine.checkpoint.distributed import latest
+from sagenb.engine.checkpoint.reader import check
+from sagenb.engine.checkpoint.resume import RECORD, saved_options
 from sagenb.run.failures import TrainingError
 
 from .conftest import REGRESSION_CELL
@@ -62,6 +67,23 @@ def test_resume_checks_the_options_and_model_it_was_written_with(pool, tmp_path)
     assert any("--grad-accum 2 differs from the 1" in w for w in resumed.warnings)
     # 1e-6: two half-batch slices sum in another order than one batch (float32 rounding)
     assert_params_equal(resumed.state_dict(), whole.state_dict(), tol=1e-6)
+    newest = tmp_path / "step-00000006"  # records the lr its optimizer went on with
+    assert saved_options(newest, check(newest))["lr"] == 0.001
+    # a checkpoint written before the record resumes as it did: nothing to compare
+    without_record(tmp_path / "step-00000006")
+    sagenb.train(REGRESSION_CELL, steps=9, seed=1, **ckpt)
+    assert latest(tmp_path).name == "step-00000009"
+
+
+def without_record(checkpoint) -> None:
+    """Rewrite `checkpoint` without its options record, as sagenb wrote them before."""
+    flat = checkpoint.parent / "flat.pt"
+    dcp_to_torch_save(checkpoint, flat)
+    state = torch.load(flat, weights_only=False)  # our own, trusted file
+    del state[RECORD]
+    torch.save(state, flat)
+    shutil.rmtree(checkpoint)
+    torch_save_to_dcp(flat, checkpoint)
 
 
 def test_a_crash_leftover_never_blocks_a_resume(pool, tmp_path):

@@ -71,9 +71,8 @@ def train_loop(
     start, notes = _resume(config, objects)
     if notes and rank == 0:  # with the first step's metrics, into the run's warnings
         publish = _first_step_with_warnings(notes, publish)
-    options = resume.record(
-        config, world_size=_world_size(), own_optimizer=ws.make_optimizer is not None
-    )
+    base_lr = None if ws.make_optimizer is not None else _base_lr(optimizer)
+    options = resume.record(config, world_size=_world_size(), lr=base_lr)
     meter = MemoryMeter(strategy.module, optimizer, device)
     scaler = LossScaler(device=device) if config.precision == "fp16" else None
     plan = _plan(ws, config, start)
@@ -137,6 +136,13 @@ def _first_step_with_warnings(
         publish(metrics)
 
     return send
+
+
+def _base_lr(optimizer: torch.optim.Optimizer) -> float:
+    """The lr the optimizer was built with (a scheduler keeps it as "initial_lr"); after a
+    resume, the checkpoint's, which the restored state goes on with."""
+    group = optimizer.param_groups[0]
+    return float(group.get("initial_lr", group["lr"]))
 
 
 def _world_size() -> int:

@@ -35,10 +35,10 @@ _REFUSED = {
 }
 
 
-def record(config: Any, *, world_size: int, own_optimizer: bool) -> str:
-    """The options a checkpoint is written with, as JSON; `lr` is None when the cell's
-    make_optimizer sets its own (--lr is not used then)."""
-    lr = None if own_optimizer else config.lr
+def record(config: Any, *, world_size: int, lr: float | None) -> str:
+    """The options a checkpoint is written with, as JSON. `lr`: the base lr its optimizer
+    trains with (after a resume, the saved one), None when the cell's make_optimizer sets
+    its own (--lr is not used then)."""
     options = dict(batch_size=config.batch_size, seed=config.seed, grad_accum=config.grad_accum)
     return json.dumps({**options, "lr": lr, "engines": world_size})
 
