@@ -3,14 +3,17 @@
 A checkpoint holds the model (keys of the unsplit model, whatever the split), the optimizer
 state (keyed by parameter name, so a pipeline stage's state lands on the same names), the
 scheduler, the step reached (the sample order is a function of the seed, so the step is the
-sampler's position) and every rank's torch RNG state. Each rank writes its own part; replicated
-entries are written once (DCP's de-duplication).
+sampler's position), every rank's torch RNG state and the options it was written with
+(resume.py). Each rank writes its own part; replicated entries are written once (DCP's
+de-duplication).
 
 Writes are atomic: all ranks write into `.step-N.tmp`, then rank 0 renames it to `step-N` and
 points `latest` at it (write, then rename), so a crash mid-write leaves the last good
-checkpoint untouched. The two newest checkpoints are kept, and --resume falls back to the
-older one when the newest cannot be read (a disk that filled up, a copy cut short, a file
-damaged since): `choose` skips it, saying why.
+checkpoint untouched; a failed write removes its temporary directory, and a crash's leftover
+in a temporary's name is removed by the next write. The two newest checkpoints are kept, and
+--resume falls back to the older one when the newest cannot be read (a disk that filled up, a
+copy cut short, a file damaged since) or was written on fewer engines than the run has:
+`choose` skips it, saying why and which steps are trained again.
 
 Nothing in a checkpoint is unpickled beyond tensors, DCP's metadata and plain values
 (checkpoint_reader.py): resuming from a checkpoint runs no code it holds.
