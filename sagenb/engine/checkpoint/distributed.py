@@ -208,17 +208,7 @@ def save(
         state["scheduler"] = scheduler.state_dict() if scheduler is not None else None
         if options is not None:
             state[RECORD] = options
-        try:
-            dcp.save(state, checkpoint_id=tmp)
-        except (Exception, CheckpointException) as err:
-            if _disk_full(err, root):  # torch's own message says "unexpected pos 704 vs 598"
-                free = shutil.disk_usage(root).free
-                raise OSError(
-                    errno.ENOSPC,
-                    f"disk full: no space left in {root} ({free} bytes free): free some space "
-                    "there or choose another --checkpoint-dir",
-                ) from None
-            raise
+        _write(state, tmp)
 
     def publish() -> None:
         if rank == 0:
@@ -241,12 +231,30 @@ def save(
     return None
 
 
+def _write(state: dict[str, Any], tmp: Path) -> None:
+    """dcp.save, a full disk said as one: torch's own message for it is "unexpected pos 704
+    vs 598" (its zip writer's short write)."""
+    try:
+        dcp.save(state, checkpoint_id=tmp)
+    except (Exception, CheckpointException) as err:
+        root = tmp.parent
+        if _disk_full(err, root):
+            free = shutil.disk_usage(root).free
+            raise OSError(
+                errno.ENOSPC,
+                f"disk full: no space left in {root} ({free} bytes free): free some space "
+                "there or choose another --checkpoint-dir",
+            ) from None
+        raise
+
+
 def _attempt(phase: Any) -> str | None:
     try:
         phase()
     except OSError as err:
-        if err.errno == errno.ENOSPC:
-            return err.strerror
+        if err.errno == errno.ENOSPC:  # _write says it already, with the directory
+            said = err.strerror or ""
+            return said if said.startswith("disk full") else f"disk full: {err}"
         return f"{type(err).__name__}: {err}"
     except (Exception, CheckpointException) as err:  # DCP's is a BaseException
         return f"{type(err).__name__}: {err}"
