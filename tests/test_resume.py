@@ -5,8 +5,10 @@ named as such, leftovers of a crash never block it, and a full disk says so."""
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
+import time
 
 import pytest
 import torch
@@ -14,7 +16,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_s
 
 import sagenb
 from sagenb.config import ConfigError
-from sagenb.engine.checkpoint.distributed import latest
+from sagenb.engine.checkpoint.distributed import candidates, latest
 from sagenb.engine.checkpoint.reader import check
 from sagenb.engine.checkpoint.resume import RECORD, saved_options
 from sagenb.run.failures import TrainingError
@@ -127,3 +129,20 @@ def test_a_full_disk_says_disk_full(pool, full_disk):
     assert f"disk full: no space left in {full_disk}" in message
     assert "unexpected pos" not in message
     assert not list(full_disk.glob(".*.tmp"))  # the half-written checkpoint is gone
+
+
+def test_a_checkpoint_renamed_into_place_but_not_pointed_at_comes_first(tmp_path):
+    """A crash between renaming step 9 into place and replacing `latest` (still naming step
+    6): step 9 is complete, finished after the pointer was written, and resumed from first."""
+    for name in ("step-00000003", "step-00000006", "step-00000009"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "latest").write_text("step-00000006")
+    past = time.time() - 60
+    for name, when in (("step-00000003", past - 20), ("step-00000006", past - 10)):
+        os.utime(tmp_path / name, (when, when))
+    os.utime(tmp_path / "latest", (past, past))
+    assert [p.name for p in candidates(tmp_path)] == [
+        "step-00000009",
+        "step-00000006",
+        "step-00000003",
+    ]

@@ -69,11 +69,22 @@ def latest(directory: str | os.PathLike) -> Path | None:
 
 
 def candidates(directory: str | os.PathLike) -> list[Path]:
-    """The checkpoints in `directory`, newest first: the one `latest` names, then the others
-    (older ones are kept for when the newest cannot be read)."""
+    """The checkpoints in `directory`, newest first: any finished after `latest` was last
+    written (renamed into place by a save that crashed before it replaced the pointer), the
+    one `latest` names, then the others (kept for when the newest cannot be read). A step
+    number alone does not say which is newest: a run without --resume may write into a
+    directory holding a longer run's checkpoints."""
     found = sorted((p for p in Path(directory).glob("step-*") if p.is_dir()), reverse=True)
     newest = latest(directory)
-    return ([newest] if newest else []) + [p for p in found if p != newest]
+    if newest is None:
+        return found
+    written = (Path(directory) / LATEST).stat().st_mtime
+    unpublished = sorted(
+        (p for p in found if p != newest and p.stat().st_mtime > written),
+        key=lambda p: p.stat().st_mtime,
+        reverse=True,
+    )
+    return [*unpublished, newest, *(p for p in found if p != newest and p not in unpublished)]
 
 
 def choose(
