@@ -170,9 +170,12 @@ def test_resume_falls_back_when_the_ranks_cannot_load_the_newest(pool, tmp_path)
     with pytest.warns(RuntimeWarning, match="skipped the checkpoint step-00000006.*loaded the"):
         older = sagenb.load_checkpoint(tmp_path)  # in one process, the same fall back
     assert list(older) == list(whole.state_dict())
-    resumed = sagenb.train(
-        REGRESSION_CELL, steps=9, checkpoint_dir=str(tmp_path), resume=True, **SHORT
-    )
+    with pytest.warns(RuntimeWarning, match="skipped the checkpoint step-00000006"):
+        resumed = sagenb.train(
+            REGRESSION_CELL, steps=9, checkpoint_dir=str(tmp_path), resume=True, **SHORT
+        )
+    # only the engines found it: their note travels with the first step into the result
+    assert any("skipped the checkpoint step-00000006" in w for w in resumed.warnings)
     assert resumed.history[0]["step"] == 4
     assert_params_equal(resumed.state_dict(), whole.state_dict(), tol=0)
 
@@ -250,7 +253,7 @@ def test_a_crafted_checkpoint_runs_nothing(pool, tmp_path, monkeypatch, where):
     with pytest.raises(sagenb.CheckpointError, match=refused):  # in the notebook, early
         sagenb.train(REGRESSION_CELL, steps=9, checkpoint_dir=str(directory), resume=True, **SHORT)
     # the engines refuse it too (under torchrun no notebook looks first)
-    monkeypatch.setattr("sagenb.run.session.resume_warnings", lambda config: [])
+    monkeypatch.setattr("sagenb.run.session.resume_warnings", lambda config, engines: [])
     with pytest.raises(TrainingError, match=refused):
         sagenb.train(REGRESSION_CELL, steps=9, checkpoint_dir=str(directory), resume=True, **SHORT)
     # the reader and planner themselves, past the checks (defence in depth)

@@ -305,7 +305,10 @@ class EngineConfig:
         "write a checkpoint every N steps (0: only at the end, or when interrupted)",
     )
     resume: bool = _opt(
-        "checkpoints", False, "continue from the newest checkpoint in --checkpoint-dir"
+        "checkpoints",
+        False,
+        "continue from the newest checkpoint in --checkpoint-dir this run can read (same "
+        "--batch-size and --seed)",
     )
 
     def __post_init__(self) -> None:

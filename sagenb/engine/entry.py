@@ -193,8 +193,10 @@ def _first_step_with(
 
     def send(metrics: dict) -> None:
         nonlocal pending
-        if pending:
-            metrics, pending = {**metrics, **pending}, {}
+        if pending:  # the loop's own warnings (--resume's) are kept, after these
+            both = [*pending.get(keys.WARNINGS, ()), *metrics.get(keys.WARNINGS, ())]
+            metrics = {**metrics, **pending, **({keys.WARNINGS: both} if both else {})}
+            pending = {}
         publish(metrics)
 
     return send

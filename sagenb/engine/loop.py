@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from sagenb.engine.checkpoint import distributed as checkpoint
+from sagenb.engine.checkpoint import resume
 from sagenb.engine.data.loader import batches_of
 from sagenb.engine.data.order import Step, plan_steps
 from sagenb.engine.data.stream import StreamSource, stream_steps
@@ -67,7 +68,11 @@ def train_loop(
     optimizer = make_optimizer(ws, strategy, config.lr)
     scheduler = ws.make_scheduler(optimizer) if ws.make_scheduler is not None else None
     objects = _Saved(strategy=strategy, optimizer=optimizer, scheduler=scheduler, rank=rank)
-    start = _resume(config, objects)
+    start, notes = _resume(config, objects)
+    if notes and rank == 0:  # with the first step's metrics, into the run's warnings
+        publish = _first_step_with_warnings(notes, publish)
+    base_lr = None if ws.make_optimizer is not None else _base_lr(optimizer)
+    options = resume.record(config, world_size=_world_size(), lr=base_lr)
     meter = MemoryMeter(strategy.module, optimizer, device)
     scaler = LossScaler(device=device) if config.precision == "fp16" else None
     plan = _plan(ws, config, start)
@@ -91,7 +96,7 @@ def train_loop(
             stop = last != total and should_stop(last)  # after the last step, none to skip
             every = config.checkpoint_every
             if config.checkpoint_dir and (stop or last == total or (every and last % every == 0)):
-                unsaved = checkpoint.save(config.checkpoint_dir, last, **objects)
+                unsaved = checkpoint.save(config.checkpoint_dir, last, options=options, **objects)
             if stop or unsaved is not None:
                 break
     return last, unsaved
@@ -109,12 +114,39 @@ def _plan(ws: Workspace, config: EngineConfig, start: int) -> Iterator[Step]:
     )
 
 
-def _resume(config: EngineConfig, objects: _Saved) -> int:
-    """The step to continue after: with --resume, the newest checkpoint's; else 0."""
+def _resume(config: EngineConfig, objects: _Saved) -> tuple[int, list[str]]:
+    """The step to continue after (with --resume, the newest readable checkpoint's; else 0),
+    and the notes on what resuming skipped or changed (checkpoint/resume.py)."""
     if not config.resume:
-        return 0
+        return 0, []
     assert config.checkpoint_dir, "the config refuses --resume without --checkpoint-dir"
-    return checkpoint.load(config.checkpoint_dir, **objects)
+    return checkpoint.load(config.checkpoint_dir, config=config, **objects)
+
+
+def _first_step_with_warnings(
+    notes: list[str], publish: Callable[[dict[str, Any]], None]
+) -> Callable[[dict[str, Any]], None]:
+    pending = list(notes)
+
+    def send(metrics: dict[str, Any]) -> None:
+        nonlocal pending
+        if pending:
+            metrics = {**metrics, keys.WARNINGS: [*metrics.get(keys.WARNINGS, ()), *pending]}
+            pending = []
+        publish(metrics)
+
+    return send
+
+
+def _base_lr(optimizer: torch.optim.Optimizer) -> float:
+    """The lr the optimizer was built with (a scheduler keeps it as "initial_lr"); after a
+    resume, the checkpoint's, which the restored state goes on with."""
+    group = optimizer.param_groups[0]
+    return float(group.get("initial_lr", group["lr"]))
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
 
 
 def _step(ws, strategy, config, data, optimizer, scheduler, meter, device, scaler) -> dict:

@@ -14,6 +14,7 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from sagenb.engine.checkpoint.distributed import choose, load_newest
 from sagenb.engine.checkpoint.reader import CheckpointError, SafePlanner, SafeReader
+from sagenb.engine.checkpoint.resume import check_options, saved_options
 
 __all__ = ["load_checkpoint", "resume_warnings", "CheckpointError"]
 
@@ -48,14 +49,17 @@ def _read_model(path: Path, metadata: Metadata) -> dict[str, torch.Tensor]:
     return {k: target[f"model/{k}"] for k in order}
 
 
-def resume_warnings(config: Any) -> list[str]:
+def resume_warnings(config: Any, engines: int) -> list[str]:
     """With --resume: which checkpoint the run continues from is decided here, before the
-    engines start (they find the same one): a newer one that cannot be read is skipped with a
-    RuntimeWarning, whose text is returned for the run's result; none readable raises
-    CheckpointError naming --checkpoint-dir and what it holds, before any engine works."""
+    engines start (they find the same one): a newer one that cannot be read on `engines`
+    engines is skipped with a RuntimeWarning, whose text is returned for the run's result, as
+    is each option that differs from the checkpoint's and is honoured. None readable raises
+    CheckpointError naming --checkpoint-dir and what it holds; an option that cannot be
+    resumed with (engine/checkpoint/resume.py) ConfigError; both before any engine works."""
     if not getattr(config, "resume", False):
         return []
-    _, _, notes = choose(config.checkpoint_dir)
+    path, metadata, notes = choose(config.checkpoint_dir, world_size=engines)
+    notes += check_options(saved_options(path, metadata), config, path)
     for note in notes:
         # no source line of sagenb's under the cell: the warning is about the run
         warnings.warn_explicit(note, RuntimeWarning, "sagenb", 0, module="sagenb")

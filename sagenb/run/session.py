@@ -171,7 +171,8 @@ class _Run:
 
     def execute(self) -> TrainResult:
         self.token = secrets.token_hex(16)  # never written to the store before a stop request
-        self.warnings += resume_warnings(self.config)  # --resume: before any engine works
+        # --resume: which checkpoint, and whether its options still hold, before any engine works
+        self.warnings += resume_warnings(self.config, self.engines)
         self.store = _rendezvous(self.pool, self.engines, self.config.collective_timeout)
         for_engines = self.config.for_engines()  # the notebook's own options stay here
         specs = [
@@ -354,12 +355,15 @@ class _Run:
     def _warn(self, notes: Sequence[str]) -> None:
         """Each equivalence warning once per run: under the cell in a notebook (stderr), and
         through `warnings` for scripts (sagenb registers its category "always", so a second
-        run in the same kernel warns again)."""
+        run in the same kernel warns again). --resume's notes travel the same way, for what
+        only the engines found (a checkpoint whose data fails to load): RuntimeWarnings, as
+        the notebook's own (run/checkpoints.py)."""
         for note in notes:
             if note not in self.warnings:
                 self.warnings.append(note)
+                kind = RuntimeWarning if note.startswith("--resume:") else EquivalenceWarning
                 # no source line of sagenb's under the cell: the warning is about the cell
-                warnings.warn_explicit(note, EquivalenceWarning, "sagenb", 0, module="sagenb")
+                warnings.warn_explicit(note, kind, "sagenb", 0, module="sagenb")
 
     def _check_finite(self, rec: Any) -> None:
         """The first NaN or infinite loss is warned about (and, with --stop-on-nonfinite, ends

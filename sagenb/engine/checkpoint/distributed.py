@@ -3,14 +3,17 @@
 A checkpoint holds the model (keys of the unsplit model, whatever the split), the optimizer
 state (keyed by parameter name, so a pipeline stage's state lands on the same names), the
 scheduler, the step reached (the sample order is a function of the seed, so the step is the
-sampler's position) and every rank's torch RNG state. Each rank writes its own part; replicated
-entries are written once (DCP's de-duplication).
+sampler's position), every rank's torch RNG state and the options it was written with
+(resume.py). Each rank writes its own part; replicated entries are written once (DCP's
+de-duplication).
 
 Writes are atomic: all ranks write into `.step-N.tmp`, then rank 0 renames it to `step-N` and
 points `latest` at it (write, then rename), so a crash mid-write leaves the last good
-checkpoint untouched. The two newest checkpoints are kept, and --resume falls back to the
-older one when the newest cannot be read (a disk that filled up, a copy cut short, a file
-damaged since): `choose` skips it, saying why.
+checkpoint untouched; a failed write removes its temporary directory, and a crash's leftover
+in a temporary's name is removed by the next write. The two newest checkpoints are kept, and
+--resume falls back to the older one when the newest cannot be read (a disk that filled up, a
+copy cut short, a file damaged since) or was written on fewer engines than the run has:
+`choose` skips it, saying why and which steps are trained again.
 
 Nothing in a checkpoint is unpickled beyond tensors, DCP's metadata and plain values
 (checkpoint_reader.py): resuming from a checkpoint runs no code it holds.
@@ -18,6 +21,7 @@ Nothing in a checkpoint is unpickled beyond tensors, DCP's metadata and plain va
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import warnings
@@ -31,7 +35,21 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from sagenb.engine.checkpoint.reader import CheckpointError, SafePlanner, SafeReader, check, reason
+from sagenb.engine.checkpoint.reader import (
+    CheckpointError,
+    SafePlanner,
+    SafeReader,
+    check,
+    read_entry,
+    reason,
+)
+from sagenb.engine.checkpoint.resume import (
+    RECORD,
+    check_model,
+    check_options,
+    layout_problem,
+    saved_options,
+)
 
 __all__ = ["save", "load", "latest", "candidates", "choose", "load_newest", "KEEP"]
 
@@ -51,24 +69,42 @@ def latest(directory: str | os.PathLike) -> Path | None:
 
 
 def candidates(directory: str | os.PathLike) -> list[Path]:
-    """The checkpoints in `directory`, newest first: the one `latest` names, then the others
-    (older ones are kept for when the newest cannot be read)."""
+    """The checkpoints in `directory`, newest first: any finished after `latest` was last
+    written (renamed into place by a save that crashed before it replaced the pointer), the
+    one `latest` names, then the others (kept for when the newest cannot be read). A step
+    number alone does not say which is newest: a run without --resume may write into a
+    directory holding a longer run's checkpoints."""
     found = sorted((p for p in Path(directory).glob("step-*") if p.is_dir()), reverse=True)
     newest = latest(directory)
-    return ([newest] if newest else []) + [p for p in found if p != newest]
+    if newest is None:
+        return found
+    written = (Path(directory) / LATEST).stat().st_mtime
+    unpublished = sorted(
+        (p for p in found if p != newest and p.stat().st_mtime > written),
+        key=lambda p: p.stat().st_mtime,
+        reverse=True,
+    )
+    return [*unpublished, newest, *(p for p in found if p != newest and p not in unpublished)]
 
 
-def choose(directory: str | os.PathLike, *, by: str = RESUME) -> tuple[Path, Metadata, list[str]]:
-    """The newest readable checkpoint in `directory`, its metadata, and one note for each newer
-    one skipped (which, and why); CheckpointError naming what was found when none is readable.
-    The notebook calls it before the engines start (engines would find the same)."""
+def choose(
+    directory: str | os.PathLike, *, by: str = RESUME, world_size: int | None = None
+) -> tuple[Path, Metadata, list[str]]:
+    """The newest checkpoint in `directory` readable on `world_size` engines, its metadata,
+    and one note for each newer one skipped (which, and why); CheckpointError naming what was
+    found when none is readable. The notebook calls it before the engines start (engines
+    find the same)."""
     skipped: list[tuple[Path, str]] = []
-    path, metadata = _first_readable(directory, candidates(directory), skipped, by)
+    path, metadata = _first_readable(directory, candidates(directory), skipped, by, world_size)
     return path, metadata, [_skip_note(p, why, path, by) for p, why in skipped]
 
 
 def load_newest(
-    directory: str | os.PathLike, read: Callable[[Path, Metadata], T], *, by: str = RESUME
+    directory: str | os.PathLike,
+    read: Callable[[Path, Metadata], T],
+    *,
+    by: str = RESUME,
+    world_size: int | None = None,
 ) -> tuple[T, list[str]]:
     """`read(path, metadata)` of the newest checkpoint that `check` passes and whose data
     loads, and one note for each newer one skipped. A failure inside dcp.load reaches every
@@ -76,7 +112,7 @@ def load_newest(
     skipped: list[tuple[Path, str]] = []
     paths = candidates(directory)
     while True:
-        path, metadata = _first_readable(directory, paths, skipped, by)
+        path, metadata = _first_readable(directory, paths, skipped, by, world_size)
         try:
             result = read(path, metadata)
             break
@@ -87,13 +123,22 @@ def load_newest(
 
 
 def _first_readable(
-    directory: str | os.PathLike, paths: list[Path], skipped: list[tuple[Path, str]], by: str
+    directory: str | os.PathLike,
+    paths: list[Path],
+    skipped: list[tuple[Path, str]],
+    by: str,
+    world_size: int | None,
 ) -> tuple[Path, Metadata]:
     for path in paths:
         try:
-            return path, check(path)
+            metadata = check(path)
         except CheckpointError as exc:
             skipped.append((path, str(exc)))
+            continue
+        problem = layout_problem(metadata, world_size) if world_size else None
+        if problem is None:
+            return path, metadata
+        skipped.append((path, problem))
     raise _none_readable(directory, skipped, by)
 
 
@@ -102,10 +147,19 @@ def _where(directory: str | os.PathLike, by: str) -> str:
 
 
 def _skip_note(path: Path, why: str, chosen: Path, by: str) -> str:
-    return (
+    note = (
         f"{by}: skipped the checkpoint {path.name} in {_where(path.parent, by)}, which cannot "
         f"be read ({why}); {'resuming from' if by == RESUME else 'loaded'} the older {chosen.name}"
     )
+    lost = _step_of(path) - _step_of(chosen)
+    if by == RESUME and lost > 0:  # the run goes back in time: say by how much
+        note += f": steps {_step_of(chosen) + 1}-{_step_of(path)} are trained again"
+    return note
+
+
+def _step_of(path: Path) -> int:
+    digits = path.name.removeprefix("step-")
+    return int(digits) if digits.isdigit() else 0
 
 
 def _none_readable(
@@ -142,11 +196,13 @@ def save(
     optimizer: torch.optim.Optimizer,
     scheduler: Any,
     rank: int,
+    options: str | None = None,
 ) -> str | None:
-    """Write the checkpoint of `step` (a collective: every rank calls it). Returns None, or
-    why it could not be written: this rank's error, or "" where only another rank failed.
-    Every rank learns of a failure at each phase, so all of them stop together and the run
-    keeps what it trained (loop.py); none is left waiting in a collective."""
+    """Write the checkpoint of `step` (a collective: every rank calls it), with `options`
+    (resume.record) when given. Returns None, or why it could not be written: this rank's
+    error, or "" where only another rank failed. Every rank learns of a failure at each
+    phase, so all of them stop together and the run keeps what it trained (loop.py); none is
+    left waiting in a collective, and no half-written directory is left behind."""
     root = Path(directory)
     name = f"step-{step:08d}"
     tmp = root / f".{name}.tmp"
@@ -154,14 +210,16 @@ def save(
     def prepare() -> None:
         if rank == 0:
             root.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)
+            _remove(tmp)  # a crash's leftover, directory or not
 
     def write() -> None:
         state = _state(strategy, optimizer, rank)
         state["step"] = step
         state["key_order"] = list(strategy.key_order)
         state["scheduler"] = scheduler.state_dict() if scheduler is not None else None
-        dcp.save(state, checkpoint_id=tmp)
+        if options is not None:
+            state[RECORD] = options
+        _write(state, tmp)
 
     def publish() -> None:
         if rank == 0:
@@ -169,6 +227,7 @@ def save(
             shutil.rmtree(final, ignore_errors=True)
             os.replace(tmp, final)
             pointer = root / f".{LATEST}.tmp"
+            _remove(pointer)  # a crash's leftover
             pointer.write_text(name)
             os.replace(pointer, root / LATEST)
             for old in sorted(root.glob("step-*"))[:-KEEP]:
@@ -177,16 +236,68 @@ def save(
     for phase in (prepare, write, publish):
         error = _agreed(_attempt(phase))
         if error is not None:
+            if rank == 0:  # every rank is past dcp.save: the disk space goes back
+                _remove(tmp)
             return error
     return None
+
+
+def _write(state: dict[str, Any], tmp: Path) -> None:
+    """dcp.save, a full disk said as one: torch's own message for it is "unexpected pos 704
+    vs 598" (its zip writer's short write)."""
+    try:
+        dcp.save(state, checkpoint_id=tmp)
+    except (Exception, CheckpointException) as err:
+        root = tmp.parent
+        if _disk_full(err, root):
+            free = shutil.disk_usage(root).free
+            raise OSError(
+                errno.ENOSPC,
+                f"disk full: no space left in {root} ({free} bytes free): free some space "
+                "there or choose another --checkpoint-dir",
+            ) from None
+        raise
 
 
 def _attempt(phase: Any) -> str | None:
     try:
         phase()
+    except OSError as err:
+        if err.errno == errno.ENOSPC:  # _write says it already, with the directory
+            said = err.strerror or ""
+            return said if said.startswith("disk full") else f"disk full: {err}"
+        return f"{type(err).__name__}: {err}"
     except (Exception, CheckpointException) as err:  # DCP's is a BaseException
         return f"{type(err).__name__}: {err}"
     return None
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+#: below this much free space, a failed write is taken for a full disk: torch's zip writer
+#: reports ENOSPC as a short write ("unexpected pos"), without the errno
+_NEARLY_FULL = 1 << 20
+
+
+def _disk_full(err: BaseException, root: Path) -> bool:
+    seen: list[BaseException] = [err]
+    while seen:
+        exc = seen.pop()
+        if isinstance(exc, OSError) and exc.errno == errno.ENOSPC:
+            return True
+        if isinstance(exc, CheckpointException):
+            for failure in exc.failures.values():
+                seen.append(failure[0] if isinstance(failure, tuple) else failure)
+        seen += [e for e in (exc.__cause__, exc.__context__) if e is not None]
+    try:
+        return shutil.disk_usage(root).free < _NEARLY_FULL
+    except OSError:
+        return False
 
 
 def _agreed(error: str | None) -> str | None:
@@ -210,16 +321,25 @@ def load(
     optimizer: torch.optim.Optimizer,
     scheduler: Any,
     rank: int,
-) -> int:
-    """Restore the newest readable checkpoint into this rank's objects; returns its step
-    (collective). One whose data fails to load is skipped for the next older one: every
-    object a failed load may have half written is written again by the one that loads."""
+    config: Any,
+) -> tuple[int, list[str]]:
+    """Restore the newest checkpoint this run can read into this rank's objects; returns its
+    step and the notes the run's result shows (collective). One whose data fails to load is
+    skipped for the next older one: every object a failed load may have half written is
+    written again by the one that loads. An option that cannot be resumed with raises
+    ConfigError, a model that differs from the checkpoint's JobError (resume.py)."""
     objects = dict(strategy=strategy, optimizer=optimizer, scheduler=scheduler, rank=rank)
-    step, notes = load_newest(directory, lambda path, meta: _load_from(path, meta, **objects))
+
+    def read(path: Path, metadata: Metadata) -> tuple[int, list[str]]:
+        notes = check_options(saved_options(path, metadata), config, path)
+        check_model(path, metadata, read_entry(path, metadata, "key_order"), strategy)
+        return _load_from(path, metadata, **objects), notes
+
+    (step, notes), skips = load_newest(directory, read, world_size=dist.get_world_size())
     if rank == 0:  # for a script under torchrun; the notebook warned before the engines started
-        for note in notes:
+        for note in skips + notes:
             warnings.warn(note, RuntimeWarning, stacklevel=2)
-    return step
+    return step, skips + notes
 
 
 def _load_from(

@@ -33,7 +33,15 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
 from sagenb.engine.torch_private import set_element
 
-__all__ = ["CheckpointError", "SafeReader", "SafePlanner", "check", "read_metadata", "reason"]
+__all__ = [
+    "CheckpointError",
+    "SafeReader",
+    "SafePlanner",
+    "check",
+    "read_entry",
+    "read_metadata",
+    "reason",
+]
 
 METADATA = ".metadata"  # DCP's name for it (filesystem.py, _metadata_fn)
 
@@ -167,13 +175,26 @@ def _check_entries(root: Path, metadata: Metadata) -> None:
         meta = metadata.state_dict_metadata.get(index.fqn)
         if not isinstance(meta, BytesStorageMetadata) or info.transform_descriptors:
             continue
-        with open(root / info.relative_path, "rb") as stream:
-            stream.seek(info.offset)
-            data = io.BytesIO(stream.read(info.length))
-        try:
-            _load_entry(data, index.fqn)
-        except CheckpointError as exc:
-            raise CheckpointError(f"{root / info.relative_path}: {exc}") from None
+        _read_bytes_entry(root, info, index.fqn)
+
+
+def _read_bytes_entry(root: Path, info: Any, fqn: str) -> Any:
+    with open(root / info.relative_path, "rb") as stream:
+        stream.seek(info.offset)
+        data = io.BytesIO(stream.read(info.length))
+    try:
+        return _load_entry(data, fqn)
+    except CheckpointError as exc:
+        raise CheckpointError(f"{root / info.relative_path}: {exc}") from None
+
+
+def read_entry(path: str | os.PathLike, metadata: Metadata, fqn: str) -> Any:
+    """The non-tensor entry `fqn` of the checkpoint `path` (weights_only, as `check` reads
+    it), in this process and without the ranks; None when the checkpoint has no such entry."""
+    for index, info in metadata.storage_data.items():
+        if index.fqn == fqn and not info.transform_descriptors:
+            return _read_bytes_entry(Path(path), info, fqn)
+    return None
 
 
 def reason(exc: BaseException) -> str:
