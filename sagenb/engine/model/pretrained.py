@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import safetensors
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -46,6 +45,21 @@ __all__ = [
 ]
 
 INDEX = "model.safetensors.index.json"
+
+
+def _safe_open(path: str) -> Any:
+    """safetensors' lazy reader of `path` (tensors and slices read on demand). Imported here:
+    safetensors comes with transformers, and a run that names no checkpoint needs neither."""
+    try:
+        from safetensors import safe_open
+    except ImportError as exc:
+        raise JobError(
+            f"reading the pretrained checkpoint {path} needs safetensors, which is not installed "
+            "on this engine: pip install safetensors (transformers brings it)"
+        ) from exc
+    return safe_open(path, framework="pt")
+
+
 SINGLE = "model.safetensors"
 
 
@@ -79,7 +93,7 @@ class Checkpoint:
     def read(self, key: str, index: tuple[slice, ...] | None = None) -> torch.Tensor:
         """The tensor `key`, or only its `index` box: nothing else of the file is read."""
         # opened for each read, so the file's pages it mapped are let go straight after
-        with safetensors.safe_open(self.files[key], framework="pt") as f:
+        with _safe_open(self.files[key]) as f:
             part = f.get_slice(key)
             tensor = part[index] if index is not None else part[:]
         self.bytes_read += tensor.numel() * tensor.element_size()
@@ -101,7 +115,7 @@ def _files(path: Path) -> dict[str, str]:
 
 
 def _keys_of(file: Path) -> dict[str, str]:
-    with safetensors.safe_open(str(file), framework="pt") as f:
+    with _safe_open(str(file)) as f:
         return dict.fromkeys(f.keys(), str(file))
 
 
