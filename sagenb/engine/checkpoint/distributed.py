@@ -273,10 +273,16 @@ def _attempt(phase: Any) -> str | None:
 
 
 def _remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
-    else:
-        path.unlink(missing_ok=True)
+    """Remove a file or directory at `path`, if there is one. Best effort: after a failed
+    write the directory may itself be gone (or a file), and the cleanup must never hide the
+    failure it cleans up after."""
+    try:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+    except OSError:
+        pass
 
 
 #: below this much free space, a failed write is taken for a full disk: torch's zip writer
