@@ -12,12 +12,14 @@ from IPython.core.error import UsageError
 
 import sagenb
 from sagenb.config import ConfigError, TrainConfig
+from sagenb.config.job import Job
 from sagenb.display.dashboard import Dashboard
 from sagenb.metrics import keys
 from sagenb.notebook.examples import gpt_cell
 from sagenb.pool import cluster
 from sagenb.sizing.cost import CostMeter, instance_price
 from sagenb.sizing.hardware import hardware_table
+from sagenb.sizing.projection import Projection
 from sagenb.sizing.step_model import MFU_RANGE, memory_limit_mib
 
 from .conftest import REGRESSION_CELL
@@ -153,7 +155,7 @@ def test_the_live_cost_keeps_this_run_and_the_projection_apart():
     assert not here.billed_here
     assert here.this_run(1.5) == "this run: 1.5 s on cpu (not a ml.p4d.24xlarge: not priced as one)"
     assert "no estimate" in here.projected_on(10)
-    on_a100 = CostMeter(p4d, 8, runs_on="NVIDIA A100-SXM4-40GB", projection=(0.5, 1.0))
+    on_a100 = CostMeter(p4d, 8, runs_on="NVIDIA A100-SXM4-40GB", projection=Projection((0.5, 1.0)))
     assert on_a100.billed_here and on_a100.this_run(3600).startswith("this run: $37.6880 on 1")
     assert on_a100.projected_on(100, 25) == (
         "projected on 1 x ml.p4d.24xlarge: 50-100 s, $0.5234-$1.0469 (estimate, 25/100 steps done)"
@@ -161,7 +163,8 @@ def test_the_live_cost_keeps_this_run_and_the_projection_apart():
     assert CostMeter(instance_price("ml.c5.xlarge"), 1, runs_on="cpu").billed_here
     assert not CostMeter(p4d, 8, runs_on="NVIDIA H200").billed_here
     config = TrainConfig(engines=2, batch_size=8)
-    board = Dashboard(config, CostMeter(p4d, 2, runs_on="cpu", projection=(0.1, 0.2)), live=False)
+    meter = CostMeter(p4d, 2, runs_on="cpu", projection=Projection((0.1, 0.2)))
+    board = Dashboard(config, meter, live=False)
     board.log({"step": 1, "total_steps": 4, "epoch": 0, "loss": 1.0, "lr": 0.1}, 1, 0)
     board.elapsed = 1.5
     header = board.header_text()
@@ -180,11 +183,40 @@ def test_a_run_after_an_estimate_is_projected_from_it(pool):
     assert "this run:" in summary and f"on cpu (not a {P4D}" in summary
     low, high = (4 * s for s in est.step_time_s)
     assert f"projected on 1 x {P4D}: {low:.3g}-{high:.3g} s" in summary
-    # an estimate of other options does not project this run, nor does none
+    # an estimate of other options does not project this run: the run makes its own
     other = sagenb.train(REGRESSION_CELL, estimate=est, **{**options, "steps": 2})
-    assert "projected on ml.p4d.24xlarge: no estimate" in other.summary()
-    plain = sagenb.train(REGRESSION_CELL, **options)
-    assert "projected on ml.p4d.24xlarge: no estimate" in plain.summary()
+    assert other.wait_for_projection(120), other.summary()
+    low, high = (2 * s for s in est.step_time_s)
+    assert f"projected on 1 x {P4D}: {low:.3g}-{high:.3g} s" in other.summary()
+
+
+def test_a_run_makes_its_own_projection_off_the_notebooks_process():
+    """sizing/projection.py: the estimate a run makes of itself runs in a child process, as
+    `sagenb.estimate` would in the notebook; a cell the estimate cannot run says why."""
+    config = TrainConfig(engines=2, batch_size=32, steps=4).with_engines(2)
+    first = Projection.start(Job.of(REGRESSION_CELL), config)
+    assert first.pending and first.why.startswith("estimating")
+    # a cell that only runs where a process group is up (the engines): its estimate fails;
+    # and it replaces the first, still pending: one child at a time
+    failing = Projection.start(Job.of(NEEDS_ENGINES_CELL), config)
+    assert not first.pending and first.why == (
+        "no estimate (a later run started before it was made)"
+    )
+    assert failing.wait(120)
+    made = Projection.start(Job.of(REGRESSION_CELL), config)
+    assert made.wait(120), made.why
+    expected = sagenb.estimate(REGRESSION_CELL, config).step_time_s
+    assert made.step_time_s == pytest.approx(expected, rel=1e-9)
+    assert failing.step_time_s is None
+    assert "AssertionError: the cell runs on engines only" in failing.why, failing.why
+    meter = CostMeter(instance_price(P4D), 2, runs_on="cpu", projection=failing)
+    assert meter.projected_on(4).startswith(f"projected on {P4D}: no estimate (AssertionError")
+
+
+NEEDS_ENGINES_CELL = REGRESSION_CELL + (
+    "\nimport torch.distributed as dist\n"
+    "assert dist.is_initialized(), 'the cell runs on engines only'\n"
+)
 
 
 def test_what_if_takes_its_absolute_speed_from_the_estimate(no_pool):

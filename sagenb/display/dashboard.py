@@ -116,6 +116,7 @@ class Dashboard:
         self.redraws = 0
         self._figure_widget: LiveFigure | None = None
         self._display = None
+        self._static_svg: str | None = None  # the finished run's figure, once left static
         if live if live is not None else _in_kernel():
             self._show()
 
@@ -252,6 +253,18 @@ class Dashboard:
         if self._figure_widget is not None:
             self._figure_widget.show_header(self._header_html())
 
+    def redraw_header(self) -> None:
+        """Draw the header again (the run's projection came): in the live dashboard, or in
+        the static copy a finished run left in its output."""
+        if self._static_svg is not None and self._display is not None:
+            bundle = {
+                "text/html": self.static_html(self._static_svg),
+                "text/plain": self.header_text(),
+            }
+            self._display.update(bundle, raw=True)
+        else:
+            self._redraw_header()
+
     def _redraw(self, every_second: bool = False) -> bool:
         """The header and, when new metrics came, the panels: all, or those drawn every
         second (the loss). Only the panels whose drawing changed travel. Returns whether
@@ -293,7 +306,7 @@ class Dashboard:
         if self._display is None or self._figure_widget is None:
             return
         widget = self._figure_widget  # finish() redrew every panel: its drawing is the run's
-        svg = widget.drawing.svg(widget.shown, css_class="smp-static")
+        svg = self._static_svg = widget.drawing.svg(widget.shown, css_class="smp-static")
         bundle = {"text/html": self.static_html(svg), "text/plain": self.header_text()}
         self._display.update(bundle, raw=True)
         self._figure_widget.close()

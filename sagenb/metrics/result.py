@@ -74,6 +74,16 @@ class TrainResult:
     #: builds the cell's model again in the kernel, for model() and save_pretrained(); None
     #: for a result made by hand
     model_source: ModelSource | None = field(default=None, repr=False)
+    #: the run's projection on --instance (sagenb.sizing.projection.Projection), which may
+    #: come after the run: `cost_label` takes it then
+    projection: Any = field(default=None, repr=False)
+
+    def wait_for_projection(self, timeout_s: float = 30.0) -> bool:
+        """Wait up to `timeout_s` for the projection on --instance that the run makes of
+        itself in the background (its estimate runs on CPU time the engines leave idle, so
+        on a busy machine it may come seconds after the run); whether it has come (or failed:
+        `cost_label` then says why). `summary()` never waits: it shows what is known."""
+        return self.projection is None or self.projection.wait(timeout_s)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The full trained model's state_dict, with the keys of `model.state_dict()`."""

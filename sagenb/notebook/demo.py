@@ -59,6 +59,7 @@ def main(argv: list[str] | None = None) -> None:
         )
     finally:
         sagenb.stop_pool()
+    result.wait_for_projection()  # its own estimate, made while the engines trained
     print(result.summary())
     print(f"first step after {result.time_to_first_step_s:.2f} s on the warm pool")
     for step, loss in result.eval_losses:

@@ -44,6 +44,7 @@ from sagenb.run.failures import (
 from sagenb.run.output import RankOutput
 from sagenb.run.trained import CellModel
 from sagenb.sizing.cost import CostMeter, check_price, meter_for
+from sagenb.sizing.projection import Projection
 
 if TYPE_CHECKING:
     from sagenb.sizing.estimates import Estimate
@@ -79,8 +80,8 @@ def train(
     `on_failure(kind)` is called when the notebook notices a failure ("rank failed", "stalled",
     "controller died", "interrupted"), before it stops the ranks. `estimate` (from
     `sagenb.estimate` or `%%smp_plan`) projects the run on --instance ("projected on I") when it
-    estimated this job with these options; a run never makes one itself, as that would run the
-    cell in the notebook.
+    estimated this job with these options; otherwise the run estimates itself in a child
+    process while the engines train (sagenb/sizing/projection.py).
     """
     if config is None:
         config = TrainConfig(**options)
@@ -140,11 +141,12 @@ class _Run:
         *,
         live: bool | None = None,
         on_failure: Callable[[str], None] | None = None,
-        projection: tuple[float, float] | None = None,
+        projection: Projection | None = None,
     ) -> None:
         self.pool, self.config, self.job = pool, config, job
         self.on_failure = on_failure
         self.engines = config.engines or pool.size
+        self.projection = projection
         self.cost = meter_for(config, self.engines, runs_on=_runs_on(pool), projection=projection)
         self.history = History(self.engines, config.batch_size)
         self.dashboard = (
@@ -224,7 +226,7 @@ class _Run:
         unsaved = any(r.end_error is not None for r in results)
         status = "failed" if unsaved else self._status(results)
         self._close_sinks(status=status)
-        result = self._result(results, status=status)
+        result = self._when_projected(self._result(results, status=status))
         self._end_errors(results, result)
         return result
 
@@ -587,6 +589,20 @@ class _Run:
         if self.ended is None:
             self.ended = time.perf_counter()
 
+    def _when_projected(self, result: TrainResult) -> TrainResult:
+        """The run's projection, made in the background, may come after the run: the
+        result's cost label and the dashboard's header take it when it does."""
+
+        def projected() -> None:
+            result.cost_label = self._cost(result.wall_time_s)[1]
+            if self.dashboard is not None:
+                self.dashboard.redraw_header()
+
+        result.projection = self.projection
+        if self.projection is not None and self.projection.pending:
+            self.projection.on_end(projected)
+        return result
+
     def _close_sinks(self, *, status: str) -> None:
         self._mark_end()
         assert self.ended is not None  # _mark_end just set it
@@ -625,14 +641,13 @@ def _runs_on(pool: cluster.EnginePool) -> str | None:
     return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
 
 
-def _projection(
-    estimate: Estimate | None, job: Job, config: TrainConfig
-) -> tuple[float, float] | None:
-    """Seconds per step on --instance from `estimate`, when it estimated this job with these
-    options (engines resolved)."""
-    if estimate is None or not estimate.describes(job, config):
-        return None
-    return estimate.step_time_s
+def _projection(estimate: Estimate | None, job: Job, config: TrainConfig) -> Projection:
+    """Seconds per step on --instance: from `estimate` when it estimated this job with these
+    options (engines resolved), else from the run's own estimate, made in a child process
+    while the engines train (sizing/projection.py)."""
+    if estimate is not None and estimate.describes(job, config):
+        return Projection(estimate.step_time_s)
+    return Projection.start(job, config)
 
 
 def _make_dashboard(config: TrainConfig, cost: CostMeter, history: History, live: bool | None):

@@ -16,7 +16,7 @@ import stat
 from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
-from typing import Any, TypeGuard
+from typing import Any, Protocol, TypeGuard
 
 __all__ = [
     "InstancePrice",
@@ -144,6 +144,18 @@ def instance_price(
     )
 
 
+#: "projected on I: ..." when no estimate of the run was made
+NO_ESTIMATE = "no estimate (%%smp_plan with the same flags)"
+
+
+class Projected(Protocol):
+    """Seconds per step on the instance, (low, high), once known, and why not when not
+    (sagenb.sizing.projection.Projection)."""
+
+    step_time_s: tuple[float, float] | None
+    why: str
+
+
 #: Managed spot training's saving assumed when none is given. AWS quotes "up to 90%" against
 #: on-demand; 70% is a middle figure, not a promise: pass your own to CostMeter.
 SPOT_DISCOUNT = 0.7
@@ -159,9 +171,9 @@ class CostMeter:
     #: what the engines run on: "cpu" or the GPU's name (None: not known). The measured time
     #: is billed at the instance's price only when that is the instance's kind of hardware.
     runs_on: str | None = None
-    #: seconds per step on the instance, (low, high), from an estimate of this job with
-    #: these options (sagenb.estimate / %%smp_plan); None when none was made
-    projection: tuple[float, float] | None = None
+    #: seconds per step on the instance from an estimate of this job with these options
+    #: (sagenb.estimate / %%smp_plan, or the run's own, made in the background); None: none
+    projection: Projected | None = None
 
     @property
     def billed_here(self) -> bool:
@@ -187,9 +199,11 @@ class CostMeter:
         """'projected on I': the estimate's step time x this run's steps, with the measured
         progress (steps done of steps_total)."""
         name = self.price.name
-        if self.projection is None or steps_total <= 0:
-            return f"projected on {name}: no estimate (%%smp_plan with the same flags)"
-        low, high = (steps_total * s for s in self.projection)
+        step_time_s = self.projection.step_time_s if self.projection is not None else None
+        if step_time_s is None or steps_total <= 0:
+            why = self.projection.why if self.projection is not None else NO_ESTIMATE
+            return f"projected on {name}: {why}"
+        low, high = (steps_total * s for s in step_time_s)
         done = f", {steps_done}/{steps_total} steps done" if steps_done else ""
         return (
             f"projected on {self.instances} x {name}: {low:.3g}-{high:.3g} s, "
@@ -244,7 +258,7 @@ def meter_for(
     engines: int,
     *,
     runs_on: str | None = None,
-    projection: tuple[float, float] | None = None,
+    projection: Projected | None = None,
 ) -> CostMeter:
     """The cost meter a run with `config` on `engines` engines uses (ConfigError for an
     instance or price table it cannot use, as check_price)."""

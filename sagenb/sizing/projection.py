@@ -1,0 +1,194 @@
+"""The projection on --instance of a run that no `%%smp_plan` estimated: `sagenb.estimate`
+with the run's own options, made in a child process while the engines train (issue 31).
+
+A run's header and `result.summary()` say "projected on I: ... s, $..." from it. The child, not
+the notebook's process, runs the cell on fake tensors: nothing the cell does (its prints, its
+seeding, its patches to torch) reaches the kernel, and the kernel's threads are never blocked.
+It runs at the lowest CPU priority Linux has (SCHED_IDLE, sched(7)), so on a machine whose cores
+the engines keep busy it takes only the time they leave idle, and it is SIGKILLed when the
+kernel dies (prctl PR_SET_PDEATHSIG). A slow or failing estimate never stops the run: the
+header then says why there is no projection.
+
+    python -m sagenb.sizing.projection   # reads a pickled (Job, TrainConfig) on stdin
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import subprocess
+import sys
+import threading
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from sagenb.sizing.cost import NO_ESTIMATE
+
+__all__ = ["Projection"]
+
+#: most seconds the child may take; past them it is ended and the header says so
+ESTIMATE_TIMEOUT_S = 600.0
+
+
+class Projection:
+    """Seconds per step on --instance, (low, high), once known: given (an estimate the
+    notebook already has) or made by a child process (`start`). `why` says why there is none
+    yet, or none at all."""
+
+    def __init__(self, step_time_s: tuple[float, float] | None = None, why: str = NO_ESTIMATE):
+        self.step_time_s = step_time_s
+        self.why = why
+        self._done = threading.Event()
+        self._lock = threading.Lock()
+        self._listeners: list[Callable[[], None]] = []
+        self._child: subprocess.Popen[bytes] | None = None
+        if step_time_s is not None:
+            self._done.set()
+
+    @classmethod
+    def start(cls, job: Any, config: Any) -> Projection:
+        """Estimate `job` with `config` (engines resolved) in a child process, now."""
+        projection = cls(why="estimating (in the background)")
+        global _latest
+        with _starting:  # one estimate at a time: a run's own is moot once the next starts
+            if _latest is not None:
+                _latest.cancel("no estimate (a later run started before it was made)")
+            _latest = projection
+        try:
+            projection._child = subprocess.Popen(
+                [sys.executable, "-m", __name__],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                env=_child_env(),
+            )
+        except OSError as err:
+            projection._end(None, f"no estimate (its process did not start: {err})")
+            return projection
+        payload = pickle.dumps((job, config))
+        threading.Thread(
+            target=projection._follow, args=(payload,), name="sagenb-projection", daemon=True
+        ).start()
+        return projection
+
+    @property
+    def pending(self) -> bool:
+        return not self._done.is_set()
+
+    def wait(self, timeout_s: float) -> bool:
+        """Wait up to `timeout_s` for the estimate; whether it has ended (made or failed)."""
+        return self._done.wait(timeout_s)
+
+    def cancel(self, why: str) -> None:
+        """No estimate after all, for `why`: the child is ended (a run that failed, or that
+        stopped waiting for the figure)."""
+        self._end(None, why)
+        child = self._child
+        if child is not None and child.poll() is None:
+            child.kill()
+
+    def _follow(self, payload: bytes) -> None:
+        child = self._child
+        assert child is not None  # start made it before this thread
+        try:
+            out, _ = child.communicate(payload, timeout=ESTIMATE_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            child.kill()
+            child.communicate()
+            self._end(None, f"no estimate (it took over {ESTIMATE_TIMEOUT_S:.0f} s)")
+            return
+        except OSError as err:  # the child died before reading its input
+            self._end(None, f"no estimate (its process failed: {err})")
+            return
+        self._end(*_answer(out, child.returncode))
+
+    def on_end(self, listener: Callable[[], None]) -> None:
+        """Call `listener()` once the estimate has ended (now, if it has), from the thread
+        that ends it: the run's result and its dashboard take the figure when it comes."""
+        with self._lock:
+            if not self._done.is_set():
+                self._listeners.append(listener)
+                return
+        _tell(listener)
+
+    def _end(self, step_time_s: tuple[float, float] | None, why: str) -> None:
+        with self._lock:  # the first end stays (a cancel, then the killed child's exit)
+            if self._done.is_set():
+                return
+            self.step_time_s, self.why = step_time_s, why
+            self._done.set()
+            listeners, self._listeners = self._listeners, []
+        for listener in listeners:
+            _tell(listener)
+
+
+#: the latest run's own estimate, and the lock its replacement takes
+_latest: Projection | None = None
+_starting = threading.Lock()
+
+
+def _tell(listener: Callable[[], None]) -> None:
+    try:
+        listener()
+    except Exception as err:  # noqa: BLE001 - a figure that could not be shown loses no run
+        warnings.warn(f"sagenb: the projection could not be shown: {err!r}", stacklevel=1)
+
+
+def _answer(out: bytes, returncode: int) -> tuple[tuple[float, float] | None, str]:
+    try:
+        answer = json.loads(out.decode() or "{}")
+    except ValueError:
+        answer = {}
+    if "step_time_s" in answer:
+        low, high = answer["step_time_s"]
+        return (float(low), float(high)), ""
+    error = answer.get("error") or f"its process exited with {returncode}"
+    return None, f"no estimate ({error}; %%smp_plan with the same flags says more)"
+
+
+def _child_env() -> dict[str, str]:
+    """This process's environment, with the folder sagenb was imported from on the path (a
+    checkout used without installing it, as the tests do)."""
+    env = dict(os.environ)
+    root = str(Path(__file__).resolve().parents[2])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+    return env
+
+
+def _lowest_priority() -> None:
+    """Run only on CPU time nothing else wants (SCHED_IDLE), or at nice 19 where that policy
+    is missing; and die with the parent."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError):
+        os.nice(19)
+    if sys.platform.startswith("linux"):
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG = 1
+
+
+def main() -> None:
+    _lowest_priority()
+    try:
+        job, config = pickle.loads(sys.stdin.buffer.read())
+        from sagenb.sizing.estimates import estimate
+
+        # the cell's prints stay out of the answer on stdout
+        real_stdout, sys.stdout = sys.stdout, sys.stderr
+        try:
+            made = estimate(job, config)
+        finally:
+            sys.stdout = real_stdout
+        answer: dict[str, Any] = {"step_time_s": list(made.step_time_s)}
+    except Exception as err:  # noqa: BLE001 - whatever failed is the header's reason
+        answer = {"error": f"{type(err).__name__}: {err}".splitlines()[0][:300]}
+    print(json.dumps(answer), flush=True)
+
+
+if __name__ == "__main__":
+    main()
