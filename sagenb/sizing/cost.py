@@ -207,7 +207,7 @@ class CostMeter:
         done = f", {steps_done}/{steps_total} steps done" if steps_done else ""
         return (
             f"projected on {self.instances} x {name}: {low:.3g}-{high:.3g} s, "
-            f"${self.cost(low):.4f}-${self.cost(high):.4f} (estimate{done})"
+            f"{_usd(self.cost(low))}-{_usd(self.cost(high))} (estimate{done})"
         )
 
     def spot(self, on_demand_usd: float) -> float:
@@ -232,6 +232,12 @@ class CostMeter:
             f"${self.cost(elapsed_s):.4f} on {self.instances} x {self.price.name} "
             f"(${self.price.usd_per_hour:.3f}/h, price as of {self.price.as_of})"
         )
+
+
+def _usd(amount: float) -> str:
+    """Dollars to the cent's hundredth; a smaller amount (a toy model's projection on a large
+    instance) in two significant digits, not as $0.0000."""
+    return f"${amount:.4f}" if amount == 0 or amount >= 1e-4 else f"${amount:.2g}"
 
 
 def check_price(config: Any) -> InstancePrice:
