@@ -246,6 +246,31 @@ def test_activations_are_counted_on_a_runs_first_steps_and_then_sampled():
     assert seen[31] == seen[30] and seen[40] == seen[21]  # the last step is counted
 
 
+def test_saved_activations_stop_counting_when_autograd_drops_them_unused():
+    """A forward whose graph is dropped without a backward (PipelineStage's shape inference
+    on a first stage, an evaluation run with grad on) holds its saved tensors until the graph
+    goes, not for the rest of the step: a count released only by unpacking kept them, and the
+    hooks holding a saved output undetached kept the graph itself alive (a leak)."""
+    from sagenb.engine.memory import MemoryMeter
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    meter = MemoryMeter(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.device("cpu"))
+    meter.start_step(1, 2)
+    with meter.track():
+        dropped = model(torch.randn(4, 8)).sum()
+        one = meter._current
+        assert one > 0
+        del dropped  # its graph, and the tensors it saved, go now: no cycle holds them
+        assert meter._current == 0
+        model(torch.randn(4, 8)).sum().backward()
+    assert meter._current == 0 and meter.peak_activations == one
+    with meter.track():
+        leftover = model(torch.randn(4, 8)).sum()  # packed in step 1's count
+    meter.start_step(2, 2)
+    del leftover
+    assert meter._current == 0  # not taken off step 2's
+
+
 @pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
 def test_prefetching_schedule_posts_receives_first_and_pairs_them_in_order(kind):
     """Each stage posts all of its receives before its first compute; the receives from a

@@ -48,10 +48,26 @@ def _storage_of(tensor: torch.Tensor) -> tuple[int, int]:
 
 
 class _Saved:
-    __slots__ = ("tensor", "key")
+    """A tensor autograd saved for backward, as the meter packed it. It stops counting when
+    backward unpacks it, or, if no backward ever does, when autograd drops it: PipelineStage's
+    metadata inference (at a pipeline's first step) runs the first stage forward with grad and
+    then drops that graph unused, which a count kept only by unpacking took for one more
+    microbatch held all step (issue 31)."""
 
-    def __init__(self, tensor: torch.Tensor, key: int | None) -> None:
-        self.tensor, self.key = tensor, key
+    __slots__ = ("tensor", "key", "meter", "generation")
+
+    def __init__(
+        self,
+        tensor: torch.Tensor,
+        key: int | None,
+        meter: MemoryMeter | None = None,
+        generation: int = 0,
+    ) -> None:
+        self.tensor, self.key, self.meter, self.generation = tensor, key, meter, generation
+
+    def __del__(self) -> None:
+        if self.key is not None and self.meter is not None:
+            self.meter._release(self)
 
 
 class MemoryMeter:
@@ -69,6 +85,7 @@ class MemoryMeter:
         self._param_storages = {self._storage_of(p)[0] for p in self._params}
         self._live: dict[int, list[int]] = {}  # storage ptr -> [bytes, references]
         self._current = 0
+        self._generation = 0  # the count a saved tensor was packed in (start_step begins one)
         self.peak_activations = 0
         self.counting = True
         self._started = 0  # steps begun in this run (a resumed run starts past step 1)
@@ -95,16 +112,26 @@ class MemoryMeter:
             self.peak_activations = max(self.peak_activations, self._current)
         else:
             entry[1] += 1
-        return _Saved(tensor, key)
+        # detached: the live tensor of a saved output refers to its grad_fn, which owns this
+        # object, a cycle no collector breaks when backward never runs (torch's docs on saved
+        # tensor hooks, pytorch/pytorch#189025); autograd restores the grad_fn on unpack
+        return _Saved(tensor.detach(), key, self, self._generation)
 
     def _unpack(self, saved: _Saved) -> torch.Tensor:
-        key = saved.key
-        if key is not None and (entry := self._live.get(key)) is not None:
+        self._release(saved)
+        return saved.tensor
+
+    def _release(self, saved: _Saved) -> None:
+        """`saved` no longer counts: unpacked (a second unpack, under retain_graph, counts
+        nothing), or dropped unpacked; one packed before the step's count began, nothing."""
+        key, saved.key = saved.key, None
+        if key is None or saved.generation != self._generation:
+            return
+        if (entry := self._live.get(key)) is not None:
             entry[1] -= 1
             if entry[1] == 0:
                 self._current -= entry[0]
                 del self._live[key]
-        return saved.tensor
 
     def track(self) -> AbstractContextManager:
         """Wraps each forward+backward of the step; counts saved activations when counting."""
@@ -117,6 +144,7 @@ class MemoryMeter:
         self._started += 1
         self.counting = self._started <= 3 or step % COUNT_EVERY == 0 or step == last
         if self.counting:
+            self._generation += 1
             self._live.clear()
             self._current = 0
             self.peak_activations = 0

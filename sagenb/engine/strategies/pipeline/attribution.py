@@ -25,6 +25,7 @@ from sagenb.engine.strategies.attribution import (
 from sagenb.engine.strategies.pipeline.balance import static_profile
 from sagenb.engine.strategies.pipeline.cuts import choose_cuts
 from sagenb.engine.strategies.pipeline.partition import split_model
+from sagenb.engine.strategies.pipeline.prefetch_schedule import compute_order
 
 if TYPE_CHECKING:
     from sagenb.config.options import EngineConfig
@@ -95,19 +96,23 @@ def _boundary(trace: Trace, starts: list[int], s: int) -> float:
 
 
 def _in_flight(cfg: EngineConfig, position: int) -> float:
-    """Microbatches whose activations one engine holds at once, per stage it runs: GPipe
-    all M; 1F1B P - position (its warm-up, Narayanan et al. 2021, arXiv:2104.04473, 2.2),
-    plus one on the first stage (measured, below); interleaved, torch's warm-up of
-    (v - 1) P + 2 (P - 1 - position) + 1 chunk-microbatches spread over the v chunks (an
-    approximation, not measured)."""
+    """Microbatches whose activations one engine holds at once, per stage it runs.
+
+    GPipe and 1F1B: the most forwards not yet matched by their backward along the compute
+    order the engines run (prefetch_schedule.compute_order, torch's own order: GPipe all M,
+    1F1B P - position, its warm-up; Narayanan et al. 2021, arXiv:2104.04473, 2.2).
+    Interleaved: torch's warm-up of (v - 1) P + 2 (P - 1 - position) + 1 chunk-microbatches
+    spread over the v chunks (an approximation, not measured).
+
+    The engines once counted one microbatch more on the first stage, at the first step: the
+    shape inference PipelineStage runs there (a forward with grad, then dropped) was kept
+    alive by the memory meter's own hooks, a leak engine/memory.py no longer has (issue 31)."""
     M, P = cfg.microbatches, cfg.partitions
-    if cfg.schedule == "gpipe":
-        return float(M)
     if cfg.schedule == "interleaved":
         v = cfg.stages // P
         return min(M * v, (v - 1) * P + 2 * (P - 1 - position) + 1) / v
-    # the engines count one microbatch more on the first stage than its warm-up holds, even
-    # beyond M (measured, benchmarks/results/estimate_accuracy.md: 3 for P = 2, M = 4; 5 for
-    # P = 4, M = 4; the later stages hold exactly P - position). Not explained yet: saved
-    # tensors of finished microbatches the hooks never see unpacked, most likely
-    return float(min(M, P - position) + (position == 0))
+    held = most = 0
+    for op, _ in compute_order(cfg.schedule, P, M, position):
+        held += 1 if op == "F" else -1
+        most = max(most, held)
+    return float(most)
