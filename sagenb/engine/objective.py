@@ -26,6 +26,7 @@ late 2024 (transformers issue #34242): averaging per-slice means over-weights sh
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -210,9 +211,19 @@ def _shifts_labels(model: nn.Module) -> bool:
     """Whether the model's own loss is transformers' causal-LM loss, which predicts token t + 1
     from token t: the loss_function of the model (or of its first submodule that has one),
     the callable its forward uses (transformers' loss/loss_utils.py, LOSS_MAPPING; a model
-    whose class names no head, GPT2LMHeadModel among them, gets ForCausalLMLoss)."""
+    whose class names no head, GPT2LMHeadModel among them, gets ForCausalLMLoss), when its
+    forward calls it. An encoder-decoder such as T5 or BART is given ForCausalLMLoss too (by
+    its class name, ...ForConditionalGeneration) but computes cross_entropy itself, on labels
+    aligned with its logits (its decoder reads them shifted right): nothing is dropped."""
     for module in model.modules():
         if hasattr(type(module), "loss_function") and hasattr(module, "config"):
             found = getattr(module, "loss_function", None)
-            return getattr(found, "__name__", None) == "ForCausalLMLoss"
+            causal = getattr(found, "__name__", None) == "ForCausalLMLoss"
+            return causal and _reads(type(module).forward, "loss_function")
     return False
+
+
+def _reads(function: Any, name: str) -> bool:
+    """Whether `function`'s own code (under its decorators) reads an attribute `name`."""
+    code = getattr(inspect.unwrap(function), "__code__", None)
+    return code is None or name in code.co_names
