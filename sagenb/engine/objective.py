@@ -16,7 +16,8 @@ compute it, however the batch is cut into engines' shares, grad-accum slices and
 A mean-reduced loss over a piece is weighted by the targets it counted: integer targets count
 their entries other than -100 (cross_entropy's `ignore_index`: padding, prompts), after the
 first position of each sequence when the loss is a transformers causal LM's own (it predicts
-token t + 1 from token t: the model's `loss_function` is transformers' `ForCausalLMLoss`);
+token t + 1 from token t: the model's `loss_function` is transformers' `ForCausalLMLoss`, and
+its forward calls it; T5 and BART compute cross_entropy on aligned labels themselves);
 other targets count samples. So a language-model or token-classification head counts its
 tokens, a sequence or image classifier (one integer label a sample, or a row of floats for
 multi-label and regression) its samples. Weighting each piece by its own count

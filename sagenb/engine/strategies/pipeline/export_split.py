@@ -13,12 +13,15 @@ batch) does not run through them. What is then tidied, so that the stages behave
 
 * Pipe lets stage k read values made by any earlier stage (a Llama's rotary cos/sin and its
   mask, made before block 0, reach every stage); PipelineStage receives from the previous stage
-  only, so each stage is rewrapped to pass on what later stages still need (_relay);
+  only, so each stage is rewrapped to pass on what later stages still need (_relay), the
+  model's output leaves included (an encoder-decoder returns its encoder's output);
 
 * a weight tied across stages (an embedding and its output head) is deep-copied into every
   stage that uses it (Pipe.__init__, "replicated params"): each copy starts equal and
-  Pipeline._setup_tied sums their gradients. A tied name that no stage holds after the tidy
-  below is added to a stage holding the weight, so the stages' state_dicts name every key;
+  Pipeline._setup_tied sums their gradients. A stage reading it under two names (the
+  encoder's and the decoder's embedding) is left one copy (_tie_within). A tied name that
+  no stage holds after the tidy below is added to a stage holding the weight, so the
+  stages' state_dicts name every key;
 * other unused parameters and buffers are dropped, and buffers the model keeps out of its
   state_dict (persistent=False, e.g. rotary inv_freq) are made non-persistent again, so the
   stages' state_dict keys are the model's.
