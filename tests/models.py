@@ -242,6 +242,8 @@ def make_optimizer(params):
     return torch.optim.SGD(params, lr=0.5)
 """
 TOKENS = '"input_ids": ids[i], "attention_mask": mask'
+#: an encoder-decoder's targets: the input reversed, 4 to 8 of them, -100 after
+SEQ2SEQ_LABELS = "torch.where(pos < cut[i] + 3, ids[i].flip(0), -100)"
 #: labels of -100 where no target is: a prompt, the padding, or (masked LM) unmasked tokens
 HEADS = {
     "sequence": (
@@ -280,6 +282,24 @@ HEADS = {
         + LLAMA.format(n=2, tie=False)[:-1]
         + ", num_labels=3, pad_token_id=0))",
         f"{{{TOKENS}, 'labels': ids[i].sum() % 3}}",
+    ),
+    # encoder-decoders: labels (the decoder's targets, read shifted right as its inputs) of
+    # a length of their own, -100 after it; the tied embedding is used by encoder, decoder and
+    # head. Two blocks each in the encoder and the decoder.
+    "t5": (
+        "T.T5ForConditionalGeneration(T.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, "
+        "num_layers=2, num_decoder_layers=2, num_heads=4, dropout_rate=0.0, "
+        "decoder_start_token_id=0, pad_token_id=0))",
+        f"{{{TOKENS}, 'labels': {SEQ2SEQ_LABELS}}}",
+    ),
+    "bart": (
+        "T.BartForConditionalGeneration(T.BartConfig(vocab_size=64, d_model=32, "
+        "encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, "
+        "decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, "
+        "max_position_embeddings=16, dropout=0.0, attention_dropout=0.0, "
+        "activation_dropout=0.0, pad_token_id=1, bos_token_id=0, eos_token_id=2, "
+        "decoder_start_token_id=2, forced_eos_token_id=None))",
+        f"{{{TOKENS}, 'labels': {SEQ2SEQ_LABELS}}}",
     ),
 }
 

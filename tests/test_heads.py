@@ -79,11 +79,18 @@ def test_last_exported_stage_returns_the_models_output(head):
 
 @pytest.mark.parametrize(
     ("head", "shifted", "counted"),
-    [("causal-lm", True, None), ("masked-lm", False, None), ("regression", False, 4)],
+    [
+        ("causal-lm", True, None),
+        ("masked-lm", False, None),
+        ("regression", False, 4),
+        ("t5", False, None),
+    ],
 )
 def test_each_head_counts_what_its_loss_averages(head, shifted, counted):
     """Tokens other than -100 (after the shift for GPT-2, whose class names no head: its
-    loss_function is the causal LM's all the same), samples for a regression head."""
+    loss_function is the causal LM's all the same), samples for a regression head; T5's
+    labels are aligned with its logits (it is given the causal LM's loss_function by its
+    class name, ...ForConditionalGeneration, but its forward computes cross_entropy itself)."""
     ns = namespace(head_cell(head), 0)
     data = batch(ns["dataset"], torch.arange(4))
     objective = Objective.build(ns["model"], None, ns["dataset"][0])

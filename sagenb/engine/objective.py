@@ -16,7 +16,8 @@ compute it, however the batch is cut into engines' shares, grad-accum slices and
 A mean-reduced loss over a piece is weighted by the targets it counted: integer targets count
 their entries other than -100 (cross_entropy's `ignore_index`: padding, prompts), after the
 first position of each sequence when the loss is a transformers causal LM's own (it predicts
-token t + 1 from token t: the model's `loss_function` is transformers' `ForCausalLMLoss`);
+token t + 1 from token t: the model's `loss_function` is transformers' `ForCausalLMLoss`, and
+its forward calls it; T5 and BART compute cross_entropy on aligned labels themselves);
 other targets count samples. So a language-model or token-classification head counts its
 tokens, a sequence or image classifier (one integer label a sample, or a row of floats for
 multi-label and regression) its samples. Weighting each piece by its own count
@@ -26,6 +27,7 @@ late 2024 (transformers issue #34242): averaging per-slice means over-weights sh
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -210,9 +212,19 @@ def _shifts_labels(model: nn.Module) -> bool:
     """Whether the model's own loss is transformers' causal-LM loss, which predicts token t + 1
     from token t: the loss_function of the model (or of its first submodule that has one),
     the callable its forward uses (transformers' loss/loss_utils.py, LOSS_MAPPING; a model
-    whose class names no head, GPT2LMHeadModel among them, gets ForCausalLMLoss)."""
+    whose class names no head, GPT2LMHeadModel among them, gets ForCausalLMLoss), when its
+    forward calls it. An encoder-decoder such as T5 or BART is given ForCausalLMLoss too (by
+    its class name, ...ForConditionalGeneration) but computes cross_entropy itself, on labels
+    aligned with its logits (its decoder reads them shifted right): nothing is dropped."""
     for module in model.modules():
         if hasattr(type(module), "loss_function") and hasattr(module, "config"):
             found = getattr(module, "loss_function", None)
-            return getattr(found, "__name__", None) == "ForCausalLMLoss"
+            causal = getattr(found, "__name__", None) == "ForCausalLMLoss"
+            return causal and _reads(type(module).forward, "loss_function")
     return False
+
+
+def _reads(function: Any, name: str) -> bool:
+    """Whether `function`'s own code (under its decorators) reads an attribute `name`."""
+    code = getattr(inspect.unwrap(function), "__code__", None)
+    return code is None or name in code.co_names

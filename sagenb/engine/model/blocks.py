@@ -4,7 +4,12 @@ activation checkpointing recomputes and FSDP shards.
 Found by walking the module tree, first rule that applies:
 1. the root is an `nn.Sequential`: its children;
 2. the model holds an `nn.ModuleList` of two or more modules: the items of the largest one,
-   however deep it sits (a GPT's transformer blocks, `model.layers` of a transformers Llama);
+   however deep it sits (a GPT's transformer blocks, `model.layers` of a transformers Llama),
+   lists inside another list's items left out (a T5 block's list of sub-layers). An
+   encoder-decoder holds two such stacks, one in each of two sibling modules under the same
+   name (T5's `encoder.block` and `decoder.block`, BART's `model.encoder.layers` and
+   `model.decoder.layers`): the blocks are then the first stack's, then the second's, in the
+   order the modules were registered (the order their forward calls them);
 3. otherwise the children of the top-most `nn.Sequential` containers (those inside no other
    Sequential), concatenated in the order the modules were registered: a torchvision-style
    ResNet gives layer1.0, layer1.1, layer2.0, ... (torchvision's `_make_layer` builds each
@@ -55,6 +60,10 @@ def find_blocks(model: nn.Module) -> Blocks:
     if isinstance(model, nn.Sequential):
         return Blocks(tuple(_children("", model)), ("",))
     lists = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.ModuleList)]
+    stacks = _stacks(lists)
+    if stacks:
+        names = [name for path_, stack in stacks for name in _children(path_, stack)]
+        return Blocks(tuple(names), tuple(path_ for path_, _ in stacks))
     path, largest = max(lists, key=lambda item: len(item[1]), default=("", None))
     if largest is not None and len(largest) > 1:
         return Blocks(tuple(_children(path, largest)), (path,))
@@ -69,6 +78,31 @@ def find_blocks(model: nn.Module) -> Blocks:
         "an nn.Sequential nor built around an nn.ModuleList of blocks or nn.Sequential "
         "stages of blocks (as a ResNet's layer1..layer4); hold the repeated blocks in one"
     )
+
+
+def _stacks(lists: list[tuple[str, nn.ModuleList]]) -> list[tuple[str, nn.ModuleList]]:
+    """The largest list of two or more modules inside no other list's items, with the lists
+    of the same name in its holder's siblings (an encoder's and a decoder's stacks), in
+    registration order; [] when the largest such list holds fewer than two."""
+    top = [(p, m) for p, m in lists if not any(_inside(p, other) for other, _ in lists)]
+    path, largest = max(top, key=lambda item: len(item[1]), default=("", None))
+    if largest is None or len(largest) < 2:
+        return []
+    holder, _, attr = path.rpartition(".")
+    if not holder:  # held by the root: no sibling can hold another stack
+        return [(path, largest)]
+    parent = holder.rpartition(".")[0]
+
+    def sibling(p: str) -> bool:
+        other, _, name = p.rpartition(".")
+        return name == attr and bool(other) and other.rpartition(".")[0] == parent
+
+    return [(p, m) for p, m in top if p == path or (sibling(p) and len(m) > 1)]
+
+
+def _inside(path: str, other: str) -> bool:
+    """Whether the module at `path` sits strictly inside the one at `other`."""
+    return path != other and (other == "" or path.startswith(f"{other}."))
 
 
 def _top_sequentials(model: nn.Module) -> list[tuple[str, nn.Sequential]]:

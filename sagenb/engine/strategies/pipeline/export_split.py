@@ -13,12 +13,15 @@ batch) does not run through them. What is then tidied, so that the stages behave
 
 * Pipe lets stage k read values made by any earlier stage (a Llama's rotary cos/sin and its
   mask, made before block 0, reach every stage); PipelineStage receives from the previous stage
-  only, so each stage is rewrapped to pass on what later stages still need (_relay);
+  only, so each stage is rewrapped to pass on what later stages still need (_relay), the
+  model's output leaves included (an encoder-decoder returns its encoder's output);
 
 * a weight tied across stages (an embedding and its output head) is deep-copied into every
   stage that uses it (Pipe.__init__, "replicated params"): each copy starts equal and
-  Pipeline._setup_tied sums their gradients. A tied name that no stage holds after the tidy
-  below is added to a stage holding the weight, so the stages' state_dicts name every key;
+  Pipeline._setup_tied sums their gradients. A stage reading it under two names (the
+  encoder's and the decoder's embedding) is left one copy (_tie_within). A tied name that
+  no stage holds after the tidy below is added to a stage holding the weight, so the
+  stages' state_dicts name every key;
 * other unused parameters and buffers are dropped, and buffers the model keeps out of its
   state_dict (persistent=False, e.g. rotary inv_freq) are made non-persistent again, so the
   stages' state_dict keys are the model's.
@@ -73,7 +76,9 @@ def export_stages(
 def _relay(pipe: Pipe, out_spec: Any) -> list[nn.Module]:
     """Stage modules that take only the previous stage's outputs and pass on, after their own
     outputs, every earlier value a later stage reads. The last returns what the model returns
-    (`out_spec`: how export flattened it), a ModelOutput with its `loss` when given labels."""
+    (`out_spec`: how export flattened it), a ModelOutput with its `loss` when given labels;
+    its leaves may come from any stage (an encoder-decoder's `encoder_last_hidden_state` is
+    the encoder's), so those are carried to the last stage too."""
     top = list(pipe.split_gm.graph.nodes)
     calls = [n for n in top if n.op == "call_module"]
     stage_of = {n: k for k, n in enumerate(calls)}
@@ -83,8 +88,10 @@ def _relay(pipe: Pipe, out_spec: Any) -> list[nn.Module]:
             return (stage_of[node.args[0]], node.args[1])
         return (stage_of[node], None) if node in stage_of else ("input", node.name)
 
+    returned = next(n for n in top if n.op == "output").args[0]
+    leaves = [source(a) for a in (returned if isinstance(returned, (tuple, list)) else [returned])]
     needs = [[source(a) for a in call.args] for call in calls]
-    last_use = {v: k for k, vs in enumerate(needs) for v in vs}
+    last_use = {v: k for k, vs in enumerate([*needs, leaves]) for v in vs}
     carried = [("input", n.name) for n in top if n.op == "placeholder"]
     stages: list[nn.Module] = []  # GraphModules, typed as split_model gives them
     for k in range(len(calls)):
@@ -99,13 +106,13 @@ def _relay(pipe: Pipe, out_spec: Any) -> list[nn.Module]:
         }
         inner = {p: env[v] for p, v in zip(_placeholders(module), needs[k])}
         result = graph.graph_copy(module.graph, inner)
-        if k == len(calls) - 1:
-            graph.output(_unflattened(graph, module, result, out_spec))
+        if isinstance(result, (tuple, list)):  # the stage's outputs, one key each
+            env.update({(k, j): out for j, out in enumerate(result)})
         else:
-            if isinstance(result, (tuple, list)):  # the stage's outputs, one key each
-                env.update({(k, j): out for j, out in enumerate(result)})
-            else:
-                env[(k, None)] = result
+            env[(k, None)] = result
+        if k == len(calls) - 1:
+            graph.output(_unflattened(graph, module, [env[v] for v in leaves], out_spec))
+        else:
             carried = [v for v in env if last_use.get(v, -1) > k]
             # sent as they are: an expanded view (ViT's attention mask, strides of 0) is
             # refused by send, so each goes out contiguous (a no-op for the others)
@@ -116,10 +123,9 @@ def _relay(pipe: Pipe, out_spec: Any) -> list[nn.Module]:
     return stages
 
 
-def _unflattened(graph: fx.Graph, module: nn.Module, result: Any, out_spec: Any) -> fx.Node:
-    """The model's output structure from the last stage's outputs (export's flattened leaves,
-    in order); the spec is kept on the stage as a plain attribute the graph reads."""
-    leaves = list(result) if isinstance(result, (tuple, list)) else [result]
+def _unflattened(graph: fx.Graph, module: nn.Module, leaves: list, out_spec: Any) -> fx.Node:
+    """The model's output structure from its leaves (export's flattened outputs, in order);
+    the spec is kept on the stage as a plain attribute the graph reads."""
     module._sagenb_out_spec = out_spec  # copied onto the stage by fx.GraphModule (get_attr)
     spec = graph.get_attr("_sagenb_out_spec")
     return graph.call_function(tree_unflatten, (leaves, spec))
@@ -156,8 +162,11 @@ def _annotated(model: nn.Module, spec: dict[str, SplitPoint]) -> Iterator[None]:
 
 def _name_tied(model: nn.Module, stages: list[nn.Module]) -> None:
     """Every name of a tied weight held by some stage: the missing ones alias a holder's."""
+    groups = tied_groups(model)
+    for stage in stages:
+        _tie_within(stage, groups)
     held = [dict(st.named_parameters(remove_duplicate=False)) for st in stages]
-    for names in tied_groups(model):
+    for names in groups:
         missing = [n for n in names if not any(n in h for h in held)]
         holder = next(((s, h[n]) for s, h in enumerate(held) for n in names if n in h), None)
         if holder is None:
@@ -170,6 +179,20 @@ def _name_tied(model: nn.Module, stages: list[nn.Module]) -> None:
                     module.add_module(atom, nn.Module())
                 module = getattr(module, atom)
             module.register_parameter(attr, holder[1])
+
+
+def _tie_within(stage: nn.Module, groups: list[tuple[str, ...]]) -> None:
+    """One Parameter per tied weight in a stage. Pipe replicates a weight per name it is read
+    by, so a stage reading it under two names (an encoder-decoder's first stage embeds both
+    the encoder's and the decoder's tokens with the shared embedding) may hold two objects,
+    each getting part of the gradient and stepped apart: the later names alias the first."""
+    held = dict(stage.named_parameters(remove_duplicate=False))
+    for names in groups:
+        mine = [n for n in names if n in held]
+        for name in mine[1:]:
+            if held[name] is not held[mine[0]]:
+                owner, _, attr = name.rpartition(".")
+                stage.get_submodule(owner).register_parameter(attr, held[mine[0]])
 
 
 def _used(stage: nn.Module) -> set[str]:
