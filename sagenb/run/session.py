@@ -22,7 +22,7 @@ from sagenb.config.errors import ConfigError
 from sagenb.config.job import Job, JobError
 from sagenb.config.options import TrainConfig, describe
 from sagenb.display import event_log
-from sagenb.engine.entry import RankResult, RankSpec, merge_states, run_rank
+from sagenb.engine.entry import RankResult, RankSpec, RendezvousFailed, merge_states, run_rank
 from sagenb.engine.model.equivalence import EquivalenceWarning
 from sagenb.engine.wire import stopping
 from sagenb.engine.wire.rendezvous import bound_store, host_for_run
@@ -414,7 +414,8 @@ class _Run:
             if not self._wait_all(RELEASE_S):
                 self.pool.kill([ids[r] for r, ar in enumerate(ars) if not ar.ready()])
                 self._wait_all(RELEASE_S)
-        dead = [ids[r] for r, ar in enumerate(ars) if _died(ar)]
+        # dead engines, and those whose rendezvous failed (engine/entry.py's _join says why)
+        dead = [ids[r] for r, ar in enumerate(ars) if _died(ar) or _rendezvous_failed(ar)]
         self.pool.kill(dead)  # waits until the controller has dropped them
 
     def _stop_ranks(self) -> None:
@@ -613,6 +614,14 @@ def _died(ar: Any) -> bool:
         return False
     err = ar.exception()
     return isinstance(err, EngineError) or getattr(err, "ename", "") in DEAD_ENGINE
+
+
+def _rendezvous_failed(ar: Any) -> bool:
+    return (
+        ar.ready()
+        and not ar.successful()
+        and getattr(ar.exception(), "ename", "") == RendezvousFailed.__name__
+    )
 
 
 def _runs_on(pool: cluster.EnginePool) -> str | None:
