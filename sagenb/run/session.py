@@ -29,7 +29,7 @@ from sagenb.engine.wire.rendezvous import bound_store, host_for_run
 from sagenb.metrics import keys
 from sagenb.metrics.result import TrainResult
 from sagenb.metrics.stream import History, MetricSink, RankStream
-from sagenb.pool import cluster
+from sagenb.pool import cluster, run_lock
 from sagenb.run import stacks
 from sagenb.run.checkpoints import resume_warnings
 from sagenb.run.failures import (
@@ -91,18 +91,28 @@ def train(
     prepared = Job.of(job)
     if pool is None:
         pool = cluster.ensure_pool(config.engines_to_start())
-    pool.heal()  # engines lost in an earlier run's failure are replaced before this one
-    config = _resolve_engines(config, pool)
-    run = _Run(
-        pool,
-        config,
-        prepared,
-        list(sinks),
-        live=live,
-        on_failure=on_failure,
-        projection=_projection(estimate, prepared, config),
-    )
-    return run.execute()
+    # one run per pool: before this run touches an engine, healing included (pool/run_lock.py)
+    me = run_lock.Holder.here(_first_line(prepared))
+    with run_lock.hold(pool.run_lock_path, me, if_busy=config.if_busy):
+        pool.heal()  # engines lost in an earlier run's failure are replaced before this one
+        config = _resolve_engines(config, pool)
+        run = _Run(
+            pool,
+            config,
+            prepared,
+            list(sinks),
+            live=live,
+            on_failure=on_failure,
+            projection=_projection(estimate, prepared, config),
+        )
+        return run.execute()
+
+
+def _first_line(job: Job) -> str:
+    """What names the run to someone waiting for it: the cell's first line of code."""
+    lines = [line.strip() for line in (job.source or "").splitlines()]
+    first = next((line for line in lines if line and not line.startswith("#")), "")
+    return (first[:60] + "...") if len(first) > 60 else first or "a callable job"
 
 
 def _resolve_engines(config: TrainConfig, pool: cluster.EnginePool) -> TrainConfig:
