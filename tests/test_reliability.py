@@ -254,6 +254,9 @@ def test_a_failed_rendezvous_leaves_nothing_behind(pool):
     already (pytorch/pytorch#46561), so the kept engine failed every later run, or waited under
     other store keys than its peer's until --timeout. The next run trains at once, as one
     process, on a new engine."""
+    # torch reads the setting at an engine's first rendezvous: fresh engines
+    pool.kill(pool.engine_ids)
+    pool.heal()
     first = pool.engine_ids[0]
     bad = "import os; os.environ['GLOO_DEVICE_TRANSPORT'] = 'no-such-transport'"
     pool.client[first].execute(bad, block=True)
