@@ -27,6 +27,7 @@ _PUBLIC = {
     "EngineDiedError": "sagenb.run.failures",
     "StalledError": "sagenb.run.failures",
     "PoolDiedError": "sagenb.run.failures",
+    "PoolBusyError": "sagenb.pool.run_lock",
     "TrainConfig": "sagenb.config.options",
     "ConfigError": "sagenb.config.errors",
     "JobError": "sagenb.config.job",

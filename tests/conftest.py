@@ -77,6 +77,7 @@ OWN_POOLS = (
     "test_browser",
     "test_pool_lifetime",
     "test_binder",
+    "test_busy_pool",
 )
 
 

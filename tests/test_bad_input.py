@@ -191,6 +191,7 @@ def test_a_table_that_is_not_a_small_regular_file_is_refused_unread(tmp_path, op
         ({"seed": 10**20}, "--seed 100000000000000000000: must be an integer from 0 to"),
         ({"threads": 100000}, "--threads 100000: must be an integer from 1 to 1024"),
         ({"price_per_hour": -1.0}, "--price-per-hour -1.0: must be a finite number > 0"),
+        ({"if_busy": "queue"}, "--if-busy 'queue': must be one of wait, fail"),
     ],
 )
 def test_values_that_would_fail_later_are_refused_now(options, message):

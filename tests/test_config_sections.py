@@ -29,7 +29,8 @@ def test_every_field_has_a_section_and_the_engine_sections_are_engine_config():
         f.name for f in dataclasses.fields(TrainConfig) if SECTIONS[f.metadata["section"]].engines
     }
     assert NOTEBOOK_ONLY == {"dashboard", "instance", "price_per_hour", "price_table",
-                             "hardware_table", "spot_discount", "out", "log_dir"}  # fmt: skip
+                             "hardware_table", "spot_discount", "out", "log_dir",
+                             "if_busy"}  # fmt: skip
 
 
 def test_for_engines_keeps_the_engine_options_only():

@@ -82,7 +82,8 @@ def test_every_option_the_panel_is_given_comes_back(tmp_path):
                   delay_init=True, checkpoint_dir=str(tmp_path / "ck"), checkpoint_every=2,
                   resume=True, dashboard=False, instance="ml.g5.12xlarge", price_per_hour=3.5,
                   price_table=str(prices), hardware_table=str(tmp_path / "hw.json"),
-                  spot_discount=0.5, out="mine", log_dir=str(tmp_path / "logs"))  # fmt: skip
+                  spot_discount=0.5, out="mine", log_dir=str(tmp_path / "logs"),
+                  if_busy="fail")  # fmt: skip
     own = [
         dict(
             strategy="hybrid",

@@ -10,9 +10,13 @@ import time
 
 import psutil
 import pytest
+import torch
 
 import sagenb
+from sagenb.engine.wire import process_group
+from sagenb.engine.wire.rendezvous import bound_store
 from sagenb.pool import cluster
+from sagenb.pool.cluster import LOOPBACK
 from sagenb.run.failures import (
     EngineDiedError,
     OutOfMemoryError,
@@ -22,7 +26,7 @@ from sagenb.run.failures import (
 )
 
 from .conftest import REGRESSION_CELL
-from .helpers import LONG, assert_params_equal, fault_cell, interrupt_after
+from .helpers import LONG, assert_params_equal, check_equal, fault_cell, interrupt_after
 from .models import SEQUENTIAL_CELL
 from .reference import train_reference
 
@@ -241,3 +245,44 @@ def test_a_notebook_side_error_stops_every_rank(pool):
     assert set(busy.values()) == {0}, f"engines still busy after the error: {busy}"
     result = sagenb.train(REGRESSION_CELL, batch_size=16, steps=3, dashboard=False)
     assert len(result.history) == 3
+
+
+def test_a_failed_rendezvous_leaves_nothing_behind(pool):
+    """An engine whose init_process_group raises (its environment names a gloo transport this
+    torch lacks, as `%px os.environ[...]` or an engine started with it would) fails the run and
+    is replaced: torch reads that setting once per process, and had numbered its default group
+    already (pytorch/pytorch#46561), so the kept engine failed every later run, or waited under
+    other store keys than its peer's until --timeout. The next run trains at once, as one
+    process, on a new engine."""
+    # torch reads the setting at an engine's first rendezvous: fresh engines
+    pool.kill(pool.engine_ids)
+    pool.heal()
+    first = pool.engine_ids[0]
+    bad = "import os; os.environ['GLOO_DEVICE_TRANSPORT'] = 'no-such-transport'"
+    pool.client[first].execute(bad, block=True)
+    with pytest.raises(TrainingError, match=r"(?s)init_process_group failed; this engine is "):
+        sagenb.train(REGRESSION_CELL, engines=1, batch_size=16, steps=3, dashboard=False)
+    assert first not in pool.client.ids
+    started = time.perf_counter()
+    result = sagenb.train(REGRESSION_CELL, batch_size=16, steps=3, dashboard=False, timeout=60)
+    assert time.perf_counter() - started < 30  # a new engine's start included
+    check_equal(result, REGRESSION_CELL, batch_size=16, steps=3)
+
+
+def test_a_failed_rendezvous_is_forgotten_by_the_engine():
+    """Another local process writes garbage where gloo reads rank 1's address (the store lists
+    its keys to anyone): rank 0's init_process_group raises, having numbered its group already.
+    The engine's shutdown numbers the next one as a fresh process does, under "0/" keys."""
+    garbled = bound_store(LOOPBACK, 2, 5)
+    garbled.set("0//cpu//0/1", b"not an address")
+    where = dict(addr=LOOPBACK, timeout_s=5, device=torch.device("cpu"))
+    with pytest.raises(Exception):  # noqa: B017 - as the bytes decode: MemoryError, ValueError...
+        process_group.init_process_group(rank=0, world_size=2, port=garbled.port, **where)
+    process_group.shutdown()
+    fresh = bound_store(LOOPBACK, 1, 5)
+    process_group.init_process_group(rank=0, world_size=1, port=fresh.port, **where)
+    try:
+        gloo_keys = [k for k in fresh.list_keys() if not k.startswith("sagenb/")]
+        assert gloo_keys and all(k.startswith("0/") for k in gloo_keys), gloo_keys
+    finally:
+        process_group.shutdown()

@@ -41,6 +41,9 @@ from sagenb.engine.strategies import names as strategy_names
 from sagenb.engine.strategies.description import DEFAULT_ENGINES
 from sagenb.engine.strategies.pipeline import PARTITION_METHODS, SCHEDULES
 
+#: what a run does when another run holds its pool (--if-busy; sagenb/pool/run_lock.py)
+IF_BUSY = ("wait", "fail")
+
 __all__ = [
     "DEFAULT_ENGINES",
     "PARTITION_METHODS",
@@ -97,6 +100,7 @@ SECTIONS: dict[str, Section] = {
     "display": Section("Display", False, "What the notebook shows while a run trains"),
     "cost": Section("Cost", False, "The cost estimate of the dashboard and the result"),
     "output": Section("Output", False, "Where the notebook puts the result"),
+    "pool": Section("Pool", False, "What a run does when another run holds its engines"),
 }
 
 
@@ -531,6 +535,15 @@ class TrainConfig(EngineConfig):
         "this directory (`tensorboard --logdir DIR`; needs `pip install 'sagenb[tensorboard]'`)",
         shown="none",
     )
+    # -- pool --
+    if_busy: str = _opt(
+        "pool",
+        "wait",
+        "when another run (another notebook on the same ipcluster pool, another thread) holds "
+        "the pool: wait for it, saying whose run and since when, or fail at once; either way "
+        "before any engine is touched",
+        choices=IF_BUSY,
+    )
 
     def __post_init__(self) -> None:
         """The engine options' checks, then the notebook's. --instance and --price-table
@@ -549,6 +562,7 @@ class TrainConfig(EngineConfig):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
                 raise ConfigError(name, getattr(self, name), "must be a JSON file's path")
         _check_out(self.out)
+        _check_choice(self, "if_busy", IF_BUSY)
 
 
 #: the names IPython's shell keeps in the notebook's namespace (besides those starting with

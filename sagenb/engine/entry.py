@@ -44,6 +44,7 @@ __all__ = [
     "RankSpec",
     "RankResult",
     "RankFailure",
+    "RendezvousFailed",
     "run_rank",
     "train_rank",
     "merge_states",
@@ -87,6 +88,11 @@ class RankFailure(RuntimeError):
     """A rank failed; carries the original traceback as text (no live frames, no tensors)."""
 
 
+class RendezvousFailed(RankFailure):
+    """The rank's init_process_group raised: the notebook replaces its engine (run/session.py),
+    as torch keeps state of a failed init that no public API resets."""
+
+
 def run_rank(spec: RankSpec, publish: Publisher | None = None) -> RankResult:
     publish = publish if publish is not None else Publisher()
     error: Exception | None = None
@@ -100,6 +106,8 @@ def run_rank(spec: RankSpec, publish: Publisher | None = None) -> RankResult:
         error = JobError(str(exc))
     except ConfigError as exc:  # an option this engine cannot honour (--precision on its device)
         error = ConfigError(exc.name, exc.value, exc.allowed)
+    except RendezvousFailed as exc:
+        error = exc
     except BaseException:  # noqa: BLE001 - KeyboardInterrupt too: release the peers either way
         where = f"rank {spec.rank} on {socket.gethostname()}, pid {os.getpid()}"
         error = RankFailure(f"{where}:\n{traceback.format_exc()}")
@@ -136,15 +144,7 @@ def train_rank(spec: RankSpec, publish: Publisher) -> RankResult:
     launched the process: an ipyparallel engine (run_rank) or torchrun (launch.py)."""
     torch.set_num_threads(spec.threads)
     device = process_group.pick_device(spec.local_rank, spec.local_size)
-    process_group.init_process_group(
-        rank=spec.rank,
-        world_size=spec.world_size,
-        addr=spec.addr,
-        port=spec.port,
-        timeout_s=spec.config.collective_timeout,
-        device=device,
-        token=spec.token,
-    )
+    _join(spec, device)
     check_supported(spec.config.precision, device)
     ws = build_workspace(spec.job, spec.config.seed, delay_init=spec.config.delay_init)
     # what keeps this run from training as one process would, from the model as the cell built it
@@ -179,6 +179,30 @@ def train_rank(spec: RankSpec, publish: Publisher) -> RankResult:
         device=str(device),
         end_error=unsaved,
     )
+
+
+def _join(spec: RankSpec, device: torch.device) -> None:
+    """The run's process group; one whose init raises is a RendezvousFailed, so that its
+    engine is replaced: torch numbers the default group before it connects
+    (pytorch/pytorch#46561, undone by process_group.shutdown) and caches some settings in C++
+    for the process's life (gloo's GLOO_DEVICE_TRANSPORT, read once), so a kept engine could
+    fail or hang every later run."""
+    try:
+        process_group.init_process_group(
+            rank=spec.rank,
+            world_size=spec.world_size,
+            addr=spec.addr,
+            port=spec.port,
+            timeout_s=spec.config.collective_timeout,
+            device=device,
+            token=spec.token,
+        )
+    except Exception:  # noqa: BLE001 - whatever failed, this engine is not trusted again
+        where = f"rank {spec.rank} on {socket.gethostname()}, pid {os.getpid()}"
+        raise RendezvousFailed(
+            f"{where}: init_process_group failed; this engine is replaced before the next "
+            f"run:\n{traceback.format_exc()}"
+        ) from None
 
 
 def _first_step_with(

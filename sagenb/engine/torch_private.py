@@ -79,6 +79,7 @@ __all__ = [
     "direct_buffers",
     "direct_parameters",
     "dump_flight_recorder_json",
+    "forget_failed_init",
     "load_actions",
     "non_persistent_buffers",
     "pipe_from_traced",
@@ -232,6 +233,22 @@ def dump_flight_recorder_json() -> bytes | None:
     return _dump_fr_trace_json(True, False)
 
 
+def forget_failed_init() -> None:
+    """Number the next default process group as a fresh process would (0), unless one exists.
+
+    init_process_group names the default group from a counter before it connects (its store
+    keys are prefixed "0/", "1/"...), so one that raised left the counter at 1 with no group to
+    destroy, and the engine's next run used other keys than its peers and hung until the
+    timeout (pytorch/pytorch#46561)."""
+    # public: destroy_process_group(), which resets the counter ("to allow consistent value to
+    # be generated when we re-create process groups after some trainers recover from failure",
+    # distributed_c10d.py) but only when there is a default group to destroy
+    from torch.distributed import distributed_c10d
+
+    if not distributed_c10d.is_initialized():
+        distributed_c10d._world.group_count = 0
+
+
 def warm_dynamo() -> None:
     """Import torch._dynamo, which DDP's constructor would otherwise import on the first run."""
     # no public equivalent in torch 2.13: torch.compile imports it on its first call too
@@ -342,4 +359,9 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
         "engine.checkpoint.reader.SafePlanner (resuming a checkpoint)",
     ),
     PrivateName("torch._dynamo", "", "engine.entry.warm (the pool's warm-up)"),
+    PrivateName(
+        "torch.distributed.distributed_c10d",
+        "_world.group_count",
+        "engine.wire.process_group (a run after a failed rendezvous)",
+    ),
 )

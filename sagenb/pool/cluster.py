@@ -216,6 +216,13 @@ class EnginePool:
         return host
 
     @property
+    def run_lock_path(self) -> str:
+        """The file whose lock a run holds on this pool (run_lock.py): beside the cluster file
+        that every process attaching to the pool reads, so all of them find the same one."""
+        security = os.path.join(self.cluster.profile_dir, "security")
+        return os.path.join(security, f"sagenb-run-{self.cluster.cluster_id or 'default'}.lock")
+
+    @property
     def engine_ids(self) -> list[int]:
         """Engine ids in rank order: host by host (see Placement above), by id within a host."""
         ids = sorted(self.client.ids)
@@ -386,6 +393,7 @@ class EnginePool:
             # children), by pid and process group, bounded
             reaper.end(known)
             reaper.forget(procs)
+            _remove(self.run_lock_path)  # no run can hold a lock on a stopped pool
 
 
 def _connect(cluster: ipp.Cluster) -> ipp.Client:
@@ -395,6 +403,13 @@ def _connect(cluster: ipp.Cluster) -> ipp.Client:
     engine/wire/output.py, so this is the guard for the one that slips through)."""
     with iopub_guarded(ipp.Client):
         return cluster.connect_client_sync()
+
+
+def _remove(path: str) -> None:
+    try:
+        os.remove(path)
+    except OSError:  # never made: no run trained on the pool
+        pass
 
 
 def _bounded(fn: Callable[[], Any], timeout: float) -> None:

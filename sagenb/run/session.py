@@ -22,14 +22,14 @@ from sagenb.config.errors import ConfigError
 from sagenb.config.job import Job, JobError
 from sagenb.config.options import TrainConfig, describe
 from sagenb.display import event_log
-from sagenb.engine.entry import RankResult, RankSpec, merge_states, run_rank
+from sagenb.engine.entry import RankResult, RankSpec, RendezvousFailed, merge_states, run_rank
 from sagenb.engine.model.equivalence import EquivalenceWarning
 from sagenb.engine.wire import stopping
 from sagenb.engine.wire.rendezvous import bound_store, host_for_run
 from sagenb.metrics import keys
 from sagenb.metrics.result import TrainResult
 from sagenb.metrics.stream import History, MetricSink, RankStream
-from sagenb.pool import cluster
+from sagenb.pool import cluster, run_lock
 from sagenb.run import stacks
 from sagenb.run.checkpoints import resume_warnings
 from sagenb.run.failures import (
@@ -92,18 +92,28 @@ def train(
     prepared = Job.of(job)
     if pool is None:
         pool = cluster.ensure_pool(config.engines_to_start())
-    pool.heal()  # engines lost in an earlier run's failure are replaced before this one
-    config = _resolve_engines(config, pool)
-    run = _Run(
-        pool,
-        config,
-        prepared,
-        list(sinks),
-        live=live,
-        on_failure=on_failure,
-        projection=_projection(estimate, prepared, config),
-    )
-    return run.execute()
+    # one run per pool: before this run touches an engine, healing included (pool/run_lock.py)
+    me = run_lock.Holder.here(_first_line(prepared))
+    with run_lock.hold(pool.run_lock_path, me, if_busy=config.if_busy):
+        pool.heal()  # engines lost in an earlier run's failure are replaced before this one
+        config = _resolve_engines(config, pool)
+        run = _Run(
+            pool,
+            config,
+            prepared,
+            list(sinks),
+            live=live,
+            on_failure=on_failure,
+            projection=_projection(estimate, prepared, config),
+        )
+        return run.execute()
+
+
+def _first_line(job: Job) -> str:
+    """What names the run to someone waiting for it: the cell's first line of code."""
+    lines = [line.strip() for line in (job.source or "").splitlines()]
+    first = next((line for line in lines if line and not line.startswith("#")), "")
+    return (first[:60] + "...") if len(first) > 60 else first or "a callable job"
 
 
 def _resolve_engines(config: TrainConfig, pool: cluster.EnginePool) -> TrainConfig:
@@ -416,7 +426,8 @@ class _Run:
             if not self._wait_all(RELEASE_S):
                 self.pool.kill([ids[r] for r, ar in enumerate(ars) if not ar.ready()])
                 self._wait_all(RELEASE_S)
-        dead = [ids[r] for r, ar in enumerate(ars) if _died(ar)]
+        # dead engines, and those whose rendezvous failed (engine/entry.py's _join says why)
+        dead = [ids[r] for r, ar in enumerate(ars) if _died(ar) or _rendezvous_failed(ar)]
         self.pool.kill(dead)  # waits until the controller has dropped them
 
     def _stop_ranks(self) -> None:
@@ -629,6 +640,14 @@ def _died(ar: Any) -> bool:
         return False
     err = ar.exception()
     return isinstance(err, EngineError) or getattr(err, "ename", "") in DEAD_ENGINE
+
+
+def _rendezvous_failed(ar: Any) -> bool:
+    return (
+        ar.ready()
+        and not ar.successful()
+        and getattr(ar.exception(), "ename", "") == RendezvousFailed.__name__
+    )
 
 
 def _runs_on(pool: cluster.EnginePool) -> str | None:

@@ -8,6 +8,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from sagenb.engine.torch_private import forget_failed_init
 from sagenb.engine.wire.rendezvous import use_interface
 from sagenb.engine.wire.stopping import StopWatch
 
@@ -44,6 +45,10 @@ def init_process_group(
     """
     if dist.is_initialized():  # a previous run on this engine died before cleaning up
         shutdown()
+    # an init_process_group that raised here (a peer's address garbled in the store, a bad
+    # gloo setting) left torch numbering the next group 1 where a fresh engine says 0: the
+    # ranks would wait for each other under different store keys until --timeout
+    forget_failed_init()
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -80,6 +85,7 @@ def shutdown() -> None:
     gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()
+    forget_failed_init()  # also after an init that raised, which leaves no group to destroy
     if watch is not None:  # after the peers are released
         watch.close()
 
