@@ -22,6 +22,7 @@ import torch
 
 from sagenb.config.errors import ConfigError
 from sagenb.config.job import Job, JobError
+from sagenb.engine import clean_slate
 from sagenb.engine.loop import train_loop
 from sagenb.engine.model.equivalence import EquivalenceWarning, equivalence_warnings
 from sagenb.engine.model.kv_cache import cache_off
@@ -237,6 +238,7 @@ def warm() -> None:
 
     gc.collect()
     gc.freeze()
+    clean_slate.remember()  # the state every run starts from (clean_slate.py)
 
 
 def probe() -> dict:

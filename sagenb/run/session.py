@@ -29,7 +29,7 @@ from sagenb.engine.wire.rendezvous import bound_store, host_for_run
 from sagenb.metrics import keys
 from sagenb.metrics.result import TrainResult
 from sagenb.metrics.stream import History, MetricSink, RankStream
-from sagenb.pool import cluster
+from sagenb.pool import clean_slate, cluster
 from sagenb.run import stacks
 from sagenb.run.checkpoints import resume_warnings
 from sagenb.run.failures import (
@@ -93,6 +93,8 @@ def train(
         pool = cluster.ensure_pool(config.engines_to_start())
     pool.heal()  # engines lost in an earlier run's failure are replaced before this one
     config = _resolve_engines(config, pool)
+    # what an earlier cell changed of the engines' processes is put back (pool/clean_slate.py)
+    replaced = clean_slate.start_clean(pool, config.engines or pool.size)
     run = _Run(
         pool,
         config,
@@ -102,6 +104,9 @@ def train(
         on_failure=on_failure,
         projection=_projection(estimate, prepared, config),
     )
+    for note in replaced:
+        run.warnings.append(note)
+        warnings.warn_explicit(note, RuntimeWarning, "sagenb", 0, module="sagenb")
     return run.execute()
 
 
