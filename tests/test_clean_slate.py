@@ -34,19 +34,22 @@ def loss_fn(output, target):
 """
 
 # what an earlier cell leaves on the engines, each seen changing the next run of CELL without
-# sagenb's restore: it trained in float64, with a doubled loss, with a loss scaled by 3, and
-# the engine kept a 64 GiB address-space limit (a lowered hard limit: the engine is replaced)
+# sagenb's restore: it trained in float64, with a doubled loss, with a loss scaled by 3, the
+# engine kept a 64 GiB address-space limit, and kept a lowered hard limit and a closed stdout
 DIRT = {
     "float64": "torch.set_default_dtype(torch.float64)",
-    "cross_entropy": (
-        "_ce = F.cross_entropy\nF.cross_entropy = lambda *a, **k: 2 * _ce(*a, **k)"
-    ),
+    "cross_entropy": ("_ce = F.cross_entropy\nF.cross_entropy = lambda *a, **k: 2 * _ce(*a, **k)"),
     "environ": "os.environ['SAGENB_TEST_SCALE'] = '3'",
     "rlimit_as": (
         "import resource\n"
         "resource.setrlimit(resource.RLIMIT_AS, (2**36, resource.getrlimit(resource.RLIMIT_AS)[1]))"
     ),
-    "rlimit_as_hard": "import resource\nresource.setrlimit(resource.RLIMIT_AS, (2**36, 2**36))",
+    # what a process cannot undo: the engines are replaced, and the cell says why
+    "unrestorable": (
+        "import resource, sys\n"
+        "resource.setrlimit(resource.RLIMIT_AS, (2**36, 2**36))\n"
+        "sys.stdout.close()"
+    ),
 }
 
 
@@ -71,8 +74,9 @@ def test_a_run_starts_from_the_engines_first_state(pool, dirt):
     before = pool.client[pool.engine_ids].apply_sync(engine_state)
     options = dict(batch_size=16, steps=3)
     sagenb.train(CELL + DIRT[dirt], dashboard=False, **options)  # trains, and dirties its engines
-    if dirt == "rlimit_as_hard":
-        with pytest.warns(RuntimeWarning, match=r"RLIMIT_AS's hard limit was lowered"):
+    if dirt == "unrestorable":
+        why = r"RLIMIT_AS's hard limit was lowered to 68719476736 .*; sys.stdout was closed"
+        with pytest.warns(RuntimeWarning, match=why):
             result = sagenb.train(CELL, dashboard=False, **options)
         assert len(result.warnings) == 2  # each engine, replaced, says so
     else:
@@ -107,7 +111,7 @@ def test_restore_puts_back_what_a_cell_changes_in_a_millisecond():
     cells_thread.start()
     try:
         assert clean_slate.restore(base).unrestorable == [
-            "thread \"the cell's\", not a daemon, started by a cell, still runs"
+            'thread "the cell\'s", not a daemon, started by a cell, still runs'
         ]
     finally:
         release.set()

@@ -14,11 +14,14 @@ every run (`restore`, a task of its own on each engine, pool/clean.py):
   libraries add them on import (transformers adds `torch.nn.Module.smart_apply`), and an
   import happens once per process;
 - `os.environ` (variables set since are removed, changed ones put back);
-- the soft resource limits (`resource.setrlimit`).
+- the soft resource limits (`resource.setrlimit`);
+- `sys.stdout` and `sys.stderr`, where a cell replaced them.
 
 What a process cannot undo is reported instead, and the notebook replaces that engine: a hard
 limit lowered below its start (only a privileged process may raise one, man 2 setrlimit),
-inter-op threads changed (torch sets them once per process), and non-daemon threads a cell
+inter-op threads changed (torch sets them once per process), a closed `sys.stdout` or
+`sys.stderr` (ipykernel's stream cannot be reopened; nothing printed would reach the cell), and
+non-daemon threads a cell
 started that still run (Python cannot stop a thread from outside). Daemon threads are left:
 libraries keep helpers in them (tqdm's monitor), and Python itself does not wait for them.
 """
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import os
 import resource
+import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -64,13 +68,13 @@ def _set_default_device(device: torch.device) -> None:
     torch.set_default_device(None if device.type == "cpu" else device)
 
 
-def _switch(owner: Any, name: str) -> tuple[Callable[[], Any], Callable[[Any], None]]:
+def _switch(owner: Any, name: str) -> tuple[Callable[[], Any], Callable[[Any], object]]:
     """Read and write a plain boolean switch such as torch.backends.cudnn.benchmark."""
     return (lambda: getattr(owner, name)), (lambda value: setattr(owner, name, value))
 
 
 #: each global mode a cell can set: its public name, how to read it, how to set it
-MODES: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]] = {
+MODES: dict[str, tuple[Callable[[], Any], Callable[[Any], object]]] = {
     "torch.get_default_dtype()": (torch.get_default_dtype, torch.set_default_dtype),
     "torch.get_default_device()": (torch.get_default_device, _set_default_device),
     "torch.use_deterministic_algorithms": (_deterministic, _set_deterministic),
@@ -83,8 +87,12 @@ MODES: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]] = {
         torch.get_float32_matmul_precision,
         torch.set_float32_matmul_precision,
     ),
-    "torch.is_grad_enabled()": (torch.is_grad_enabled, torch.set_grad_enabled),
-    "torch.is_anomaly_enabled()": (torch.is_anomaly_enabled, torch.autograd.set_detect_anomaly),
+    # both set the mode as they are constructed (and are context managers besides)
+    "torch.is_grad_enabled()": (torch.is_grad_enabled, lambda on: torch.set_grad_enabled(on)),
+    "torch.is_anomaly_enabled()": (
+        torch.is_anomaly_enabled,
+        lambda on: torch.autograd.set_detect_anomaly(on),
+    ),
     "torch.get_num_threads()": (torch.get_num_threads, torch.set_num_threads),
 }
 
@@ -102,6 +110,8 @@ class Baseline:
     interop_threads: int
     #: the threads then running (a thread started since and still running is a cell's)
     threads: frozenset[int]
+    #: sys.stdout and sys.stderr
+    streams: tuple[Any, Any]
 
     @classmethod
     def now(cls) -> Baseline:
@@ -112,6 +122,7 @@ class Baseline:
             rlimits={r: resource.getrlimit(r) for r in _rlimits()},
             interop_threads=torch.get_num_interop_threads(),
             threads=frozenset(t.ident for t in threading.enumerate() if t.ident is not None),
+            streams=(sys.stdout, sys.stderr),
         )
 
 
@@ -144,8 +155,9 @@ def restore(base: Baseline | None = None) -> Restored:
     base = base or _baseline
     assert base is not None  # for mypy: remembered above
     changed = _restore_modes(base) + _restore_attributes(base) + _restore_environ(base)
+    changed += _restore_streams(base)
     soft, hard = _restore_rlimits(base)
-    unrestorable = hard + _interop(base) + _stray_threads(base)
+    unrestorable = hard + _interop(base) + _stray_threads(base) + _closed_streams()
     return Restored(changed + soft, unrestorable)
 
 
@@ -197,6 +209,23 @@ def _restore_rlimits(base: Baseline) -> tuple[list[str], list[str]]:
             resource.setrlimit(which, (soft, now_hard))
             changed.append(f"resource.{name} was {now_soft}, set back to {soft}")
     return changed, lost
+
+
+def _restore_streams(base: Baseline) -> list[str]:
+    changed = []
+    for name, was in zip(("stdout", "stderr"), base.streams):
+        if getattr(sys, name) is not was:
+            setattr(sys, name, was)
+            changed.append(f"sys.{name} was replaced, put back")
+    return changed
+
+
+def _closed_streams() -> list[str]:
+    return [
+        f"sys.{name} was closed"
+        for name in ("stdout", "stderr")
+        if getattr(getattr(sys, name), "closed", False)
+    ]
 
 
 def _interop(base: Baseline) -> list[str]:

@@ -376,7 +376,9 @@ class EnginePool:
             self.client.close()
             return
         procs = _pool_processes()
-        known = {**self.known, **reaper.identities(procs)}
+        # a cell's child in a session of its own (start_new_session=True) is neither in an
+        # engine's process group nor, once its engine has stopped, its descendant: noted now
+        known = {**self.known, **reaper.identities(procs + _descendants(procs))}
         try:
             self.client.close()
             if alive:  # ipyparallel's stop waits on its controller
@@ -459,6 +461,16 @@ def _owner_only(cluster: ipp.Cluster) -> None:
     """The controller's connection files are written 0600; the cluster file too, here."""
     if cluster.cluster_file and os.path.exists(cluster.cluster_file):
         os.chmod(cluster.cluster_file, 0o600)
+
+
+def _descendants(procs: Sequence[psutil.Process]) -> list[psutil.Process]:
+    found = []
+    for proc in procs:
+        try:
+            found += proc.children(recursive=True)
+        except psutil.Error:
+            pass
+    return found
 
 
 def _pool_processes() -> list[psutil.Process]:

@@ -502,9 +502,25 @@ class _Run:
         ename = getattr(err, "ename", type(err).__name__)
         evalue = getattr(err, "evalue", str(err))
         if ename == "JobError":
-            raise JobError(evalue)
+            raise JobError(self._job_error(evalue))
         raise classify(
             ename, evalue, rank=first, engine_id=self.ids[first], memory=self._memory(first)
+        )
+
+    def _job_error(self, evalue: str) -> str:
+        """The cell's error, naming the ranks it came from when some ranks' cells did not
+        raise it (a cell that defines `model` only `if dist.get_rank() == 0`)."""
+        errors = [
+            self.ars[r].exception() if self.ars[r].ready() else None for r in range(len(self.ars))
+        ]
+        ranks = [r for r, e in enumerate(errors) if getattr(e, "ename", "") == "JobError"]
+        if len(ranks) == len(self.ars):
+            return evalue
+        named = ", ".join(map(str, ranks))
+        return (
+            f"{evalue} on rank {named} of {len(self.ars)} (the other ranks' cell did): the cell "
+            f"runs on every engine, and each must define the same names; a name defined only "
+            f"under `if dist.get_rank() == 0` is missing on the others"
         )
 
     def _blame(self, rank: int) -> tuple[bool, datetime]:
