@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import pytest
+import torch
+from torch import nn
 
 import sagenb
 from sagenb.config.job import JobError
+from sagenb.engine.objective import Objective, piece_loss
 from sagenb.pool import cluster
+from sagenb.run.failures import EngineDiedError
 
 from .conftest import REGRESSION_CELL
-from .helpers import wait_clean
+from .helpers import fault_cell, wait_clean
 
 RANK0_ONLY = REGRESSION_CELL.replace(
     "model = nn", "import torch.distributed as dist\nif dist.get_rank() == 0:\n    model = nn"
@@ -33,3 +37,45 @@ def test_a_cells_child_in_a_session_of_its_own_ends_with_the_pool(pool, tmp_path
     children = [int((tmp_path / str(rank)).read_text()) for rank in range(2)]
     cluster.stop_pool()
     wait_clean(children, [], timeout=10)
+
+
+class _ReturnsFloat(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 1)
+
+    def forward(self, x):
+        return float(self.linear(x).sum())
+
+
+@pytest.mark.parametrize(
+    "loss_fn",
+    [lambda out, y: out, lambda out, y: torch.tensor(out, requires_grad=True)],
+    ids=["float", "detached"],
+)
+def test_a_loss_cut_from_the_model_says_nothing_would_train(loss_fn):
+    """Before: torch's "element 0 of tensors does not require grad" from backward (float), or
+    a run "done" that trained nothing (a new leaf tensor)."""
+    model = _ReturnsFloat()
+    batch = (torch.randn(4, 8), torch.randn(4, 1))
+    objective = Objective.build(model, loss_fn, (batch[0][0], batch[1][0]))
+    with pytest.raises(JobError, match=r"nothing would train \(the model returned float\)"):
+        piece_loss(objective, model, batch, 1.0)
+
+
+@pytest.mark.parametrize(
+    ("action", "said"),
+    [
+        ("import ctypes; ctypes.string_at(0)", r"SIGSEGV \(Segmentation fault\), in"),
+        (
+            "dist.all_reduce(torch.ones(3))",
+            r"SIGABRT \(Aborted\) in a collective: gloo aborts when the ranks' collectives",
+        ),
+    ],
+    ids=["segfault", "extra_all_reduce"],
+)
+def test_a_crashed_engine_names_the_signal_and_where(pool, action, said):
+    """Before: "its engine process died (killed or crashed)", no signal, no line."""
+    with pytest.raises(EngineDiedError, match=said) as info:
+        sagenb.train(fault_cell(action), batch_size=16, steps=6, dashboard=False)
+    assert 'File "<smp_train cell>", line 17 in loss_fn' in str(info.value)

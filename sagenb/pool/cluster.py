@@ -34,7 +34,7 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -388,6 +388,19 @@ class EnginePool:
             # children), by pid and process group, bounded
             reaper.end(known)
             reaper.forget(procs)
+            _remove_crash_files(self.pids.values())
+
+
+def _remove_crash_files(pids: Iterable[int]) -> None:
+    """The engines' crash report files (engine/wire/tracing.py), in the user's private
+    scratch directory: none outlives its pool."""
+    with IMPORTS:
+        from sagenb.engine.wire.tracing import crash_path
+    for pid in pids:
+        try:
+            os.remove(crash_path(pid))
+        except OSError:
+            pass
 
 
 def _connect(cluster: ipp.Cluster) -> ipp.Client:

@@ -110,13 +110,27 @@ def lost_a_peer(evalue: str) -> bool:
     return any(marker in evalue for marker in PEER_LOST)
 
 
+#: what a dead engine that reported no fatal signal died of
+NO_REPORT = (
+    "killed or crashed, with no fatal signal reported: SIGKILL (the kernel's OOM killer, "
+    "kill -9), or an exit outside Python"
+)
+
+
 def classify(
-    ename: str, evalue: str, *, rank: int, engine_id: int, memory: Mapping[str, float]
+    ename: str,
+    evalue: str,
+    *,
+    rank: int,
+    engine_id: int,
+    memory: Mapping[str, float],
+    death: str = "",
 ) -> TrainingError:
-    """The error to raise for a rank's remote exception."""
+    """The error to raise for a rank's remote exception; `death` is a dead engine's crash
+    report (run/stacks.py: the signal and where it hit), when it wrote one."""
     if ename in DEAD_ENGINE:
         return EngineDiedError(
-            rank, engine_id, f"its engine process died (killed or crashed): {evalue}"
+            rank, engine_id, f"its engine process died ({death or NO_REPORT}): {evalue}"
         )
     if ename in ("MemoryError", "OutOfMemoryError") or any(m in evalue for m in OOM_MARKERS):
         return OutOfMemoryError(rank, engine_id, evalue, memory)

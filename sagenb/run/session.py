@@ -504,8 +504,19 @@ class _Run:
         if ename == "JobError":
             raise JobError(self._job_error(evalue))
         raise classify(
-            ename, evalue, rank=first, engine_id=self.ids[first], memory=self._memory(first)
+            ename,
+            evalue,
+            rank=first,
+            engine_id=self.ids[first],
+            memory=self._memory(first),
+            death=self._crash_report(first) if ename in DEAD_ENGINE else "",
         )
+
+    def _crash_report(self, rank: int) -> str:
+        """The dead engine's report of the fatal signal that ended it, read on this host."""
+        if self.pool.multi_host:
+            return ""
+        return stacks.crash_report(self.pool.pids.get(self.ids[rank]))
 
     def _job_error(self, evalue: str) -> str:
         """The cell's error, naming the ranks it came from when some ranks' cells did not
