@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from torch import nn
@@ -48,6 +50,7 @@ class _ReturnsFloat(nn.Module):
         return float(self.linear(x).sum())
 
 
+@pytest.mark.filterwarnings("ignore:Converting a tensor with requires_grad=True to a scalar")
 @pytest.mark.parametrize(
     "loss_fn",
     [lambda out, y: out, lambda out, y: torch.tensor(out, requires_grad=True)],
@@ -79,3 +82,34 @@ def test_a_crashed_engine_names_the_signal_and_where(pool, action, said):
     with pytest.raises(EngineDiedError, match=said) as info:
         sagenb.train(fault_cell(action), batch_size=16, steps=6, dashboard=False)
     assert 'File "<smp_train cell>", line 17 in loss_fn' in str(info.value)
+
+
+def test_files_of_pools_whose_controller_is_gone_are_removed(tmp_path):
+    """What a killed pool leaves in the profile; a running cluster's files stay."""
+    import json
+    import subprocess
+    import sys
+
+    from sagenb.pool.stale import remove_stale
+
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        text=True,
+        capture_output=True,
+        check=True,
+    )
+    pids = {"dead-1": int(gone.stdout), "live-1": os.getpid()}
+    for folder in ("security", "log"):
+        (tmp_path / folder).mkdir()
+    for cid, pid in pids.items():
+        record = {"controller": {"state": {"pid": pid}}}
+        (tmp_path / "security" / f"cluster-{cid}.json").write_text(json.dumps(record))
+        (tmp_path / "security" / f"ipcontroller-{cid}-client.json").write_text("{}")
+        (tmp_path / "log" / f"ipengine-{cid}-1-0.log").write_text("")
+    assert remove_stale(str(tmp_path)) == ["dead-1"]
+    left = sorted(p.name for p in tmp_path.rglob("*") if p.is_file())
+    assert left == [
+        "cluster-live-1.json",
+        "ipcontroller-live-1-client.json",
+        "ipengine-live-1-1-0.log",
+    ]

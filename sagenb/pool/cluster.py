@@ -43,7 +43,7 @@ import psutil
 from traitlets.config import Config
 
 from sagenb.config.options import DEFAULT_ENGINES
-from sagenb.pool import reaper
+from sagenb.pool import reaper, stale
 from sagenb.pool.ipyparallel_private import client_config, iopub_guarded
 from sagenb.pool.prewarm import BackgroundStart, prewarm_wanted
 
@@ -142,6 +142,10 @@ class EnginePool:
             log_level=logging.ERROR,
             config=_launcher_config(options or {}),
         )
+        try:  # what pools ended by a kill left in the profile (stale.py)
+            stale.remove_stale(cluster.profile_dir)
+        except Exception:  # noqa: BLE001 - tidying never stops a start
+            pass
         # all n engines are launched at once (ipyparallel's engine set launchers start them
         # without waiting on each other), once the controller has written its connection file
         cluster.start_cluster_sync()
