@@ -21,6 +21,7 @@ __all__ = [
     "TrainingInterrupted",
     "PoolDiedError",
     "classify",
+    "on_some_ranks",
 ]
 
 OOM_MARKERS = ("out of memory", "can't allocate memory", "MemoryError", "OutOfMemoryError")
@@ -103,6 +104,18 @@ class TrainingInterrupted(KeyboardInterrupt):
     def __init__(self, result: Any) -> None:
         self.result = result
         super().__init__(f"interrupted after {len(result.history)} steps")
+
+
+def on_some_ranks(evalue: str, ranks: Sequence[int], world_size: int) -> str:
+    """A JobError's text, naming `ranks` when only they raised it (a cell that defines `model`
+    only `if dist.get_rank() == 0`: the other ranks' cell did define it)."""
+    if len(ranks) == world_size:
+        return evalue
+    return (
+        f"{evalue} on rank {', '.join(map(str, ranks))} of {world_size} (the other ranks' cell "
+        f"did): the cell runs on every engine, and each must define the same names; a name "
+        f"defined only under `if dist.get_rank() == 0` is missing on the others"
+    )
 
 
 def lost_a_peer(evalue: str) -> bool:

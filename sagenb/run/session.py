@@ -40,6 +40,7 @@ from sagenb.run.failures import (
     TrainingInterrupted,
     classify,
     lost_a_peer,
+    on_some_ranks,
 )
 from sagenb.run.output import RankOutput
 from sagenb.run.trained import CellModel
@@ -519,20 +520,13 @@ class _Run:
         return stacks.crash_report(self.pool.pids.get(self.ids[rank]))
 
     def _job_error(self, evalue: str) -> str:
-        """The cell's error, naming the ranks it came from when some ranks' cells did not
-        raise it (a cell that defines `model` only `if dist.get_rank() == 0`)."""
-        errors = [
-            self.ars[r].exception() if self.ars[r].ready() else None for r in range(len(self.ars))
+        """The cell's error, naming the ranks it came from when not every rank raised it."""
+        ranks = [
+            r
+            for r, ar in enumerate(self.ars)
+            if ar.ready() and getattr(ar.exception(), "ename", "") == "JobError"
         ]
-        ranks = [r for r, e in enumerate(errors) if getattr(e, "ename", "") == "JobError"]
-        if len(ranks) == len(self.ars):
-            return evalue
-        named = ", ".join(map(str, ranks))
-        return (
-            f"{evalue} on rank {named} of {len(self.ars)} (the other ranks' cell did): the cell "
-            f"runs on every engine, and each must define the same names; a name defined only "
-            f"under `if dist.get_rank() == 0` is missing on the others"
-        )
+        return on_some_ranks(evalue, ranks, len(self.ars))
 
     def _blame(self, rank: int) -> tuple[bool, datetime]:
         """The rank to report sorts first: one with an error of its own before one that only
