@@ -22,6 +22,7 @@ import torch
 
 from sagenb.config.errors import ConfigError
 from sagenb.config.job import Job, JobError
+from sagenb.engine import clean_slate
 from sagenb.engine.loop import train_loop
 from sagenb.engine.model.equivalence import EquivalenceWarning, equivalence_warnings
 from sagenb.engine.model.kv_cache import cache_off
@@ -33,7 +34,7 @@ from sagenb.engine.torch_private import warm_dynamo
 from sagenb.engine.wire import process_group
 from sagenb.engine.wire.output import text_output
 from sagenb.engine.wire.publish import Publisher
-from sagenb.engine.wire.tracing import Tracer
+from sagenb.engine.wire.tracing import Tracer, report_crashes
 from sagenb.engine.workspace import Workspace, build_workspace
 from sagenb.metrics import keys
 
@@ -261,6 +262,8 @@ def warm() -> None:
 
     gc.collect()
     gc.freeze()
+    report_crashes()  # a segfault or an abort is named in the cell, not only "died"
+    clean_slate.remember()  # the state every run starts from (clean_slate.py)
 
 
 def probe() -> dict:

@@ -46,6 +46,7 @@ __all__ = [
     "model_inputs",
     "weighted",
     "piece_loss",
+    "attached",
 ]
 
 #: the target value a mean-reduced loss leaves out (torch.nn.functional.cross_entropy's default)
@@ -171,10 +172,30 @@ def piece_loss(objective: Objective, module: Any, batch: Any, scale: float) -> t
     tensor parallel): its loss enters the gradient as loss x counted targets x `scale`;
     returns loss x count, detached."""
     args, kwargs, target = objective.split(batch)
-    loss = objective.loss(module(*args, **kwargs), target)
+    output = module(*args, **kwargs)
+    loss = attached(objective.loss(output, target), output)
     count = objective.count(target, batch)
     (loss * (count * scale)).backward()
     return weighted(loss, count)
+
+
+def attached(loss: Any, output: Any) -> torch.Tensor:
+    """`loss`, when it is a tensor computed from the model's parameters; else a JobError:
+    a float (or a detached tensor) has no gradient, so the step would fail in backward with
+    torch's words, or train nothing and still finish."""
+    if isinstance(loss, torch.Tensor) and loss.grad_fn is not None:
+        return loss
+    what = (
+        f"a tensor with no gradient history ({loss!r})"
+        if isinstance(loss, torch.Tensor)
+        else f"{type(loss).__name__} {loss!r}"
+    )
+    raise JobError(
+        f"the loss is {what}, not a tensor computed from the model's parameters, so nothing "
+        f"would train (the model returned {type(output).__name__}). Return tensors from "
+        f"forward and loss_fn: float(x), x.item(), x.tolist(), x.detach() and torch.tensor(x) "
+        f"cut the gradient"
+    )
 
 
 def logits_of(output: Any) -> Any:

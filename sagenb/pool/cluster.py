@@ -34,7 +34,7 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,7 +43,7 @@ import psutil
 from traitlets.config import Config
 
 from sagenb.config.options import DEFAULT_ENGINES
-from sagenb.pool import reaper
+from sagenb.pool import reaper, stale
 from sagenb.pool.ipyparallel_private import client_config, iopub_guarded
 from sagenb.pool.prewarm import BackgroundStart, prewarm_wanted
 
@@ -142,6 +142,10 @@ class EnginePool:
             log_level=logging.ERROR,
             config=_launcher_config(options or {}),
         )
+        try:  # what pools ended by a kill left in the profile (stale.py)
+            stale.remove_stale(cluster.profile_dir)
+        except Exception:  # noqa: BLE001 - tidying never stops a start
+            pass
         # all n engines are launched at once (ipyparallel's engine set launchers start them
         # without waiting on each other), once the controller has written its connection file
         cluster.start_cluster_sync()
@@ -383,7 +387,9 @@ class EnginePool:
             self.client.close()
             return
         procs = _pool_processes()
-        known = {**self.known, **reaper.identities(procs)}
+        # a cell's child in a session of its own (start_new_session=True) is neither in an
+        # engine's process group nor, once its engine has stopped, its descendant: noted now
+        known = {**self.known, **reaper.identities(procs + _descendants(procs))}
         try:
             self.client.close()
             if alive:  # ipyparallel's stop waits on its controller
@@ -394,6 +400,19 @@ class EnginePool:
             reaper.end(known)
             reaper.forget(procs)
             _remove(self.run_lock_path)  # no run can hold a lock on a stopped pool
+            _remove_crash_files(self.pids.values())
+
+
+def _remove_crash_files(pids: Iterable[int]) -> None:
+    """The engines' crash report files (engine/wire/tracing.py), in the user's private
+    scratch directory: none outlives its pool."""
+    with IMPORTS:
+        from sagenb.engine.wire.tracing import crash_path
+    for pid in pids:
+        try:
+            os.remove(crash_path(pid))
+        except OSError:
+            pass
 
 
 def _connect(cluster: ipp.Cluster) -> ipp.Client:
@@ -474,6 +493,16 @@ def _owner_only(cluster: ipp.Cluster) -> None:
     """The controller's connection files are written 0600; the cluster file too, here."""
     if cluster.cluster_file and os.path.exists(cluster.cluster_file):
         os.chmod(cluster.cluster_file, 0o600)
+
+
+def _descendants(procs: Sequence[psutil.Process]) -> list[psutil.Process]:
+    found = []
+    for proc in procs:
+        try:
+            found += proc.children(recursive=True)
+        except psutil.Error:
+            pass
+    return found
 
 
 def _pool_processes() -> list[psutil.Process]:

@@ -21,6 +21,7 @@ __all__ = [
     "TrainingInterrupted",
     "PoolDiedError",
     "classify",
+    "on_some_ranks",
 ]
 
 OOM_MARKERS = ("out of memory", "can't allocate memory", "MemoryError", "OutOfMemoryError")
@@ -105,18 +106,44 @@ class TrainingInterrupted(KeyboardInterrupt):
         super().__init__(f"interrupted after {len(result.history)} steps")
 
 
+def on_some_ranks(evalue: str, ranks: Sequence[int], world_size: int) -> str:
+    """A JobError's text, naming `ranks` when only they raised it (a cell that defines `model`
+    only `if dist.get_rank() == 0`: the other ranks' cell did define it)."""
+    if len(ranks) == world_size:
+        return evalue
+    return (
+        f"{evalue} on rank {', '.join(map(str, ranks))} of {world_size} (the other ranks' cell "
+        f"did): the cell runs on every engine, and each must define the same names; a name "
+        f"defined only under `if dist.get_rank() == 0` is missing on the others"
+    )
+
+
 def lost_a_peer(evalue: str) -> bool:
     """Whether a rank's error only says that another rank went away."""
     return any(marker in evalue for marker in PEER_LOST)
 
 
+#: what a dead engine that reported no fatal signal died of
+NO_REPORT = (
+    "killed or crashed, with no fatal signal reported: SIGKILL (the kernel's OOM killer, "
+    "kill -9), or an exit outside Python"
+)
+
+
 def classify(
-    ename: str, evalue: str, *, rank: int, engine_id: int, memory: Mapping[str, float]
+    ename: str,
+    evalue: str,
+    *,
+    rank: int,
+    engine_id: int,
+    memory: Mapping[str, float],
+    death: str = "",
 ) -> TrainingError:
-    """The error to raise for a rank's remote exception."""
+    """The error to raise for a rank's remote exception; `death` is a dead engine's crash
+    report (run/stacks.py: the signal and where it hit), when it wrote one."""
     if ename in DEAD_ENGINE:
         return EngineDiedError(
-            rank, engine_id, f"its engine process died (killed or crashed): {evalue}"
+            rank, engine_id, f"its engine process died ({death or NO_REPORT}): {evalue}"
         )
     if ename in ("MemoryError", "OutOfMemoryError") or any(m in evalue for m in OOM_MARKERS):
         return OutOfMemoryError(rank, engine_id, evalue, memory)

@@ -29,7 +29,7 @@ from sagenb.engine.wire.rendezvous import bound_store, host_for_run
 from sagenb.metrics import keys
 from sagenb.metrics.result import TrainResult
 from sagenb.metrics.stream import History, MetricSink, RankStream
-from sagenb.pool import cluster, run_lock
+from sagenb.pool import clean_slate, cluster, run_lock
 from sagenb.run import stacks
 from sagenb.run.checkpoints import resume_warnings
 from sagenb.run.failures import (
@@ -40,6 +40,7 @@ from sagenb.run.failures import (
     TrainingInterrupted,
     classify,
     lost_a_peer,
+    on_some_ranks,
 )
 from sagenb.run.output import RankOutput
 from sagenb.run.trained import CellModel
@@ -97,6 +98,8 @@ def train(
     with run_lock.hold(pool.run_lock_path, me, if_busy=config.if_busy):
         pool.heal()  # engines lost in an earlier run's failure are replaced before this one
         config = _resolve_engines(config, pool)
+        # what an earlier cell changed of the engines' processes is put back (pool/clean_slate.py)
+        replaced = clean_slate.start_clean(pool, config.engines or pool.size)
         run = _Run(
             pool,
             config,
@@ -106,6 +109,9 @@ def train(
             on_failure=on_failure,
             projection=_projection(estimate, prepared, config),
         )
+        for note in replaced:
+            run.warnings.append(note)
+            warnings.warn_explicit(note, RuntimeWarning, "sagenb", 0, module="sagenb")
         return run.execute()
 
 
@@ -510,10 +516,30 @@ class _Run:
         ename = getattr(err, "ename", type(err).__name__)
         evalue = getattr(err, "evalue", str(err))
         if ename == "JobError":
-            raise JobError(evalue)
+            raise JobError(self._job_error(evalue))
         raise classify(
-            ename, evalue, rank=first, engine_id=self.ids[first], memory=self._memory(first)
+            ename,
+            evalue,
+            rank=first,
+            engine_id=self.ids[first],
+            memory=self._memory(first),
+            death=self._crash_report(first) if ename in DEAD_ENGINE else "",
         )
+
+    def _crash_report(self, rank: int) -> str:
+        """The dead engine's report of the fatal signal that ended it, read on this host."""
+        if self.pool.multi_host:
+            return ""
+        return stacks.crash_report(self.pool.pids.get(self.ids[rank]))
+
+    def _job_error(self, evalue: str) -> str:
+        """The cell's error, naming the ranks it came from when not every rank raised it."""
+        ranks = [
+            r
+            for r, ar in enumerate(self.ars)
+            if ar.ready() and getattr(ar.exception(), "ename", "") == "JobError"
+        ]
+        return on_some_ranks(evalue, ranks, len(self.ars))
 
     def _blame(self, rank: int) -> tuple[bool, datetime]:
         """The rank to report sorts first: one with an error of its own before one that only

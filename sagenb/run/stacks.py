@@ -18,7 +18,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from sagenb.engine.scratch import read_private
-from sagenb.engine.wire.tracing import STACK_SIGNAL, collectives_key, request_key, stack_path
+from sagenb.engine.wire.tracing import (
+    STACK_SIGNAL,
+    collectives_key,
+    crash_path,
+    request_key,
+    stack_path,
+)
 
 __all__ = ["RankTrace", "collect", "describe", "CELL_FILE"]
 
@@ -135,6 +141,59 @@ def _read_file(path: str) -> str:
         return read_private(path)
     except OSError:  # UnsafeDirectory too: the rank refused to dump there
         return ""
+
+
+#: faulthandler's words for the fatal signals it reports, and the signals' names
+_FATAL = {
+    "Segmentation fault": "SIGSEGV",
+    "Aborted": "SIGABRT",
+    "Bus error": "SIGBUS",
+    "Floating-point exception": "SIGFPE",
+    "Illegal instruction": "SIGILL",
+}
+CRASH_LINES = 12  # of the crashing thread's stack, innermost first
+
+
+def crash_report(pid: int | None) -> str:
+    """How the engine of process `pid` died, from its crash report (engine/wire/tracing.py):
+    the signal and the stack of the thread it hit; '' when it reported none. The report is
+    removed once read."""
+    if pid is None:
+        return ""
+    path = crash_path(pid)
+    text = _read_file(path)
+    _quietly(os.remove, path)
+    lines = text.splitlines()
+    if not lines or not lines[0].startswith("Fatal Python error: "):
+        return ""
+    what = lines[0].removeprefix("Fatal Python error: ").strip()
+    name = _FATAL.get(what)
+    head = f"{name} ({what})" if name else what
+    frames = _crashed_thread(lines)
+    if any("torch/distributed/" in f for f in frames[:3]):
+        head += (
+            " in a collective: gloo aborts when the ranks' collectives do not match (one rank "
+            "calling an all_reduce the others do not, or with other sizes); every rank must "
+            "call the same collectives in the same order"
+        )
+    where = "\n".join(frames[:CRASH_LINES])
+    return f"{head}, in (most recent call first):\n{where}" if where else head
+
+
+def _crashed_thread(lines: list[str]) -> list[str]:
+    """The frames of the thread the signal hit ("Current thread"); when it hit a thread with
+    no Python frames (gloo aborting in its own thread), the rank's thread, which runs
+    run_rank: where the cell was (in which collective)."""
+    blocks: list[tuple[str, list[str]]] = []
+    for line in lines:
+        if line.startswith(("Current thread", "Thread 0x")):
+            blocks.append((line, []))
+        elif blocks and line.startswith("  File "):
+            blocks[-1][1].append(line)
+    for head, frames in blocks:
+        if head.startswith("Current thread") and frames:
+            return frames
+    return next((frames for _, frames in blocks if any("in run_rank" in f for f in frames)), [])
 
 
 def _main_frames(text: str) -> list[Frame] | None:

@@ -32,7 +32,15 @@ from sagenb.engine.scratch import create_private, dir_path, private_dir
 from sagenb.engine.torch_private import dump_flight_recorder_json
 from sagenb.engine.wire.rendezvous import wait_for_key
 
-__all__ = ["STACK_SIGNAL", "Tracer", "stack_path", "request_key", "collectives_key"]
+__all__ = [
+    "STACK_SIGNAL",
+    "Tracer",
+    "stack_path",
+    "crash_path",
+    "report_crashes",
+    "request_key",
+    "collectives_key",
+]
 
 STACK_SIGNAL = signal.SIGUSR1
 STACKS_DIR = "sagenb-stacks"  # $TMPDIR/sagenb-stacks-<uid>, private to the user (scratch.py)
@@ -44,6 +52,30 @@ def stack_path(port: int, rank: int) -> str:
     """Where rank `rank` of the run whose store listens on `port` dumps its stack: derived,
     not sent, so the notebook and the engine agree without a field in RankSpec."""
     return os.path.join(dir_path(STACKS_DIR), f"{port}-{rank}")
+
+
+def crash_path(pid: int) -> str:
+    """Where the engine of process `pid` reports a fatal signal (report_crashes)."""
+    return os.path.join(dir_path(STACKS_DIR), f"crash-{pid}")
+
+
+_crash_file: list = []
+
+
+def report_crashes() -> None:
+    """Have faulthandler write a fatal signal (SIGSEGV, SIGABRT, SIGBUS, SIGFPE, SIGILL) and
+    the Python stack it hit to `crash_path`, for the engine's life: the notebook reads it when
+    the engine died (run/stacks.py), as ipyparallel says only "Engine 1 died". The engine's
+    stderr will not do: ipykernel captures its descriptor into a pipe read by a thread of the
+    dying process. Once per process; nothing when the directory is not private (scratch.py)."""
+    if _crash_file:
+        return
+    try:
+        private_dir(STACKS_DIR)
+        _crash_file.append(create_private(crash_path(os.getpid())))
+    except OSError:  # UnsafeDirectory too: the engine runs without crash reports
+        return
+    faulthandler.enable(file=_crash_file[0], all_threads=True)
 
 
 def request_key(rank: int) -> str:

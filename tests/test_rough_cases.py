@@ -1,0 +1,115 @@
+"""The rough cases of issue 32: each says what happened and what to do, or leaves nothing."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch import nn
+
+import sagenb
+from sagenb.config.job import JobError
+from sagenb.engine.objective import Objective, piece_loss
+from sagenb.pool import cluster
+from sagenb.run.failures import EngineDiedError
+
+from .conftest import REGRESSION_CELL
+from .helpers import fault_cell, wait_clean
+
+RANK0_ONLY = REGRESSION_CELL.replace(
+    "model = nn", "import torch.distributed as dist\nif dist.get_rank() == 0:\n    model = nn"
+)
+
+
+def test_a_model_defined_on_rank_0_only_names_the_other_rank(pool):
+    with pytest.raises(JobError, match=r"the job defines no model on rank 1 of 2 .*get_rank"):
+        sagenb.train(RANK0_ONLY, batch_size=16, steps=2, dashboard=False)
+
+
+def test_a_cells_child_in_a_session_of_its_own_ends_with_the_pool(pool, tmp_path):
+    """`start_new_session=True` takes the child out of its engine's process group, and the
+    engine's stop re-parents it to init: the pool notes its engines' descendants first."""
+    cell = REGRESSION_CELL + (
+        "import subprocess, torch.distributed as dist\n"
+        "child = subprocess.Popen(['sleep', '600'], start_new_session=True)\n"
+        f"open({str(tmp_path)!r} + f'/{{dist.get_rank()}}', 'w').write(str(child.pid))\n"
+    )
+    sagenb.train(cell, batch_size=16, steps=2, dashboard=False)
+    children = [int((tmp_path / str(rank)).read_text()) for rank in range(2)]
+    cluster.stop_pool()
+    wait_clean(children, [], timeout=10)
+
+
+class _ReturnsFloat(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(8, 1)
+
+    def forward(self, x):
+        return float(self.linear(x).sum())
+
+
+@pytest.mark.filterwarnings("ignore:Converting a tensor with requires_grad=True to a scalar")
+@pytest.mark.parametrize(
+    "loss_fn",
+    [lambda out, y: out, lambda out, y: torch.tensor(out, requires_grad=True)],
+    ids=["float", "detached"],
+)
+def test_a_loss_cut_from_the_model_says_nothing_would_train(loss_fn):
+    """Before: torch's "element 0 of tensors does not require grad" from backward (float), or
+    a run "done" that trained nothing (a new leaf tensor)."""
+    model = _ReturnsFloat()
+    batch = (torch.randn(4, 8), torch.randn(4, 1))
+    objective = Objective.build(model, loss_fn, (batch[0][0], batch[1][0]))
+    with pytest.raises(JobError, match=r"nothing would train \(the model returned float\)"):
+        piece_loss(objective, model, batch, 1.0)
+
+
+@pytest.mark.parametrize(
+    ("action", "said"),
+    [
+        ("import ctypes; ctypes.string_at(0)", r"SIGSEGV \(Segmentation fault\), in"),
+        (
+            "dist.all_reduce(torch.ones(3))",
+            r"SIGABRT \(Aborted\) in a collective: gloo aborts when the ranks' collectives",
+        ),
+    ],
+    ids=["segfault", "extra_all_reduce"],
+)
+def test_a_crashed_engine_names_the_signal_and_where(pool, action, said):
+    """Before: "its engine process died (killed or crashed)", no signal, no line."""
+    with pytest.raises(EngineDiedError, match=said) as info:
+        sagenb.train(fault_cell(action), batch_size=16, steps=6, dashboard=False)
+    assert 'File "<smp_train cell>", line 17 in loss_fn' in str(info.value)
+
+
+def test_files_of_pools_whose_controller_is_gone_are_removed(tmp_path):
+    """What a killed pool leaves in the profile; a running cluster's files stay."""
+    import json
+    import subprocess
+    import sys
+
+    from sagenb.pool.stale import remove_stale
+
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        text=True,
+        capture_output=True,
+        check=True,
+    )
+    pids = {"dead-1": int(gone.stdout), "live-1": os.getpid()}
+    for folder in ("security", "log"):
+        (tmp_path / folder).mkdir()
+    for cid, pid in pids.items():
+        record = {"controller": {"state": {"pid": pid}}}
+        (tmp_path / "security" / f"cluster-{cid}.json").write_text(json.dumps(record))
+        (tmp_path / "security" / f"ipcontroller-{cid}-client.json").write_text("{}")
+        (tmp_path / "log" / f"ipengine-{cid}-1-0.log").write_text("")
+    assert remove_stale(str(tmp_path)) == ["dead-1"]
+    left = sorted(p.name for p in tmp_path.rglob("*") if p.is_file())
+    assert left == [
+        "cluster-live-1.json",
+        "ipcontroller-live-1-client.json",
+        "ipengine-live-1-1-0.log",
+    ]
