@@ -124,7 +124,9 @@ def controller_killed(directory: str) -> dict:
         "raised_s": raised - killed[0],
         "gone_s": gone,
         # from the cell's start: the new pool's start, then the run's own wait
-        "next_first_step_s": time.perf_counter() - asked - after.wall_time_s
+        "next_first_step_s": time.perf_counter()
+        - asked
+        - after.wall_time_s
         + after.time_to_first_step_s,
     }
 
