@@ -247,8 +247,8 @@ class _GlobalCount:
     times the replicas. Integer targets (which may hold -100) are summed across the ranks,
     each replica's share counted once (every engine of a replica loads the same samples).
 
-    That all-reduce, blocking before the first forward, cost data parallel ~7% of its
-    throughput on 2 cores (benchmarks/results/against_peers.md): a second point per step where
+    That all-reduce, blocking before the first forward, left data parallel at 0.93x a torchrun
+    DDP script on integer class targets (issue 31, 2 cores): a second point per step where
     the ranks wait for each other. With `in_flight` (a strategy's counts_in_flight: DDP, whose
     reduced gradients are whole tensors, every rank loading an equal share) it is started here
     and the step weighs its pieces as if the global batch counted one target a sample
