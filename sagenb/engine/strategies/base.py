@@ -43,6 +43,12 @@ class Strategy(Protocol):
     def local_indices(self, slice_indices: torch.Tensor) -> torch.Tensor:
         """Which samples of one slice of the global batch this engine loads."""
 
+    #: whether the loop may all-reduce the step's target count while the step runs and rescale
+    #: the gradients after the last backward (engine/loop.py _GlobalCount): where the reduced
+    #: gradients are plain tensors on every rank and the count's collective cannot interleave
+    #: with the strategy's own on other groups (data parallel)
+    counts_in_flight: bool
+
     @property
     def collated_parts(self) -> int:
         """The runs each of this engine's batches is cut into, each collated on its own by the

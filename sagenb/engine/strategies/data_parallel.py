@@ -38,6 +38,9 @@ __all__ = ["DESCRIPTIONS", "DataParallel", "eval_sums"]
 
 
 class DataParallel:
+    #: DDP's reduced gradients are whole tensors on every rank (engine/loop.py _GlobalCount)
+    counts_in_flight = True
+
     def __init__(self, *, rank: int, world_size: int, device: torch.device, seed: int = 0):
         self.rank, self.world_size, self.device, self.seed = rank, world_size, device, seed
         self.module: nn.Module

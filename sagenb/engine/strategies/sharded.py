@@ -49,6 +49,8 @@ __all__ = ["DESCRIPTIONS", "Sharded"]
 class Sharded(SplitParameters):
     """Data parallel whose parameters, gradients and optimizer state are split N ways."""
 
+    counts_in_flight = False  # the global target count is reduced before the step
+
     def __init__(
         self,
         *,

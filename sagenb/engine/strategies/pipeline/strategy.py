@@ -81,6 +81,8 @@ def bubble_fraction(stages: int, microbatches: int, virtual: int = 1) -> float:
 
 
 class Pipeline:
+    counts_in_flight = False  # the global target count is reduced before the step
+
     def __init__(self, config: EngineConfig, *, rank: int, world_size: int, device: torch.device):
         self.config, self.rank, self.world_size, self.device = config, rank, world_size, device
         P = config.partitions

@@ -43,6 +43,8 @@ __all__ = ["DESCRIPTIONS", "TensorParallel"]
 
 
 class TensorParallel(SplitParameters):
+    counts_in_flight = False  # the global target count is reduced before the step
+
     def __init__(self, config: EngineConfig, *, rank: int, world_size: int, device: torch.device):
         super().__init__(rank=rank, world_size=world_size, device=device, seed=config.seed)
         self.T = config.tensor_parallel or world_size
