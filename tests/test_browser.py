@@ -315,6 +315,7 @@ def test_a_pipeline_dashboard_draws_its_schedule(pool, home, tmp_path, request):
         GPT_CELL, strategy="model", partitions=2, microbatches=4, batch_size=32, epochs=4,
         eval_every=8, instance="ml.g5.12xlarge", live=False,
     )  # fmt: skip
+    result.wait_for_projection()  # the header as a user sees it a few seconds after the run
     saved = result.dashboard.save_html(tmp_path / "dashboard.html")
     with chromium_page(home, width=1100, height=1000) as (page, _):
         page.goto(saved.as_uri())

@@ -210,7 +210,7 @@ def test_a_run_makes_its_own_projection_off_the_notebooks_process():
     assert failing.step_time_s is None
     assert "AssertionError: the cell runs on engines only" in failing.why, failing.why
     meter = CostMeter(instance_price(P4D), 2, runs_on="cpu", projection=failing)
-    assert meter.projected_on(4).startswith(f"projected on {P4D}: no estimate (AssertionError")
+    assert meter.projected_on(4).startswith(f"projected on 1 x {P4D}: no estimate (AssertionError")
 
 
 NEEDS_ENGINES_CELL = REGRESSION_CELL + (

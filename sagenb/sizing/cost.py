@@ -198,7 +198,7 @@ class CostMeter:
     def projected_on(self, steps_total: int, steps_done: int = 0) -> str:
         """'projected on I': the estimate's step time x this run's steps, with the measured
         progress (steps done of steps_total)."""
-        name = self.price.name
+        name = f"{self.instances} x {self.price.name}"
         step_time_s = self.projection.step_time_s if self.projection is not None else None
         if step_time_s is None or steps_total <= 0:
             why = self.projection.why if self.projection is not None else NO_ESTIMATE
@@ -206,7 +206,7 @@ class CostMeter:
         low, high = (steps_total * s for s in step_time_s)
         done = f", {steps_done}/{steps_total} steps done" if steps_done else ""
         return (
-            f"projected on {self.instances} x {name}: {low:.3g}-{high:.3g} s, "
+            f"projected on {name}: {low:.3g}-{high:.3g} s, "
             f"{_usd(self.cost(low))}-{_usd(self.cost(high))} (estimate{done})"
         )
 

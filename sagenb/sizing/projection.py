@@ -41,11 +41,13 @@ class Projection:
     def __init__(self, step_time_s: tuple[float, float] | None = None, why: str = NO_ESTIMATE):
         self.step_time_s = step_time_s
         self.why = why
-        self._done = threading.Event()
+        self._ended = False  # under _lock: the figure (or why none) is final
+        self._done = threading.Event()  # set once every listener has been told too
         self._lock = threading.Lock()
         self._listeners: list[Callable[[], None]] = []
         self._child: subprocess.Popen[bytes] | None = None
         if step_time_s is not None:
+            self._ended = True
             self._done.set()
 
     @classmethod
@@ -76,10 +78,11 @@ class Projection:
 
     @property
     def pending(self) -> bool:
-        return not self._done.is_set()
+        return not self._ended
 
     def wait(self, timeout_s: float) -> bool:
-        """Wait up to `timeout_s` for the estimate; whether it has ended (made or failed)."""
+        """Wait up to `timeout_s` for the estimate; whether it has ended (made or failed), its
+        listeners told (a saved dashboard then shows the figure)."""
         return self._done.wait(timeout_s)
 
     def cancel(self, why: str) -> None:
@@ -109,20 +112,21 @@ class Projection:
         """Call `listener()` once the estimate has ended (now, if it has), from the thread
         that ends it: the run's result and its dashboard take the figure when it comes."""
         with self._lock:
-            if not self._done.is_set():
+            if not self._ended:
                 self._listeners.append(listener)
                 return
         _tell(listener)
 
     def _end(self, step_time_s: tuple[float, float] | None, why: str) -> None:
         with self._lock:  # the first end stays (a cancel, then the killed child's exit)
-            if self._done.is_set():
+            if self._ended:
                 return
             self.step_time_s, self.why = step_time_s, why
-            self._done.set()
+            self._ended = True
             listeners, self._listeners = self._listeners, []
         for listener in listeners:
             _tell(listener)
+        self._done.set()
 
 
 #: the latest run's own estimate, and the lock its replacement takes
