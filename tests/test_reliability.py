@@ -248,18 +248,21 @@ def test_a_notebook_side_error_stops_every_rank(pool):
 
 
 def test_a_failed_rendezvous_leaves_nothing_behind(pool):
-    """An engine whose init_process_group raises (its environment names a gloo transport this
-    torch lacks, as `%px os.environ[...]` or an engine started with it would) fails the run and
-    is replaced: torch reads that setting once per process, and had numbered its default group
-    already (pytorch/pytorch#46561), so the kept engine failed every later run, or waited under
-    other store keys than its peer's until --timeout. The next run trains at once, as one
-    process, on a new engine."""
-    # torch reads the setting at an engine's first rendezvous: fresh engines
+    """An engine whose init_process_group raises (it was started with an environment naming a
+    gloo transport this torch lacks) fails the run and is replaced: torch reads that setting
+    once per process, and had numbered its default group already (pytorch/pytorch#46561), so
+    the kept engine failed every later run, or waited under other store keys than its peer's
+    until --timeout. The next run trains at once, as one process, on a new engine.
+
+    The engine is started with the variable: one set later by `%px os.environ[...]` is removed
+    before the run (engine/clean_slate.py), and that run trains."""
     pool.kill(pool.engine_ids)
-    pool.heal()
+    # the lowest engine id, so rank 0 of a one-engine run
+    bad = {"GLOO_DEVICE_TRANSPORT": "no-such-transport"}
+    pool.cluster.start_engines_sync(n=1, environment=bad)
+    pool.client.wait_for_engines(1, timeout=120, interactive=False)
+    pool.heal()  # the others, and every engine warmed (its starting state noted)
     first = pool.engine_ids[0]
-    bad = "import os; os.environ['GLOO_DEVICE_TRANSPORT'] = 'no-such-transport'"
-    pool.client[first].execute(bad, block=True)
     with pytest.raises(TrainingError, match=r"(?s)init_process_group failed; this engine is "):
         sagenb.train(REGRESSION_CELL, engines=1, batch_size=16, steps=3, dashboard=False)
     assert first not in pool.client.ids
