@@ -253,7 +253,7 @@ def test_a_crafted_checkpoint_runs_nothing(pool, tmp_path, monkeypatch, where):
     with pytest.raises(sagenb.CheckpointError, match=refused):  # in the notebook, early
         sagenb.train(REGRESSION_CELL, steps=9, checkpoint_dir=str(directory), resume=True, **SHORT)
     # the engines refuse it too (under torchrun no notebook looks first)
-    monkeypatch.setattr("sagenb.run.session.resume_warnings", lambda config, engines: [])
+    monkeypatch.setattr("sagenb.run.training_run.resume_warnings", lambda config, engines: [])
     with pytest.raises(TrainingError, match=refused):
         sagenb.train(REGRESSION_CELL, steps=9, checkpoint_dir=str(directory), resume=True, **SHORT)
     # the reader and planner themselves, past the checks (defence in depth)

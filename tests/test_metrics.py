@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 import sagenb
-from sagenb.run import session
+from sagenb.run import training_run
 
 from .conftest import REGRESSION_CELL
 
@@ -31,7 +31,7 @@ def test_every_step_of_every_rank_arrives_in_order(pool):
 def test_slow_polling_loses_nothing(pool, monkeypatch):
     # A poll every 2 s while ~200 steps are published per rank: one key per step survives
     # AsyncResult.data's dict.update, where a single reused key would keep only the last.
-    monkeypatch.setattr(session, "POLL_S", 2.0)
+    monkeypatch.setattr(training_run, "POLL_S", 2.0)
     result = sagenb.train(REGRESSION_CELL, batch_size=2, epochs=2, dashboard=False)
     expected = list(range(1, 193))
     assert per_rank_steps(result) == {0: expected, 1: expected}

@@ -90,7 +90,7 @@ class RankFailure(RuntimeError):
 
 
 class RendezvousFailed(RankFailure):
-    """The rank's init_process_group raised: the notebook replaces its engine (run/session.py),
+    """The rank's init_process_group raised: the notebook replaces its engine (run/training_run.py),
     as torch keeps state of a failed init that no public API resets."""
 
 
@@ -100,7 +100,8 @@ def run_rank(spec: RankSpec, publish: Publisher | None = None) -> RankResult:
     tracer = _tracer(spec)  # where this rank is, should the notebook find the run stalled
     try:
         # text bars, no widgets, the run's own warning filters (wire/output.py); equivalence
-        # warnings travel with the first step instead, warned once by the notebook (session.py)
+        # warnings travel with the first step instead, warned once by the notebook
+        # (run/training_run.py)
         with text_output(ignore=(EquivalenceWarning,)):
             return train_rank(spec, publish)
     except JobError as exc:
@@ -210,7 +211,7 @@ def _first_step_with(
     notes: list[str], publish: Publisher, first: dict[str, float]
 ) -> Callable[[dict], None]:
     """`publish`, adding `notes` to the first step's metrics as "warnings" (the notebook shows
-    them, run/session.py), and `first`; notes are also warned here, for a script under
+    them, run/training_run.py), and `first`; notes are also warned here, for a script under
     torchrun (launch.py)."""
     for note in notes:
         warnings.warn(note, EquivalenceWarning, stacklevel=2)

@@ -64,7 +64,8 @@ def train_loop(
     """Train to the end of the plan, publishing one metrics dict per step, or until
     `should_stop(step)` after a step, or until a checkpoint cannot be written. Returns the
     number of the last step done, and why its checkpoint could not be written, if it could
-    not (checkpoint.save; the run then fails keeping the parameters it trained, run/session.py)."""
+    not (checkpoint.save; the run then fails keeping the parameters it trained,
+    run/training_run.py)."""
     optimizer = make_optimizer(ws, strategy, config.lr)
     scheduler = ws.make_scheduler(optimizer) if ws.make_scheduler is not None else None
     objects = _Saved(strategy=strategy, optimizer=optimizer, scheduler=scheduler, rank=rank)

@@ -91,6 +91,20 @@ class History:
             settled.append(step)
         return settled
 
+    def last_steps(self) -> dict[int, int]:
+        """The last step each rank reported (0: none)."""
+        last = dict.fromkeys(range(self.world_size), 0)
+        for rec in self.records:
+            last[rec.rank] = max(last[rec.rank], rec.step)
+        return last
+
+    def memory(self, rank: int) -> dict[str, float]:
+        """The rank's memory telemetry from the last step it reported."""
+        for rec in reversed(self.records):
+            if rec.rank == rank:
+                return {k: v for k, v in rec.values.items() if k.startswith(keys.MEMORY_PREFIX)}
+        return {}
+
     def _combine(
         self, step: int, ranks: dict[int, Mapping[str, Any]], missing: Sequence[int] = ()
     ) -> dict[str, Any]:

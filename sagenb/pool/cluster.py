@@ -382,7 +382,7 @@ class EnginePool:
         """Stop controller, nannies and engines, and wait until every one of them has exited
         (an attached pool is only let go of: whoever started it stops it)."""
         alive = self.controller_alive()
-        self.stopped = True  # a run on this pool ends now, saying so (run/session.py)
+        self.stopped = True  # a run on this pool ends now, saying so (run/training_run.py)
         if not self.owned:
             self.client.close()
             return

@@ -51,6 +51,15 @@ class Projection:
             self._done.set()
 
     @classmethod
+    def for_run(cls, estimate: Any, job: Any, config: Any) -> Projection:
+        """Seconds per step on --instance: from `estimate` (a sizing.estimates.Estimate, or
+        None) when it estimated this job with these options (engines resolved), else from the
+        run's own estimate, made in a child process while the engines train."""
+        if estimate is not None and estimate.describes(job, config):
+            return cls(estimate.step_time_s)
+        return cls.start(job, config)
+
+    @classmethod
     def start(cls, job: Any, config: Any) -> Projection:
         """Estimate `job` with `config` (engines resolved) in a child process, now."""
         projection = cls(why="estimating (in the background)")

@@ -4,7 +4,7 @@ Every strategy trains as one process would (docs/contract.md), with exceptions t
 from the model itself: BatchNorm normalises whatever batch reaches it, and dropout draws its
 masks from each engine's own generator. `equivalence_warnings` names each exception a run will
 hit, from the built model and the config, with what to do about it; rank 0 sends them to the
-notebook with the first step's metrics (entry.py), which shows each once (run/session.py).
+notebook with the first step's metrics (entry.py), which shows each once (run/training_run.py).
 
 data and sharded synchronise BatchNorm across engines (sync_batchnorm.py), so BatchNorm warns
 only where the batch reaching it is still a part of the global batch: pipeline microbatches (as

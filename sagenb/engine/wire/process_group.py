@@ -38,9 +38,9 @@ def init_process_group(
 ) -> None:
     """nccl when every engine has its own CUDA device, gloo otherwise.
 
-    The rendezvous store is hosted by the notebook (run/session.py), already listening before any
-    engine connects: with rank 0 hosting it, the other ranks could arrive first and back off
-    for ~0.5 s before retrying. `token` is the run's own, which every stop message carries
+    The rendezvous store is hosted by the notebook (run/training_run.py), already listening
+    before any engine connects: with rank 0 hosting it, the other ranks could arrive first and
+    back off for ~0.5 s before retrying. `token` is the run's own, which every stop message carries
     (stopping.py).
     """
     if dist.is_initialized():  # a previous run on this engine died before cleaning up

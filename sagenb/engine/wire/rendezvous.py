@@ -1,8 +1,8 @@
 """Where a run's ranks meet: the rendezvous store's address, and the interface to talk on.
 
-On one machine the notebook hosts the store on 127.0.0.1 (run/session.py). With engines on several
-hosts, the rank-0 engine hosts it on its own reachable address, on a port its host picks, and
-every rank (and the notebook, for interrupts) connects to it there.
+On one machine the notebook hosts the store on 127.0.0.1 (run/training_run.py). With engines
+on several hosts, the rank-0 engine hosts it on its own reachable address, on a port its host
+picks, and every rank (and the notebook, for interrupts) connects to it there.
 
 The store's listening socket is made here and handed to torch: torch's TCPStore server binds to
 every interface whatever host name it is given (seen with `ss -ltn`), and a rendezvous store

@@ -1,0 +1,563 @@
+"""One training run on the pool, from its tasks' submission to its result or its error.
+
+`TrainingRun` submits a task per rank (`run_rank`, engine/entry.py), streams the ranks' metrics
+to the sinks (history, dashboard, event files), and collects the merged parameters. When a rank
+fails, stalls, the pool dies or the kernel is interrupted, it ends every rank within seconds
+(replacing the engines it had to kill) and raises what happened, naming the rank
+(run/failures.py, run/tasks.py). `train()` (run/session.py) makes one after its checks.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+from torch.distributed import TCPStore
+
+from sagenb.config.job import Job, JobError
+from sagenb.config.options import TrainConfig
+from sagenb.display import event_log
+from sagenb.engine.entry import RankResult, RankSpec, merge_states, run_rank
+from sagenb.engine.model.equivalence import EquivalenceWarning
+from sagenb.engine.wire import stopping
+from sagenb.engine.wire.rendezvous import bound_store, host_for_run
+from sagenb.metrics import keys
+from sagenb.metrics.result import TrainResult
+from sagenb.metrics.stream import History, MetricSink, RankStream
+from sagenb.pool import cluster
+from sagenb.run import stacks
+from sagenb.run.checkpoints import resume_warnings
+from sagenb.run.failures import (
+    DEAD_ENGINE,
+    PoolDiedError,
+    StalledError,
+    TrainingError,
+    TrainingInterrupted,
+    classify,
+)
+from sagenb.run.output import RankOutput
+from sagenb.run.tasks import RankTasks
+from sagenb.run.trained import CellModel
+from sagenb.sizing.cost import CostMeter, meter_for
+from sagenb.sizing.projection import Projection
+
+if TYPE_CHECKING:
+    pass
+
+__all__ = ["TrainingRun", "POLL_S"]
+
+POLL_S = 0.05  # metric polling period; the dashboard throttles its own redraws
+SETTLE_S = 1.0  # after a failure, how long the other ranks get to end on their own
+RELEASE_S = 5.0  # how long ranks get to end after the engines blocking them are killed
+CONTROLLER_CHECK_S = 1.0  # how often a run checks that the pool's controller still runs
+OUTPUT_S = 10.0  # how long to wait for the last published metrics after a rank returns
+STOP_S = 4.0  # after an interrupt, how long ranks get to stop at a step boundary
+INTERRUPTED_S = 2.0  # how long the ranks of a stalled run get to end once interrupted
+LAST_OUTPUT_S = 2.0  # after a failure, how long the ended ranks' last metrics get to arrive
+
+
+def _rendezvous(pool: cluster.EnginePool, world_size: int, timeout_s: float) -> TCPStore:
+    """A fresh torch.distributed store for one run, on a port its host picks: hosted here on
+    127.0.0.1 when every engine is on this machine, else by the rank-0 engine on its
+    reachable address (engine/wire/rendezvous.py), this notebook connecting to it as a client."""
+    if not pool.multi_host:
+        return bound_store(cluster.LOOPBACK, world_size, timeout_s)
+    rank0 = pool.client[pool.engine_ids[0]]
+    addr, port = rank0.apply_sync(host_for_run, pool.controller_host, world_size, timeout_s)
+    return TCPStore(addr, port, world_size, is_master=False, timeout=timedelta(seconds=timeout_s))
+
+
+class TrainingRun:
+    """One training run on the pool: submit a task per rank, follow, contain, collect."""
+
+    def __init__(
+        self,
+        pool: cluster.EnginePool,
+        config: TrainConfig,
+        job: Job,
+        sinks: list[MetricSink],
+        *,
+        live: bool | None = None,
+        on_failure: Callable[[str], None] | None = None,
+        projection: Projection | None = None,
+    ) -> None:
+        self.pool, self.config, self.job = pool, config, job
+        self.on_failure = on_failure
+        self.engines = config.engines or pool.size
+        self.projection = projection
+        self.cost = meter_for(config, self.engines, runs_on=_runs_on(pool), projection=projection)
+        self.history = History(self.engines, config.batch_size)
+        self.dashboard = (
+            _make_dashboard(config, self.cost, self.history, live) if config.dashboard else None
+        )
+        # after the history, which they read: the event files (--log-dir), the dashboard
+        self.event_log = (
+            event_log.EventLog(config, self.history, self.engines) if config.log_dir else None
+        )
+        self.sinks: list[MetricSink] = [
+            self.history,
+            *sinks,
+            *([self.event_log] if self.event_log else []),
+            *([self.dashboard] if self.dashboard else []),
+        ]
+        self.first_step_s: float | None = None
+        self.ended: float | None = None  # when the run ended (before any repair of the pool)
+        self.last_progress = time.monotonic()
+        #: why this run cannot train as one process would (engine/model/equivalence.py), as warned
+        self.warnings: list[str] = []
+        #: why the run ended before its last step, when it did without an interrupt
+        self.stop_reason: str | None = None
+        self.nonfinite_step: int | None = None
+
+    def execute(self) -> TrainResult:
+        self.token = secrets.token_hex(16)  # never written to the store before a stop request
+        # --resume: which checkpoint, and whether its options still hold, before any engine works
+        self.warnings += resume_warnings(self.config, self.engines)
+        self.store = _rendezvous(self.pool, self.engines, self.config.collective_timeout)
+        for_engines = self.config.for_engines()  # the notebook's own options stay here
+        specs = [
+            (
+                RankSpec(
+                    r,
+                    self.engines,
+                    self.store.host,
+                    self.store.port,
+                    # the host's cores shared by its engines (counted on this machine)
+                    self.config.threads_per_engine(local_size),
+                    for_engines,
+                    self.job,
+                    local_rank=local_rank,
+                    local_size=local_size,
+                    token=self.token,
+                ),
+            )
+            for r, (local_rank, local_size) in enumerate(self.pool.local_ranks(self.engines))
+        ]
+        self.started = time.perf_counter()
+        self.ids = self.pool.engine_ids[: self.engines]
+        self.ars = self.pool.submit(run_rank, specs)
+        self.tasks = RankTasks(self.ars, self.ids)
+        self.streams = [RankStream(r, ar) for r, ar in enumerate(self.ars)]
+        self.output = RankOutput(self.ars[0])  # rank 0's prints, logs, warnings, bars: once
+        try:
+            return self._run()
+        finally:
+            # the store's port closes now, not when the traceback that holds this run goes
+            del self.store
+
+    def _run(self) -> TrainResult:
+        try:
+            self._follow()
+            results = self._collect()
+        except KeyboardInterrupt:
+            self.stop_reason = "the kernel's interrupt (KeyboardInterrupt)"
+            raise TrainingInterrupted(self._interrupted()) from None
+        except BaseException as err:
+            # one place ends a run: whatever failed here (a sink, the dashboard, the cost
+            # meter), no rank trains on into the next run's time (a pool that died or was
+            # stopped has no rank left to stop: _pool_died saw to them)
+            if not isinstance(err, PoolDiedError):
+                self._stop_ranks()
+            self._last_metrics()
+            self._close_sinks(status="failed")
+            _attach(err, self._failed())
+            raise
+        unsaved = any(r.end_error is not None for r in results)
+        status = "failed" if unsaved else self._status(results)
+        self._close_sinks(status=status)
+        result = self._when_projected(self._result(results, status=status))
+        self._end_errors(results, result)
+        return result
+
+    def _failed(self) -> TrainResult | None:
+        """The failed run as far as it went: its history, and its parameters when every rank
+        returned them (a failure after the last step)."""
+        try:
+            done = [ar.get(timeout=0) for ar in self.ars if ar.ready() and ar.successful()]
+            return self._result(done if len(done) == len(self.ars) else None, status="failed")
+        except Exception:  # noqa: BLE001 - the run's own error is the one to show
+            return None
+
+    def _end_errors(self, results: list[RankResult], result: TrainResult) -> None:
+        """A rank that trained to the end but could not write its final checkpoint: the run
+        fails with that error, keeping the trained result on it (and in smp_result)."""
+        failed = [r for r in results if r.end_error is not None]
+        if failed:
+            first = next((r for r in failed if r.end_error), failed[0])
+            detail = (
+                f"the checkpoint of step {first.steps} could not be written to "
+                f"--checkpoint-dir {self.config.checkpoint_dir}: {first.end_error or '?'}. "
+                f"Training stopped there and nothing it trained is lost: the run's history "
+                f"and parameters are in this error's `result` (smp_result in a notebook)."
+            )
+            raise _attach(TrainingError(first.rank, self.ids[first.rank], detail), result)
+
+    def _status(self, results: list[RankResult]) -> str:
+        """ "done" only when every rank finished the planned steps; a run that ended early is
+        "interrupted" and says who asked (a request this notebook did not send is warned
+        about: it carried the run's token, so it came from one of the run's own ranks)."""
+        planned = self._planned()
+        last = min(r.steps for r in results)
+        if planned is None or last >= planned:
+            return "done"
+        if self.stop_reason is None:
+            self.stop_reason = (
+                "a stop request this notebook did not send, with the run's token (so from "
+                "one of the run's own ranks: the cell?)"
+            )
+            warnings.warn_explicit(
+                f"the run stopped after step {last} of {planned}: {self.stop_reason}",
+                RuntimeWarning,
+                "sagenb",
+                0,
+                module="sagenb",
+            )
+        return "interrupted"
+
+    def _planned(self) -> int | None:
+        """The steps the run makes, as its latest step said: fixed for a map-style dataset; a
+        stream's is --steps (or None) until the engines read its end (engine/data/stream.py)."""
+        records = self.history.records
+        return records[-1].values.get(keys.TOTAL_STEPS) if records else None
+
+    def _result(self, results: list[RankResult] | None, *, status: str) -> TrainResult:
+        wall = self.wall_s  # as the dashboard shows it
+        cost, label = self._cost(wall)
+        return TrainResult(
+            config=self.config,
+            history=self.history.steps,
+            metrics=self.history.records,
+            wall_time_s=wall,
+            time_to_first_step_s=self.first_step_s if self.first_step_s is not None else wall,
+            cost_usd=cost,
+            cost_label=label,
+            engines=self.engines,
+            device=results[0].device if results else "unknown",
+            source=self.job.source,
+            status=status,
+            _state_dict=(
+                merge_states([r.state_dict for r in results], results[0].key_order)
+                if results
+                else {}
+            ),
+            dashboard=self.dashboard,
+            warnings=list(self.warnings),
+            stopped_by=self.stop_reason if status == "interrupted" else None,
+            model_source=CellModel(self.job, self.config.seed, self.config.delay_init),
+        )
+
+    def _cost(self, wall: float) -> tuple[float, str]:
+        """What the run cost; a price the meter cannot use costs the result nothing."""
+        try:
+            rows = self.history.steps
+            total = self._planned() or len(rows)
+            label = f"{self.cost.this_run(wall)}; {self.cost.projected_on(total, len(rows))}"
+            return self.cost.cost(wall), label
+        except Exception as err:  # noqa: BLE001 - checked before the run; never lose it here
+            note = f"the run's cost could not be computed: {type(err).__name__}: {err}"
+            self.warnings.append(note)
+            warnings.warn_explicit(note, RuntimeWarning, "sagenb", 0, module="sagenb")
+            return math.nan, "cost unknown"
+
+    # -- following the run -----------------------------------------------------------------
+    def _follow(self) -> None:
+        """Stream metrics to the sinks until every rank is done; stop all on the first
+        failure, or when no rank has made progress for --timeout seconds."""
+        checked = time.monotonic()
+        while True:
+            done = [ar.ready() for ar in self.ars]
+            self._drain()
+            if time.monotonic() - checked > CONTROLLER_CHECK_S:
+                checked = time.monotonic()
+                if not self.pool.controller_alive():
+                    self._pool_died()
+            if any(d and not ar.successful() for d, ar in zip(done, self.ars)):
+                self._fail()
+            if all(done):
+                return
+            if time.monotonic() - self.last_progress > self.config.timeout:
+                self._stall()
+            if self.dashboard is not None:
+                self.dashboard.tick(time.perf_counter() - self.started)
+            time.sleep(POLL_S)
+
+    def _drain(self) -> None:
+        self.output.drain()
+        for stream in self.streams:
+            for rec in stream.drain():
+                self.last_progress = time.monotonic()
+                if self.first_step_s is None:
+                    self.first_step_s = time.perf_counter() - self.started
+                self._warn(rec.values.get(keys.WARNINGS, ()))
+                self._check_finite(rec)
+                for sink in self.sinks:
+                    sink.log(rec.values, rec.step, rec.rank)
+
+    def _warn(self, notes: Sequence[str]) -> None:
+        """Each equivalence warning once per run: under the cell in a notebook (stderr), and
+        through `warnings` for scripts (sagenb registers its category "always", so a second
+        run in the same kernel warns again). --resume's notes travel the same way, for what
+        only the engines found (a checkpoint whose data fails to load): RuntimeWarnings, as
+        the notebook's own (run/checkpoints.py)."""
+        for note in notes:
+            if note not in self.warnings:
+                self.warnings.append(note)
+                kind = RuntimeWarning if note.startswith("--resume:") else EquivalenceWarning
+                # no source line of sagenb's under the cell: the warning is about the cell
+                warnings.warn_explicit(note, kind, "sagenb", 0, module="sagenb")
+
+    def _check_finite(self, rec: Any) -> None:
+        """The first NaN or infinite loss is warned about (and, with --stop-on-nonfinite, ends
+        the run at a step boundary through the same stop request as an interrupt)."""
+        loss = rec.values.get(keys.LOSS)
+        if self.nonfinite_step is not None or loss is None or math.isfinite(loss):
+            return
+        self.nonfinite_step = rec.step
+        what = f"the loss of step {rec.step} on rank {rec.rank} is {loss}"
+        if self.config.stop_on_nonfinite:
+            self.stop_reason = f"{what} (--stop-on-nonfinite)"
+            stopping.request(self.store, self.token)
+            note = f"{what}: the run stops after this step (--stop-on-nonfinite)"
+        else:
+            note = f"{what}: training goes on; --stop-on-nonfinite ends the run at the first one"
+        self.warnings.append(note)
+        if self.dashboard is not None:
+            self.dashboard.warnings.append(note)
+        warnings.warn_explicit(note, RuntimeWarning, "sagenb", 0, module="sagenb")
+
+    def _collect(self) -> list[RankResult]:
+        results: list[RankResult] = [ar.get() for ar in self.ars]
+        for ar in self.ars:  # published data can trail the result on ipyparallel's IOPub
+            ar.wait_for_output(timeout=OUTPUT_S)
+        self._drain()
+        for stream, res in zip(self.streams, results):
+            if stream.received != res.published:
+                raise RuntimeError(
+                    f"rank {res.rank} published {res.published} metric messages but "
+                    f"{stream.received} arrived within {OUTPUT_S:.0f} s"
+                )
+        return results
+
+    # -- when things go wrong --------------------------------------------------------------
+    def _contain(self) -> None:
+        """Every rank ends within seconds. The engines that died or were killed are replaced
+        when the pool is next used (`train` heals it first), not here: the error reaches the
+        cell now, not after a new engine has started (5-20 s on a busy 2-core machine)."""
+        self._mark_end()  # repairing the pool is not part of the run's time or cost
+        if not self.pool.controller_alive():
+            self._pool_died()
+        tasks = self.tasks
+        if not tasks.wait_all(SETTLE_S):
+            # Some rank is still running: blocked in a collective with a failed rank whose
+            # connections stayed open, or busy in user code. Kill the failed ranks' engines
+            # (a process's death closes its connections), then any rank that still runs.
+            self.pool.kill(tasks.ended_engines())
+            if not tasks.wait_all(RELEASE_S):
+                self.pool.kill(list(tasks.running().values()))
+                tasks.wait_all(RELEASE_S)
+        # dead engines, and those whose rendezvous failed (engine/entry.py's _join says why)
+        self.pool.kill(tasks.to_replace())  # waits until the controller has dropped them
+
+    def _stop_ranks(self) -> None:
+        """Stop every rank still running: at a step boundary if they stop within STOP_S,
+        else interrupted and contained (engines replaced where they had to be killed)."""
+        if self.tasks.all_ready():
+            return
+        try:
+            stopping.request(self.store, self.token)
+        except Exception:  # noqa: BLE001 - the store may be what failed; contain regardless
+            pass
+        if not self.tasks.wait_all(STOP_S):
+            self.pool.interrupt(list(self.tasks.running().values()))
+            self._contain()
+
+    def _pool_died(self) -> None:
+        """The controller is gone, so no rank can report or be told anything: stop the run's
+        engines by pid, close the pool (the next run starts a new one) and say so. A pool
+        stopped under the run (`%smp_cluster stop` or `restart` from another thread) is being
+        ended by whoever stopped it: its engines are theirs to end, not signalled by pids
+        that a restarted pool's engines may have taken."""
+        self._notice("controller died")  # stopped with its pool, or died on its own
+        self._mark_end()
+        if self.pool.stopped:
+            raise PoolDiedError(
+                "the engine pool was stopped or restarted while the run trained (%smp_cluster "
+                "stop or restart, or sagenb.pool.cluster.stop_pool/restart_pool from another "
+                "thread), so the run cannot go on: its engines are gone with the pool. Run the "
+                "cell again: it trains on the running pool, or starts a new one."
+            )
+        self.pool.kill(self.ids)
+        pid = getattr(getattr(self.pool.cluster, "controller", None), "process", None)
+        if cluster.current_pool() is self.pool:
+            cluster.stop_pool()
+        else:
+            self.pool.stop()
+        raise PoolDiedError(
+            f"the engine pool's controller (pid {getattr(pid, 'pid', '?')}) has died, so the "
+            f"run cannot go on: its engines were stopped and the pool closed. Run the cell "
+            f"again: the next run starts a new pool (or %smp_cluster start -n {self.engines})."
+        )
+
+    def _last_metrics(self) -> None:
+        """The run failed: what every rank finished reaches the sinks before they close.
+        A rank that ended with an error of its own flushed its last steps (engine/entry.py),
+        which can trail its task's result on IOPub (as in _collect); a rank whose engine died
+        or was killed took its unsent steps with it, which the history settles from the steps
+        the other ranks reported (History.settle)."""
+        deadline = time.monotonic() + LAST_OUTPUT_S
+        for rank, ar in enumerate(self.ars):
+            if ar.ready() and not self.tasks.died(rank):
+                ar.wait_for_output(timeout=max(0.0, deadline - time.monotonic()))
+        try:
+            self._drain()
+        except Exception:  # noqa: BLE001 - a sink's own error is the run's error already
+            pass
+        lost = [r for r in range(self.engines) if self.tasks.died(r)]
+        settled = self.history.settle(lost)
+        if settled and self.dashboard is not None:
+            self.dashboard.warnings.append(
+                f"rank {', '.join(map(str, lost))}'s metrics of steps {settled[0]}-"
+                f"{settled[-1]} were lost with its engine: those steps show the other ranks'"
+            )
+
+    def _fail(self) -> None:
+        self._notice("rank failed")
+        self._contain()
+        self._drain()
+        first, ename, evalue = self.tasks.first_failure()
+        if ename == "JobError":
+            raise JobError(self.tasks.job_error(evalue))
+        raise classify(
+            ename,
+            evalue,
+            rank=first,
+            engine_id=self.ids[first],
+            memory=self.history.memory(first),
+            death=self._crash_report(first) if ename in DEAD_ENGINE else "",
+        )
+
+    def _crash_report(self, rank: int) -> str:
+        """The dead engine's report of the fatal signal that ended it, read on this host."""
+        if self.pool.multi_host:
+            return ""
+        return stacks.crash_report(self.pool.pids.get(self.ids[rank]))
+
+    def _stall(self) -> None:
+        """Read where every running rank is (engine/wire/tracing.py, stacks.py), then
+        interrupt them: a rank in a Python loop or a sleep ends at once and releases its
+        peers, so the engines stay and the pool needs no repair (engines are killed and
+        replaced only when they do not end, as after any failure)."""
+        self._notice("stalled")
+        running = self.tasks.running()
+        traces = stacks.collect(self.pool, self.store, running)
+        steps = self.history.last_steps()
+        stuck, waiting = stacks.culprits(traces, steps)
+        self.pool.interrupt(list(running.values()))
+        if not self.tasks.wait_all(INTERRUPTED_S):
+            # blocked in C++ (a deadlock of collectives), where no interrupt reaches Python:
+            # kill now, as _contain would only after its own waits, to stay near --timeout
+            self.pool.kill(list(self.tasks.running().values()))
+        self._contain()
+        replaced = [r for r, eid in running.items() if eid not in self.pool.client.ids]
+        what = "their engines replaced" if replaced else "their engines kept"
+        source = self.job.source or ""  # a callable job has no cell source to point into
+        raise StalledError(
+            stuck[0],
+            self.ids[stuck[0]],
+            f"no rank reported progress for {self.config.timeout:.0f} s (--timeout): "
+            f"{stacks.summary(traces, stuck, waiting, steps)}. Last step reported per rank: "
+            f"{steps}. The running ranks were stopped and {what}. Raise --timeout if a step "
+            f"really takes this long.\n{stacks.describe(traces, stuck, self.ids, source)}",
+            stuck_ranks=stuck,
+            waiting_ranks=waiting,
+            stacks={r: t.stack(source) for r, t in traces.items()},
+            collectives={r: t.collective() for r, t in traces.items()},
+        )
+
+    def _interrupted(self) -> TrainResult:
+        """Ask every rank to stop after the same step (engine/wire/stopping.py);
+        if they have not within STOP_S, interrupt and contain them. Return what was done."""
+        self._notice("interrupted")
+        results = None
+        try:
+            stopping.request(self.store, self.token)
+            if self.tasks.wait_all(STOP_S) and not self.tasks.failed():
+                results = self._collect()
+        except KeyboardInterrupt:  # a second interrupt: stop at once
+            pass
+        if results is None:
+            self.pool.interrupt(list(self.tasks.running().values()))
+            self._contain()
+            self._last_metrics()
+        self._close_sinks(status="interrupted")
+        return self._result(results, status="interrupted")
+
+    def _notice(self, kind: str) -> None:
+        """Tell `on_failure` (train's hook) that the notebook noticed a failure of `kind`."""
+        if self.on_failure is not None:
+            try:
+                self.on_failure(kind)
+            except Exception as err:  # noqa: BLE001 - a hook never keeps the ranks running
+                note = f"on_failure raised {err!r}; the run is stopped regardless"
+                warnings.warn_explicit(note, RuntimeWarning, "sagenb", 0, module="sagenb")
+
+    def _mark_end(self) -> None:
+        if self.ended is None:
+            self.ended = time.perf_counter()
+
+    def _when_projected(self, result: TrainResult) -> TrainResult:
+        """The run's projection, made in the background, may come after the run: the
+        result's cost label and the dashboard's header take it when it does."""
+
+        def projected() -> None:
+            result.cost_label = self._cost(result.wall_time_s)[1]
+            if self.dashboard is not None:
+                self.dashboard.redraw_header()
+
+        result.projection = self.projection
+        if self.projection is not None and self.projection.pending:
+            self.projection.on_end(projected)
+        return result
+
+    def _close_sinks(self, *, status: str) -> None:
+        self._mark_end()
+        assert self.ended is not None  # _mark_end just set it
+        self.wall_s = self.ended - self.started
+        self.output.drain(final=True)  # its output has arrived (_collect, _last_metrics)
+        if self.dashboard is not None:
+            self.dashboard.finish(self.wall_s, status=status)
+        for sink in self.sinks:
+            sink.close()
+
+
+def _attach(err: BaseException, result: TrainResult | None) -> BaseException:
+    """`err` with the failed run on it, as `err.result` (the magic keeps it in smp_result)."""
+    if result is not None and getattr(err, "result", None) is None:
+        try:
+            err.result = result  # type: ignore[attr-defined]
+        except AttributeError:  # an exception type that takes no attributes
+            pass
+    return err
+
+
+def _runs_on(pool: cluster.EnginePool) -> str | None:
+    """What the engines run on, for the cost meter: a pool on this machine sees this
+    machine's hardware (its first GPU's name, else "cpu"); other hosts' is not known here."""
+    if pool.multi_host:
+        return None
+    import torch
+
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
+
+
+def _make_dashboard(config: TrainConfig, cost: CostMeter, history: History, live: bool | None):
+    from sagenb.display.dashboard import (
+        Dashboard,  # plotly is imported only when a dashboard is shown
+    )
+
+    return Dashboard(config, cost, history=history, live=live)
