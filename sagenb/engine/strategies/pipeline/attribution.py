@@ -42,9 +42,9 @@ class PipelineAttribution(Attribution):
             m.notes.append(
                 "--partition-by auto balances measured time; estimated by parameter counts"
             )
-        profile = static_profile(model) if method in ("parameters",) else None
-        starts = choose_cuts(model, cfg, m.example, m.ws.objective, method=method, profile=profile)
         inputs = m.ws.objective.split(m.example)[:2]
+        profile = static_profile(model, inputs) if method in ("parameters",) else None
+        starts = choose_cuts(model, cfg, m.example, m.ws.objective, method=method, profile=profile)
         stages, _ = split_model(model, starts, inputs)
         return {}, (starts, stages)
 

@@ -97,10 +97,12 @@ def _measure(model, pieces, inputs, targets, objective, repeats: int) -> BlockPr
     return BlockProfile(seconds, params, tuple(saved))
 
 
-def static_profile(model: nn.Module) -> BlockProfile:
-    """Parameter bytes per block without running anything (meta parameters allowed)."""
+def static_profile(model: nn.Module, example: tuple[tuple, dict] | None = None) -> BlockProfile:
+    """Parameter bytes per block without running anything (meta parameters allowed).
+    `example` (one microbatch's positional and keyword inputs) lets torch.export split a
+    model torch.fx cannot trace (a transformers model as it comes: export_split.py)."""
     n = len(find_blocks(model))
-    pieces, _ = split_model(model, list(range(n)))
+    pieces, _ = split_model(model, list(range(n)), example)
     params = tuple(sum(p.numel() * p.element_size() for p in pc.parameters()) for pc in pieces)
     return BlockProfile((0.0,) * n, params, (0,) * n)
 
