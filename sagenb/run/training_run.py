@@ -15,7 +15,7 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torch.distributed import TCPStore
 
@@ -45,9 +45,6 @@ from sagenb.run.tasks import RankTasks
 from sagenb.run.trained import CellModel
 from sagenb.sizing.cost import CostMeter, meter_for
 from sagenb.sizing.projection import Projection
-
-if TYPE_CHECKING:
-    pass
 
 __all__ = ["TrainingRun", "POLL_S"]
 
