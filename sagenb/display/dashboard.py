@@ -283,7 +283,8 @@ class Dashboard:
             # each trace by its name (charts keeps it in `meta`), never by position
             # thinned once, to what the drawing shows (not to the saved figure's 2,000 points)
             data = charts.trace_data(self, due, points=svg_figure.MAX_POINTS)
-            if widget.update_traces(data, {widget.panel_of(name) for name in data}):
+            due_panels = {widget.panel_of(name) for name in data}
+            if widget.update_traces(data, due_panels, charts.axis_titles(self)):
                 self.redraws += 1
         return True
 

@@ -186,6 +186,12 @@ def _axes_of(trace: Spec) -> tuple[str, str]:
     return trace.get("xaxis") or "x", trace.get("yaxis") or "y"
 
 
+def _axes_of_key(key: str) -> tuple[str, str]:
+    """A panel's key ('x3y3') as its two axes ('x3', 'y3')."""
+    split = key.index("y")
+    return key[:split], key[split:]
+
+
 def _transparent(trace: Spec) -> bool:
     """A trace drawn with opacity 0 (charts.py's memory headroom): data, never ink."""
     return trace.get("opacity") == 0 or (
@@ -228,6 +234,24 @@ def _points(xs: list, tops: list, xa: _Axis, ya: _Axis) -> list[tuple[float, flo
     return list(zip(px[keep].tolist(), ya.pxs(y[keep]).tolist()))
 
 
+def _area_svg(xs: list, ys: list, xa: _Axis, ya: _Axis, colour: str) -> str:
+    """A stacked trace's area, from the top of the trace below it (its base) to its own top,
+    filled as plotly fills a stackgroup ('tonexty', the line's colour at half opacity): drawn as
+    lines alone, a thin band on top of a thick one looked as large as it (issue 35)."""
+    pairs = [(x, b, t) for x, (b, t) in zip(xs, ys) if _finite(b) and _finite(t)]
+    if not pairs:
+        return ""
+    tops = _points([x for x, _, _ in pairs], [t for _, _, t in pairs], xa, ya)
+    bases = _points([x for x, _, _ in pairs], [b for _, b, _ in pairs], xa, ya)
+    outline = tops + bases[::-1]
+    d = "M" + "L".join(f"{x},{y}" for x, y in outline) + "Z"
+    return f"<path class='js-fill' d='{d}' fill='{colour}' fill-opacity='0.5' stroke='none'/>"
+
+
+def _finite(value: Any) -> bool:
+    return value is not None and math.isfinite(value)
+
+
 def _scatter_svg(trace: Spec, xs: list, ys: list, xa: _Axis, ya: _Axis, colour: str) -> str:
     xs, ys = thin(xs, ys)  # at most MAX_POINTS vertices, before any is read
     tops = [y[1] if isinstance(y, tuple) else y for y in ys]
@@ -236,6 +260,8 @@ def _scatter_svg(trace: Spec, xs: list, ys: list, xa: _Axis, ya: _Axis, colour: 
     mode = trace.get("mode") or "lines"
     line = trace.get("line") or {}
     dash = "stroke-dasharray='4 3'" if line.get("dash") == "dot" else ""
+    if trace.get("stackgroup") and ys and isinstance(ys[0], tuple):
+        parts.append(_area_svg(xs, ys, xa, ya, colour))
     if "lines" in mode and points:
         d = "M" + "L".join(f"{x},{y}" for x, y in points)
         parts.append(
@@ -318,6 +344,20 @@ class Drawing:
 
     def update(self, name: str, data: Mapping[str, Any]) -> None:
         self.traces[self.by_name[name]].update(data)
+
+    def retitle(self, titles: Mapping[str, str]) -> set[str]:
+        """Give axes new titles, by plotly's axis name ('y2': 'tokens/s'); returns the panels
+        ('x2y2') whose drawing changed with them."""
+        changed = set()
+        for axis, text in titles.items():
+            name = axis.replace("x", "xaxis", 1).replace("y", "yaxis", 1)
+            spec = dict(self.layout.get(name) or {})
+            if _get(spec, "title", "text") == text:
+                continue
+            spec["title"] = {**(spec.get("title") or {}), "text": text}
+            self.layout[name] = spec
+            changed |= {key for key in self.panels if axis in _axes_of_key(key)}
+        return changed
 
     def values(self, name: str, key: str) -> list:
         """The named trace's `key` (x, y, ...) as drawn, a plain list."""
