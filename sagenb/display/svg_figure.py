@@ -96,6 +96,9 @@ class _Axis:
     def __init__(self, name: str, spec: Spec, start: float, end: float) -> None:
         self.name, self.spec, self.start, self.end = name, spec, start, end
         self.categories: list[str] = []
+        #: a multi-category axis (compare()'s runs and their engines): each category's
+        #: (outer, inner) levels; the ticks say the inner, a second row each group's outer
+        self.levels: dict[str, tuple[str, str]] = {}
         self.lo, self.hi = math.inf, -math.inf
         #: a log axis (the learning rate and gradient norm) is laid out in log10 of its values
         self.log = spec.get("type") == "log"
@@ -142,6 +145,18 @@ class _Axis:
             share = 1 - share
         return round(self.start + share * (self.end - self.start), 1)
 
+    def groups(self) -> list[tuple[float, float, str]]:
+        """A multi-category axis's outer level: (first px, last px, label) for each run of
+        consecutive categories with the same outer label; [] for a plain axis."""
+        out: list[tuple[float, float, str]] = []
+        for c in self.categories if self.levels else ():
+            outer = self.levels.get(c, ("", c))[0]
+            if out and out[-1][2] == outer:
+                out[-1] = (out[-1][0], self.px(c), outer)
+            else:
+                out.append((self.px(c), self.px(c), outer))
+        return out
+
     def pxs(self, values: np.ndarray) -> np.ndarray:
         """px of many numbers at once (a line's points)."""
         if self.log:
@@ -153,7 +168,7 @@ class _Axis:
 
     def ticks(self) -> list[tuple[float, str]]:
         if self.categories:
-            return [(self.px(c), c) for c in self.categories]
+            return [(self.px(c), self.levels.get(c, ("", c))[1]) for c in self.categories]
         if self.log:  # a tick at each power of ten in range
             powers = range(math.ceil(self.lo), math.floor(self.hi) + 1)
             if len(powers) < 2:  # less than a decade: its ends
@@ -170,6 +185,18 @@ def _plain(values: Any) -> Any:
         shape = values.get("shape")
         return array.reshape([int(n) for n in str(shape).split(",")]) if shape else array
     return values
+
+
+def _levels(trace: Spec, key: str) -> dict[str, tuple[str, str]]:
+    """A multi-category trace's categories as `_values` names them, to their (outer, inner)
+    levels; {} for any other trace."""
+    values = _plain(trace.get(key))
+    if values is None or isinstance(values, np.ndarray):
+        return {}
+    values = list(values)
+    if len(values) != 2 or not all(isinstance(v, (list, tuple)) for v in values):
+        return {}
+    return {f"{o} {i}": (str(o), str(i)) for o, i in zip(*values)}
 
 
 def _values(trace: Spec, key: str) -> list:
@@ -294,9 +321,15 @@ def _axis_svg(xa: _Axis, ya: _Axis) -> str:
                 f"text-anchor='middle'>{_esc(text)}</text>"
                 for px, text in xa.ticks()
             ]
+        groups = xa.groups() if xa.labelled else []
+        for first, last, label in groups:  # the outer level, under its categories' ticks
+            out.append(
+                f"<text x='{(first + last) / 2:.1f}' y='{ya.start + 28}' "
+                f"text-anchor='middle' font-weight='bold'>{_esc(label)}</text>"
+            )
         if xa.title:
             out.append(
-                f"<text x='{(xa.start + xa.end) / 2}' y='{ya.start + 30}' "
+                f"<text x='{(xa.start + xa.end) / 2}' y='{ya.start + (44 if groups else 30)}' "
                 f"text-anchor='middle'>{_esc(xa.title)}</text>"
             )
     if ya.visible:
@@ -414,6 +447,7 @@ class Drawing:
                 xa.add(base + [b + x for b, x in zip(base, xs)])
             else:
                 xa.add(xs)
+                xa.levels.update(_levels(trace, "x"))
             # stacked traces hold (base, top) pairs (_stacked), each value the others plain
             ya.add([v for y in ys for v in y] if ys and isinstance(ys[0], tuple) else ys)
         xa.settle()
