@@ -8,8 +8,10 @@ layout (dashboard.layout_text: 'data parallel on 2 engines', 'sharded (ZeRO-3) o
 so the legend says what differs.
 
 TensorBoard's runs view is the model: one colour per run across every chart
-(https://www.tensorflow.org/tensorboard/get_started). Wall time is measured from submitting the
-run, as `TrainResult.wall_time_s` is: a run that waits longer for its first step starts later.
+(https://www.tensorflow.org/tensorboard/get_started), but the memory panel's, whose colours are
+the kinds of memory, as on the dashboard (each run's bars stand over its name). Wall time is
+measured from submitting the run, as `TrainResult.wall_time_s` is: a run that waits longer for
+its first step starts later.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
 from sagenb.display.charts import MEMORY_COLOURS
-from sagenb.display.step_columns import smoothed
+from sagenb.display.step_columns import smoothed, smoothing_for
 from sagenb.metrics import keys
 
 if TYPE_CHECKING:
@@ -155,7 +157,8 @@ def _add_run(fig: go.Figure, i: int, name: str, result: TrainResult) -> None:
         go.Scatter(x=_elapsed(result), y=result.losses, name=name, showlegend=False, **line), 1, 2
     )
     rates = [row.get(_rate_key(result), 0.0) for row in result.history]
-    fig.add_trace(go.Scatter(x=steps, y=smoothed(rates), name=name, showlegend=False, **line), 2, 1)
+    rate = smoothed(rates, smoothing_for(len(rates)))
+    fig.add_trace(go.Scatter(x=steps, y=rate, name=name, showlegend=False, **line), 2, 1)
     fig.add_trace(
         go.Bar(
             x=[name],

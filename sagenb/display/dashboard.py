@@ -167,7 +167,7 @@ class Dashboard:
         """The lines derived from every step (smoothed loss and throughput, each replica's
         loss, the step time's split, eval points), taking only the rows that came since the
         last redraw: a redraw costs the same at step 100 and at step 100,000."""
-        return self._columns.update(self.history.steps, self.rate_key)
+        return self._columns.update(self.history.steps, self.rate_key, self.total_steps)
 
     def progress(self) -> tuple[int, int]:
         """(steps done in this run, steps this run has to do). A resumed run starts after
