@@ -124,11 +124,12 @@ def test_the_gradient_norm_is_promised_only_when_it_is_recorded(clip):
 def expected(board: Dashboard) -> dict[str, dict[str, list]]:
     """Each trace's data worked out from what `run` logged, independently of display/charts.py."""
     steps = list(range(1, STEPS + 1))
-    smoothed, value = [], None
-    for step in steps:  # the global loss: the mean of the two ranks' 1/step and 1/step + 0.1
-        loss = 1.0 / step + 0.05
-        value = loss if value is None else 0.9 * value + 0.1 * loss
-        smoothed.append(value)
+    # TensorBoard's bias-corrected moving average, over a window of a tenth of the run's 12
+    # steps (1.2 steps: weight 1/6)
+    weight, value, smoothed = 1 - 1 / 1.2, 0.0, []
+    for n, step in enumerate(steps, 1):  # the global loss: the mean of 1/step and 1/step + 0.1
+        value = weight * value + (1 - weight) * (1.0 / step + 0.05)
+        smoothed.append(value / (1 - weight**n))
     slowest = [0.01 * s + 0.001 for s in steps]
     costs = board.cost_points
     out = {
@@ -250,3 +251,30 @@ def test_a_rate_key_learnt_late_smooths_the_whole_run_again():
     columns.update(rows, keys.TOKEN_THROUGHPUT)
     assert columns.rate.values == smoothed(10.0 * s for s in range(1, 7))
     assert columns.loss.values == smoothed([1.0] * 6) and columns.rows == 6
+
+
+def test_the_smoothed_loss_follows_a_short_run_and_smooths_a_long_one():
+    """The moving average's window suits the run's length (issue 35: notebook 02's 16 steps
+    ended with a smoothed loss of ~1.9 over a loss of 0.24, a window of 10 steps anchored on the
+    first loss). A loss falling as notebook 02's does, from 4.16 to 0.24 in 16 steps: the old
+    line ended at 1.55; this one within 20% of the last loss (0.27: the lag of a 1.6-step
+    window). A long noisy run keeps the full smoothing: its line's spread is a fraction of the
+    noise's."""
+    import math
+
+    from sagenb.display.step_columns import SMOOTHING, smoothing_for
+
+    falling = [4.16 * (0.24 / 4.16) ** (i / 15) for i in range(16)]
+    board = new_board(TrainConfig(engines=1, batch_size=8))
+    for step, loss in enumerate(falling, 1):
+        board.log({**step_metrics(step, 0, True, False), keys.TOTAL_STEPS: 16,
+                   keys.LOSS: loss}, step, 0)  # fmt: skip
+    line = charts.trace_data(board)["loss (smoothed)"]["y"]
+    assert line[0] == pytest.approx(falling[0])  # bias-corrected: no pull towards 0
+    assert line[-1] == pytest.approx(falling[-1], rel=0.2)
+    assert smoothing_for(16) == pytest.approx(0.375) and smoothing_for(None) == SMOOTHING
+    assert smoothing_for(100) == smoothing_for(10**6) == SMOOTHING
+    noisy = [1.0 + (0.5 if i % 2 else -0.5) for i in range(1000)]
+    tail = charts.smoothed(noisy, smoothing_for(1000))[100:]
+    assert max(tail) - min(tail) < 0.11 * (max(noisy) - min(noisy))
+    assert not any(math.isnan(v) for v in tail)

@@ -72,3 +72,37 @@ def test_same_layouts_are_numbered_and_bad_calls_say_how():
         compare()
     with pytest.raises(ValueError, match="2 names for 1 runs"):
         compare(a, names=["x", "y"])
+
+
+def test_memory_kinds_have_their_colours_and_the_runs_readable_labels():
+    """Each memory kind has one colour across the runs, the dashboard's (issue 35: in each
+    run's colour, the legend showed four squares of one colour); each bar is labelled by its
+    engine, and each run's name stands once under its bars, not joined to every engine's
+    label, where the labels ran into each other."""
+    import re
+
+    from sagenb.display.charts import MEMORY_COLOURS
+    from sagenb.display.svg_figure import to_svg
+
+    runs = [recorded("data", 2, 4, 0.5), recorded("sharded", 2, 4, 0.7),
+            recorded("tensor", 2, 4, 0.7)]  # fmt: skip
+    fig = compare(*runs)
+    memory = [t for t in fig.data if t.xaxis == "x5"]
+    colours = {t.name: {t.marker.color} for t in memory}
+    for t in memory:
+        colours[t.name].add(t.marker.color)
+    assert colours == {k: {c} for k, c in zip(keys.MEMORY_KINDS, MEMORY_COLOURS)}
+    svg = to_svg(fig)
+    legend = re.findall(r"<rect x='[^']+' y='[^']+' width='10' height='8' fill='([^']+)'/>"
+                        r"<text[^>]*>([^<]+)</text>", svg)  # fmt: skip
+    assert [(n, c) for c, n in legend if n in keys.MEMORY_KINDS] == list(
+        zip(keys.MEMORY_KINDS, MEMORY_COLOURS)
+    )
+    ticks = re.findall(r"<text class='x5tick' x='([^']+)'[^>]*>([^<]+)</text>", svg)
+    assert [t for _, t in ticks] == ["engine 0", "engine 1"] * 3
+    # ~5.5 px a letter at 10 px: each label fits in the room between its neighbours
+    xs = [float(x) for x, _ in ticks]
+    widest = max(5.5 * len(t) for _, t in ticks)
+    assert min(b - a for a, b in zip(xs, xs[1:])) > widest
+    names = re.findall(r"font-weight='bold'>([^<]+)</text>", svg)
+    assert names == labels(runs)

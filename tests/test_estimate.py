@@ -235,3 +235,31 @@ def test_what_if_takes_its_absolute_speed_from_the_estimate(no_pool):
     assert two.hours_range == pytest.approx(tuple(h * ratio for h in one.hours_range))
     with pytest.raises(ValueError, match="the estimate is for ml.p4d.24xlarge"):
         sagenb.what_if(scaling, samples=samples, instance="ml.g5.xlarge", estimate=est)
+
+
+def test_estimate_and_what_if_read_samples_alike(no_pool):
+    """`samples=` is the dataset's size, one epoch, in both: the run's --epochs pass over it,
+    so both give the same hours for the same cell on the same instance (issue 35: notebook 04's
+    estimate said twice the hours what_if said, counting --epochs 2 where what_if did not)."""
+    est = sagenb.estimate(
+        GPT_CELL, instance=P4D, engines=8, batch_size=64, epochs=2, samples=64_000
+    )
+    assert est.steps == 2 * 1000
+    assert (
+        "2,000 steps = --epochs 2 x 1,000 steps of 64 samples (samples=64,000: the dataset's "
+        "size, one epoch)"
+    ) in est.table()
+    scaling = sagenb.Scaling({1: 100.0, 2: 160.0}, parallel_fraction=0.75, config=est.config)
+    (row,) = sagenb.what_if(scaling, samples=64_000, instance=P4D, instances=(1,), estimate=est)
+    assert row.steps == est.steps
+    assert row.hours_range == pytest.approx(est.hours, rel=1e-12)
+    # without the estimate, the measured runs' --epochs and --batch-size count them the same
+    (here,) = sagenb.what_if(scaling, samples=64_000, instance="ml.g5.xlarge", instances=(1,))
+    assert here.steps == est.steps
+    assert here.hours == pytest.approx(2 * 64_000 / 100.0 / 3600)
+    # --steps caps both, as it caps the run
+    capped = sagenb.estimate(GPT_CELL, est.config, samples=64_000, steps=500)
+    assert capped.steps == 500 and "capped at --steps" in capped.table()
+    for bad in (0, -5, "many", True):
+        with pytest.raises(ConfigError, match="--samples .*: must be a number >= 1"):
+            sagenb.what_if(scaling, samples=bad, instance=P4D, estimate=est)

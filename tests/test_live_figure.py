@@ -96,3 +96,68 @@ def test_a_drawing_reads_numpy_data_plotly_encodes():
     drawing = Drawing(fig)
     assert drawing.values("a", "y") == [1.0, 4.0, 2.0]
     assert drawing.svg().count("L") >= 2 and "NaN" not in drawing.svg()
+
+
+def test_the_throughput_axis_says_tokens_for_token_inputs():
+    """The figure is first drawn before any metrics, with samples/s; token-id inputs make the
+    throughput line tokens/s, and its axis must say so in the live drawing and in the static
+    copy it leaves (issue 35: the axis said samples/s over a line of tokens/s)."""
+    from sagenb.metrics import keys
+
+    from .test_charts import step_metrics
+
+    board = new_board(CONFIGS["data"], live=True)
+    widget = board._figure_widget
+    rate = widget.panel_of("throughput")
+    assert "samples/s" in widget.shown[rate]  # before any metrics: samples
+    for step in range(1, 5):
+        for rank in range(board.engines):
+            metrics = step_metrics(step, rank, True, False)
+            metrics[keys.TOKENS], metrics[keys.SAMPLES] = 64 * 16, 64  # 16 tokens a sample
+            board.log(metrics, step, rank)
+    board._redraw(every_second=True)  # even the loss-only redraw retitles the axis
+    assert "tokens/s" in widget.shown[rate] and "samples/s" not in widget.shown[rate]
+    board.finish(4.0, status="done")
+    # the static copy a finished run leaves (dashboard._leave_static_copy draws it so), and
+    # the figure drawn afresh
+    for static in (widget.drawing.svg(widget.shown), board.static_html()):
+        assert "tokens/s" in static and "samples/s" not in static
+    # and the line it labels is tokens/s: 16 times the samples/s of the same rows
+    rows = board.history.steps
+    assert rows[-1][keys.TOKEN_THROUGHPUT] == 16 * rows[-1][keys.THROUGHPUT]
+    assert widget.drawing.values("throughput", "y")[-1] == rows[-1][keys.TOKEN_THROUGHPUT]
+
+
+def test_the_static_copy_fills_the_step_times_stacked_areas():
+    """Compute and bubble are a stack (plotly's stackgroup, filled 'tonexty'): the drawing
+    fills each between the one below and its own top (issue 35: drawn as two lines, the bubble
+    on top looked as large as the compute under it)."""
+    import re
+
+    board = new_board(CONFIGS["model"])
+    run(board, range(1, 13), pipeline=True)
+    drawing = Drawing(board.to_figure(header=False))
+    panel = drawing.panel(drawing.panel_of("compute (s)"))
+
+    def drawn(name: str) -> tuple[str, str, str]:
+        """(fill colour, the area's outline, the line on top) of the named trace."""
+        group = re.search(
+            rf"<g class='trace scatter' data-name='{re.escape(name)}'[^>]*>(.*?)</g>", panel
+        )
+        assert group, name
+        area = re.search(r"<path class='js-fill' d='M([^']+)Z' fill='([^']+)'", group.group(1))
+        line = re.search(r"<path class='js-line' d='M([^']+)'", group.group(1))
+        assert area and line, f"{name} has no filled area: {group.group(1)[:200]}"
+        return area.group(2), area.group(1), line.group(1)
+
+    compute, bubble = drawn("compute (s)"), drawn("idle / bubble (s)")
+    assert compute[0] == "#4C78A8" and bubble[0] == "#E45756"
+    # the bubble's area starts where the compute's ends: its outline runs back along the
+    # compute's top line
+    back = "L".join(reversed(compute[2].split("L")))
+    assert bubble[1].endswith(back), (bubble[1][-120:], back[-120:])
+    # and the compute's area reaches down to the axis (step time's y is 0 at its bottom)
+    bottom = {
+        float(point.split(",")[1]) for point in compute[1].split("L")[len(compute[2].split("L")) :]
+    }
+    assert len(bottom) == 1, bottom

@@ -42,5 +42,10 @@ def test_fit_on_real_runs_of_one_and_two_engines(pool):
     if 0.5 <= measured <= 1.0 / 0.5:
         assert scaling.speedup(2) == pytest.approx(min(max(measured, 1.0), 2.0), rel=1e-6)
     assert "fitted to runs of this job (1 engine:" in scaling.assumption
+    # what_if counts `samples` (the dataset's size) as these runs would: 3 epochs of 16
+    assert scaling.config == runs[0].config
+    (row,) = what_if(scaling, samples=160, instance="ml.g5.xlarge", instances=(1,))
+    assert row.steps == 3 * 10
+    assert row.hours == pytest.approx(3 * 160 / scaling.throughput[1] / 3600)
     with pytest.raises(ValueError, match="need a run on 1 engine"):
         fit_scaling(runs[1:])

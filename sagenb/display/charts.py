@@ -48,6 +48,7 @@ __all__ = [
     "traces",
     "figure",
     "trace_data",
+    "axis_titles",
     "smoothed",
     "SMOOTHING",
 ]
@@ -400,6 +401,23 @@ def trace_data(
         for trace in traces(board)
         if panels is None or trace.panel in panels
     }
+
+
+def axis_titles(board: Board) -> dict[str, str]:
+    """Each shown panel's axis titles by plotly's axis name ('x2', 'y2'), as `figure` sets
+    them. A live drawing takes them at every redraw: the throughput's unit (samples/s, or
+    tokens/s) is known only once the first metrics say whether the inputs are token ids,
+    after the figure was first drawn (issue 35: the axis said samples/s over tokens/s)."""
+    shown = panels(board)
+    cols = max(p.col for p in shown)
+    out: dict[str, str] = {}
+    for panel in shown:
+        number = (panel.row - 1) * cols + panel.col  # make_subplots numbers row by row
+        suffix = "" if number == 1 else str(number)
+        for axis, text in (("x", panel.x), ("y", panel.y)):
+            if text is not None:
+                out[axis + suffix] = _text(text, board)
+    return out
 
 
 #: x domains of the two columns of panels, each followed by its panels' legends: at 700 px

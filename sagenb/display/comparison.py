@@ -8,8 +8,10 @@ layout (dashboard.layout_text: 'data parallel on 2 engines', 'sharded (ZeRO-3) o
 so the legend says what differs.
 
 TensorBoard's runs view is the model: one colour per run across every chart
-(https://www.tensorflow.org/tensorboard/get_started). Wall time is measured from submitting the
-run, as `TrainResult.wall_time_s` is: a run that waits longer for its first step starts later.
+(https://www.tensorflow.org/tensorboard/get_started), but the memory panel's, whose colours are
+the kinds of memory, as on the dashboard (each run's bars stand over its name). Wall time is
+measured from submitting the run, as `TrainResult.wall_time_s` is: a run that waits longer for
+its first step starts later.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from typing import TYPE_CHECKING, Any
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from sagenb.display.step_columns import smoothed
+from sagenb.display.charts import MEMORY_COLOURS
+from sagenb.display.step_columns import smoothed, smoothing_for
 from sagenb.metrics import keys
 
 if TYPE_CHECKING:
@@ -29,7 +32,6 @@ if TYPE_CHECKING:
 __all__ = ["compare", "labels"]
 
 COLOURS = ("#4C78A8", "#F58518", "#54A24B", "#E45756", "#72B7B2", "#B279A2", "#9D755D")
-KIND_PATTERNS = ("", "/", ".", "x")  # one per keys.MEMORY_KINDS: the run keeps its colour
 
 
 def labels(results: Sequence[TrainResult]) -> list[str]:
@@ -155,7 +157,8 @@ def _add_run(fig: go.Figure, i: int, name: str, result: TrainResult) -> None:
         go.Scatter(x=_elapsed(result), y=result.losses, name=name, showlegend=False, **line), 1, 2
     )
     rates = [row.get(_rate_key(result), 0.0) for row in result.history]
-    fig.add_trace(go.Scatter(x=steps, y=smoothed(rates), name=name, showlegend=False, **line), 2, 1)
+    rate = smoothed(rates, smoothing_for(len(rates)))
+    fig.add_trace(go.Scatter(x=steps, y=rate, name=name, showlegend=False, **line), 2, 1)
     fig.add_trace(
         go.Bar(
             x=[name],
@@ -175,9 +178,12 @@ def _add_run(fig: go.Figure, i: int, name: str, result: TrainResult) -> None:
 
 
 def _add_memory(fig: go.Figure, runs: list[tuple[str, TrainResult]]) -> None:
-    """One stacked bar per engine of every run (grouped by run on a two-level axis), the kinds
-    stacked as on the dashboard; the run keeps its colour, the kind is the pattern."""
-    for k, kind in enumerate(keys.MEMORY_KINDS):
+    """One stacked bar per engine of every run, grouped by run on a two-level axis (the run's
+    name under its engines' bars), the kinds stacked and coloured as on the dashboard's memory
+    panel. A colour per kind, not per run (issue 35: in the run's colour, the four kinds of a
+    run looked one, and the legend showed four squares of one colour); the runs are told apart
+    by where their bars stand and the names under them."""
+    for kind, colour in zip(keys.MEMORY_KINDS, MEMORY_COLOURS):
         for i, (name, result) in enumerate(runs):
             memory = _memory(result)
             fig.add_trace(
@@ -188,11 +194,7 @@ def _add_memory(fig: go.Figure, runs: list[tuple[str, TrainResult]]) -> None:
                     legend="legend2",
                     legendgroup=kind,
                     showlegend=i == 0,
-                    marker={
-                        "color": COLOURS[i % len(COLOURS)],
-                        "pattern": {"shape": KIND_PATTERNS[k], "fgcolor": "white"},
-                        "line": {"color": "white", "width": 1},
-                    },
+                    marker={"color": colour, "line": {"color": "white", "width": 1}},
                     hovertemplate=f"{kind}: %{{y:.2f}} MiB<extra>{name}</extra>",
                 ),
                 3,

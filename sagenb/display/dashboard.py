@@ -167,7 +167,7 @@ class Dashboard:
         """The lines derived from every step (smoothed loss and throughput, each replica's
         loss, the step time's split, eval points), taking only the rows that came since the
         last redraw: a redraw costs the same at step 100 and at step 100,000."""
-        return self._columns.update(self.history.steps, self.rate_key)
+        return self._columns.update(self.history.steps, self.rate_key, self.total_steps)
 
     def progress(self) -> tuple[int, int]:
         """(steps done in this run, steps this run has to do). A resumed run starts after
@@ -283,7 +283,8 @@ class Dashboard:
             # each trace by its name (charts keeps it in `meta`), never by position
             # thinned once, to what the drawing shows (not to the saved figure's 2,000 points)
             data = charts.trace_data(self, due, points=svg_figure.MAX_POINTS)
-            if widget.update_traces(data, {widget.panel_of(name) for name in data}):
+            due_panels = {widget.panel_of(name) for name in data}
+            if widget.update_traces(data, due_panels, charts.axis_titles(self)):
                 self.redraws += 1
         return True
 

@@ -82,14 +82,20 @@ class LiveFigure(anywidget.AnyWidget):
             self.header = html
 
     def update_traces(
-        self, data: Mapping[str, Mapping[str, Any]], panels: Collection[str] | None = None
+        self,
+        data: Mapping[str, Mapping[str, Any]],
+        panels: Collection[str] | None = None,
+        titles: Mapping[str, str] | None = None,
     ) -> list[str]:
-        """Take each named trace's data; redraw the panels (all, or those in `panels`) and
-        send those whose drawing changed. Returns the panels sent."""
+        """Take each named trace's data and the axes' `titles` (by plotly's axis name); redraw
+        the panels (all, or those in `panels`, and those whose axis got a new title) and send
+        those whose drawing changed. Returns the panels sent."""
         for name, values in data.items():
             self.drawing.update(name, values)
+        retitled = self.drawing.retitle(titles or {})
         sent = []
-        for key in self.shown if panels is None else panels:
+        due = list(self.shown if panels is None else panels)
+        for key in due + sorted(retitled - set(due)):
             content = self.drawing.panel(key)
             if content != self.shown[key]:
                 self.shown[key] = content

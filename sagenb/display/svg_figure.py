@@ -96,6 +96,9 @@ class _Axis:
     def __init__(self, name: str, spec: Spec, start: float, end: float) -> None:
         self.name, self.spec, self.start, self.end = name, spec, start, end
         self.categories: list[str] = []
+        #: a multi-category axis (compare()'s runs and their engines): each category's
+        #: (outer, inner) levels; the ticks say the inner, a second row each group's outer
+        self.levels: dict[str, tuple[str, str]] = {}
         self.lo, self.hi = math.inf, -math.inf
         #: a log axis (the learning rate and gradient norm) is laid out in log10 of its values
         self.log = spec.get("type") == "log"
@@ -142,6 +145,18 @@ class _Axis:
             share = 1 - share
         return round(self.start + share * (self.end - self.start), 1)
 
+    def groups(self) -> list[tuple[float, float, str]]:
+        """A multi-category axis's outer level: (first px, last px, label) for each run of
+        consecutive categories with the same outer label; [] for a plain axis."""
+        out: list[tuple[float, float, str]] = []
+        for c in self.categories if self.levels else ():
+            outer = self.levels.get(c, ("", c))[0]
+            if out and out[-1][2] == outer:
+                out[-1] = (out[-1][0], self.px(c), outer)
+            else:
+                out.append((self.px(c), self.px(c), outer))
+        return out
+
     def pxs(self, values: np.ndarray) -> np.ndarray:
         """px of many numbers at once (a line's points)."""
         if self.log:
@@ -153,7 +168,7 @@ class _Axis:
 
     def ticks(self) -> list[tuple[float, str]]:
         if self.categories:
-            return [(self.px(c), c) for c in self.categories]
+            return [(self.px(c), self.levels.get(c, ("", c))[1]) for c in self.categories]
         if self.log:  # a tick at each power of ten in range
             powers = range(math.ceil(self.lo), math.floor(self.hi) + 1)
             if len(powers) < 2:  # less than a decade: its ends
@@ -172,6 +187,18 @@ def _plain(values: Any) -> Any:
     return values
 
 
+def _levels(trace: Spec, key: str) -> dict[str, tuple[str, str]]:
+    """A multi-category trace's categories as `_values` names them, to their (outer, inner)
+    levels; {} for any other trace."""
+    values = _plain(trace.get(key))
+    if values is None or isinstance(values, np.ndarray):
+        return {}
+    values = list(values)
+    if len(values) != 2 or not all(isinstance(v, (list, tuple)) for v in values):
+        return {}
+    return {f"{o} {i}": (str(o), str(i)) for o, i in zip(*values)}
+
+
 def _values(trace: Spec, key: str) -> list:
     values = _plain(trace.get(key))
     if values is None:
@@ -184,6 +211,12 @@ def _values(trace: Spec, key: str) -> list:
 
 def _axes_of(trace: Spec) -> tuple[str, str]:
     return trace.get("xaxis") or "x", trace.get("yaxis") or "y"
+
+
+def _axes_of_key(key: str) -> tuple[str, str]:
+    """A panel's key ('x3y3') as its two axes ('x3', 'y3')."""
+    split = key.index("y")
+    return key[:split], key[split:]
 
 
 def _transparent(trace: Spec) -> bool:
@@ -228,6 +261,24 @@ def _points(xs: list, tops: list, xa: _Axis, ya: _Axis) -> list[tuple[float, flo
     return list(zip(px[keep].tolist(), ya.pxs(y[keep]).tolist()))
 
 
+def _area_svg(xs: list, ys: list, xa: _Axis, ya: _Axis, colour: str) -> str:
+    """A stacked trace's area, from the top of the trace below it (its base) to its own top,
+    filled as plotly fills a stackgroup ('tonexty', the line's colour at half opacity): drawn as
+    lines alone, a thin band on top of a thick one looked as large as it (issue 35)."""
+    pairs = [(x, b, t) for x, (b, t) in zip(xs, ys) if _finite(b) and _finite(t)]
+    if not pairs:
+        return ""
+    tops = _points([x for x, _, _ in pairs], [t for _, _, t in pairs], xa, ya)
+    bases = _points([x for x, _, _ in pairs], [b for _, b, _ in pairs], xa, ya)
+    outline = tops + bases[::-1]
+    d = "M" + "L".join(f"{x},{y}" for x, y in outline) + "Z"
+    return f"<path class='js-fill' d='{d}' fill='{colour}' fill-opacity='0.5' stroke='none'/>"
+
+
+def _finite(value: Any) -> bool:
+    return value is not None and math.isfinite(value)
+
+
 def _scatter_svg(trace: Spec, xs: list, ys: list, xa: _Axis, ya: _Axis, colour: str) -> str:
     xs, ys = thin(xs, ys)  # at most MAX_POINTS vertices, before any is read
     tops = [y[1] if isinstance(y, tuple) else y for y in ys]
@@ -236,6 +287,8 @@ def _scatter_svg(trace: Spec, xs: list, ys: list, xa: _Axis, ya: _Axis, colour: 
     mode = trace.get("mode") or "lines"
     line = trace.get("line") or {}
     dash = "stroke-dasharray='4 3'" if line.get("dash") == "dot" else ""
+    if trace.get("stackgroup") and ys and isinstance(ys[0], tuple):
+        parts.append(_area_svg(xs, ys, xa, ya, colour))
     if "lines" in mode and points:
         d = "M" + "L".join(f"{x},{y}" for x, y in points)
         parts.append(
@@ -268,9 +321,15 @@ def _axis_svg(xa: _Axis, ya: _Axis) -> str:
                 f"text-anchor='middle'>{_esc(text)}</text>"
                 for px, text in xa.ticks()
             ]
+        groups = xa.groups() if xa.labelled else []
+        for first, last, label in groups:  # the outer level, under its categories' ticks
+            out.append(
+                f"<text x='{(first + last) / 2:.1f}' y='{ya.start + 28}' "
+                f"text-anchor='middle' font-weight='bold'>{_esc(label)}</text>"
+            )
         if xa.title:
             out.append(
-                f"<text x='{(xa.start + xa.end) / 2}' y='{ya.start + 30}' "
+                f"<text x='{(xa.start + xa.end) / 2}' y='{ya.start + (44 if groups else 30)}' "
                 f"text-anchor='middle'>{_esc(xa.title)}</text>"
             )
     if ya.visible:
@@ -318,6 +377,20 @@ class Drawing:
 
     def update(self, name: str, data: Mapping[str, Any]) -> None:
         self.traces[self.by_name[name]].update(data)
+
+    def retitle(self, titles: Mapping[str, str]) -> set[str]:
+        """Give axes new titles, by plotly's axis name ('y2': 'tokens/s'); returns the panels
+        ('x2y2') whose drawing changed with them."""
+        changed = set()
+        for axis, text in titles.items():
+            name = axis.replace("x", "xaxis", 1).replace("y", "yaxis", 1)
+            spec = dict(self.layout.get(name) or {})
+            if _get(spec, "title", "text") == text:
+                continue
+            spec["title"] = {**(spec.get("title") or {}), "text": text}
+            self.layout[name] = spec
+            changed |= {key for key in self.panels if axis in _axes_of_key(key)}
+        return changed
 
     def values(self, name: str, key: str) -> list:
         """The named trace's `key` (x, y, ...) as drawn, a plain list."""
@@ -374,6 +447,7 @@ class Drawing:
                 xa.add(base + [b + x for b, x in zip(base, xs)])
             else:
                 xa.add(xs)
+                xa.levels.update(_levels(trace, "x"))
             # stacked traces hold (base, top) pairs (_stacked), each value the others plain
             ya.add([v for y in ys for v in y] if ys and isinstance(ys[0], tuple) else ys)
         xa.settle()

@@ -39,7 +39,7 @@ from sagenb.sizing.step_model import (
     step_time,
 )
 
-__all__ = ["Estimate", "ScalingRow", "estimate"]
+__all__ = ["Estimate", "RunSteps", "ScalingRow", "check_samples", "estimate", "run_steps"]
 
 Range = tuple[float, float]
 #: instance counts of the scaling table
@@ -63,6 +63,61 @@ class ScalingRow:
 
 
 @dataclass(frozen=True)
+class RunSteps:
+    """The run's optimizer steps and where they come from: `samples` (the dataset's size, one
+    epoch) x --epochs / --batch-size, capped at --steps, as the run itself counts them
+    (engine/data/order.py, total_steps); or --steps alone when no dataset size is known."""
+
+    steps: int
+    #: the dataset's size (one epoch); None when --steps alone set the steps
+    samples: int | None
+    #: "samples=" (given), "cell" (the cell's own dataset) or "--steps"
+    source: str
+    epochs: int
+    batch_size: int
+
+    def describe(self) -> str:
+        """'--epochs 2 x 595,000 steps of 64 samples (samples=38,080,000: the dataset's size,
+        one epoch)'."""
+        if self.samples is None:
+            return f"--steps {self.steps:,}"
+        per_epoch = self.samples // self.batch_size
+        where = (
+            f"samples={self.samples:,}"
+            if self.source == "samples="
+            else f"the cell's dataset, {self.samples:,} samples"
+        )
+        text = (
+            f"--epochs {self.epochs} x {per_epoch:,} steps of {self.batch_size} samples "
+            f"({where}: the dataset's size, one epoch)"
+        )
+        return text + (", capped at --steps" if self.steps < per_epoch * self.epochs else "")
+
+
+def check_samples(samples: Any) -> int:
+    """`samples` as the whole number of samples it counts, or a ConfigError naming it."""
+    if isinstance(samples, bool) or not isinstance(samples, (int, float)) or not samples >= 1:
+        raise ConfigError("samples", samples, "must be a number >= 1 (the dataset's size)")
+    return int(samples)
+
+
+def run_steps(samples: float | None, config: TrainConfig) -> RunSteps | None:
+    """The optimizer steps of a run of `config` over a dataset of `samples` samples: what
+    `sagenb.estimate(samples=)` and `sagenb.what_if(samples=)` both mean by `samples` (the
+    dataset's size; the run's --epochs passes over it, --steps caps it). None when neither
+    `samples` nor --steps is given."""
+    from sagenb.engine.data.order import total_steps
+
+    if samples is None:
+        if config.steps is None:
+            return None
+        return RunSteps(config.steps, None, "--steps", config.epochs, config.batch_size)
+    n = check_samples(samples)
+    steps = total_steps(n, batch_size=config.batch_size, epochs=config.epochs, steps=config.steps)
+    return RunSteps(steps, n, "samples=", config.epochs, config.batch_size)
+
+
+@dataclass(frozen=True)
 class Estimate:
     """What training the job with `config` on `config.instance` would take (issue 16)."""
 
@@ -82,6 +137,8 @@ class Estimate:
     params: int
     #: the run's optimizer steps (None when neither --steps nor the dataset's size says)
     steps: int | None
+    #: how `steps` was counted (the dataset's size x --epochs, or --steps); None as steps
+    run: RunSteps | None
     step: StepTime
     hours: Range | None
     cost_usd: Range | None
@@ -136,9 +193,11 @@ class Estimate:
                 f"{_range(self.cost_usd, '${:,.2f}')} on-demand, "
                 f"{_range(self.spot_usd, '${:,.2f}')} spot"
             )
+            if self.run is not None:
+                lines.append(f"     {self.steps:,} steps = {self.run.describe()}")
         else:
             lines.append("run: steps unknown (pass --steps, or samples= to sagenb.estimate)")
-        lines.append("instances  engines   step s           hours             on-demand")
+        lines.append("instances  engines   step s              hours               on-demand")
         lines += [_scaling_line(row) for row in self.scaling]
         lines.append("assumptions:")
         lines += [f"  - {a}" for a in self.assumptions]
@@ -188,7 +247,8 @@ def _scaling_line(row: ScalingRow) -> str:
         return head + (row.why or "steps unknown")
     return (
         head
-        + f"{_range(row.step_time_s, '{:.3g}'):<16} {_range(row.hours, '{:.3g}'):<17} "
+        # widths hold two 3-digit figures in e-notation: 8.68e-05-0.000158
+        + f"{_range(row.step_time_s, '{:.3g}'):<19} {_range(row.hours, '{:.3g}'):<19} "
         + _range(row.cost_usd, "${:,.2f}")
     )
 
@@ -202,11 +262,12 @@ def estimate(
     """Estimate training `job` (cell source, a callable, or a Job) with `config` or the
     options of TrainConfig (`instance=`, `engines=`, `strategy=` ...), without engines.
 
-    `samples` is the size of the dataset the real run trains on (the cell's may be a small
-    stand-in); without it, the cell's own dataset (when the footprint counts it) or --steps
-    sets the steps. Bad input raises ConfigError before anything is computed: an instance
-    without a price or hardware row, a precision the instance cannot run, a world size the
-    strategy cannot use."""
+    `samples` is the size of the dataset the real run trains on, one epoch (the cell's may be
+    a small stand-in): the run passes over it --epochs times, capped at --steps, as
+    `sagenb.what_if(samples=)` counts it too. Without it, the cell's own dataset (when the
+    footprint counts it) or --steps sets the steps. Bad input raises ConfigError before
+    anything is computed: an instance without a price or hardware row, a precision the
+    instance cannot run, a world size the strategy cannot use."""
     config = TrainConfig(**options) if config is None else dataclasses.replace(config, **options)
     price = check_price(config)
     hw = check_hardware(config)
@@ -214,23 +275,22 @@ def estimate(
     config = config.with_engines(engines)  # the strategy's checks at this world size
     prepared = Job.of(job)
     fp = footprint(prepared, config.for_engines(), engines)
-    steps = _steps(config, samples, fp)
-    return dataclasses.replace(_assemble(prepared, config, hw, price, fp, steps), job=prepared)
+    run = _run_steps(config, samples, fp)
+    return dataclasses.replace(_assemble(prepared, config, hw, price, fp, run), job=prepared)
 
 
 def _key(job: Job, config: TrainConfig) -> tuple[Any, ...]:
     return (job.source, job.payload, config.for_engines(), config.instance, config.hardware_table)
 
 
-def _steps(config: TrainConfig, samples: int | None, fp: Footprint) -> int | None:
-    from sagenb.engine.data.order import total_steps
-
-    n = samples if samples is not None else getattr(fp, "samples", None)
-    if n is None:
-        return config.steps
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ConfigError("samples", n, "must be an integer >= 1 (the dataset's size)")
-    return total_steps(n, batch_size=config.batch_size, epochs=config.epochs, steps=config.steps)
+def _run_steps(config: TrainConfig, samples: int | None, fp: Footprint) -> RunSteps | None:
+    if samples is not None:
+        if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
+            raise ConfigError("samples", samples, "must be an integer >= 1 (the dataset's size)")
+        return run_steps(samples, config)
+    own = getattr(fp, "samples", None)
+    run = run_steps(own, config)
+    return run if run is None or own is None else dataclasses.replace(run, source="cell")
 
 
 def _bubble(config: TrainConfig) -> float:
@@ -259,8 +319,9 @@ def _assemble(
     hw: Hardware,
     price: InstancePrice,
     fp: Footprint,
-    steps: int | None,
+    run: RunSteps | None,
 ) -> Estimate:
+    steps = None if run is None else run.steps
     engines = fp.world_size
     limit = memory_limit_mib(hw)
     fits = all(rank_total_mib(r) <= limit for r in fp.ranks)
@@ -279,6 +340,7 @@ def _assemble(
         flops_per_step=fp.flops_per_step,
         params=fp.params,
         steps=steps,
+        run=run,
         step=step,
         hours=hours,
         cost_usd=cost,

@@ -82,6 +82,10 @@ class Plan:
                 f"{s.training_state_mib:>10.3f} {s.activations_per_microbatch_mib:>10.3f} "
                 f"{s.seconds_per_microbatch * 1e3:>7.2f}"
             )
+        lines.append(
+            "train MiB: params + grads + AdamW's two moments (4 x params, the default "
+            "optimizer's); SGD with momentum holds 3 x params, plain SGD 2 x"
+        )
         for method, starts in self.alternatives.items():
             shown = starts[1:] if isinstance(starts, list) else starts
             lines.append(f"  with --partition-by {method}: cut before blocks {shown}")
