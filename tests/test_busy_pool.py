@@ -104,6 +104,43 @@ def test_a_second_thread_waits_for_the_first_run_or_says_whose_it_is(pool, if_bu
     check_slow_run(first["result"].losses, first["result"].state_dict())
 
 
+def linger(ignore_interrupt: bool, mark: str) -> str:
+    """What an earlier run that was never stopped leaves on an engine: a task that runs on
+    (and, for `ignore_interrupt`, one blocked where no interrupt reaches, as C code is); it
+    touches `mark` once it runs so."""
+    import signal
+    import time
+
+    if ignore_interrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+    open(mark, "w").close()
+    time.sleep(120)
+    return "lingered"
+
+
+def test_an_earlier_runs_tasks_left_on_a_pool_of_ours_are_ended(pool, tmp_path):
+    """Rank tasks this process submitted for a run that has ended, still on the engines of a
+    pool it started, are ended by the next run, which says so: one by an interrupt, the other,
+    which ignores it, by killing its engine, replaced; then the run trains as one process."""
+    ids = pool.engine_ids
+    marks = [str(tmp_path / f"lingers-{r}") for r in range(2)]
+    # submitted as a run's tasks are (pool.run_tasks notes them)
+    left = pool.submit(linger, [(False, marks[0]), (True, marks[1])])
+    while not all(os.path.exists(m) for m in marks):
+        time.sleep(0.02)
+    started = time.monotonic()
+    result = sagenb.train(REGRESSION_CELL, batch_size=16, steps=3, dashboard=False)
+    took = time.monotonic() - started
+    check_equal(result, REGRESSION_CELL, batch_size=16, steps=3)
+    found = [w for w in result.warnings if "nobody will collect" in w]
+    assert len(found) == 1 and "an earlier sagenb run of this process" in found[0], found
+    assert any(f"engine(s) {ids[1]} did not end" in w for w in result.warnings), result.warnings
+    with pytest.raises(Exception, match="KeyboardInterrupt"):
+        left[0].get(timeout=10)
+    assert ids[0] in pool.client.ids and ids[1] not in pool.client.ids and pool.size == 2
+    assert took < 100, f"{took:.0f} s: the tasks were waited for (they sleep 120 s), not ended"
+
+
 @pytest.fixture(scope="module")
 def ipcluster(tmp_path_factory):
     """A pool started outside sagenb, as `ipcluster start -n 2` would: (profile, cluster id)."""
