@@ -44,7 +44,9 @@ class Task:
 
     msg_id: str
     engine_id: int
-    running: bool  # the head of its engine's queue: running, or the next to run
+    #: the head of its engine's queue (running, or the next to run); None: not known, as for
+    #: the first of an engine's tasks when some were sent to it and some load-balanced
+    running: bool | None
     session: str = ""  # the submitting client's session id ("" when the hub keeps no records)
     user: str = ""
     submitted: datetime | None = None
@@ -55,7 +57,7 @@ class Task:
         ("" leaves it out)."""
         whose = self.origin() if whose is None else whose
         text = f"task {self.msg_id}{f' ({whose})' if whose else ''} on engine {self.engine_id}"
-        state = "running" if self.running else "queued"
+        state = {True: "running", False: "queued", None: "pending"}[self.running]
         if self.submitted is None:
             return f"{text} ({state})"
         when = self.submitted.astimezone(timezone.utc)
@@ -85,10 +87,16 @@ def pending(pool: EnginePool, engine_ids: Sequence[int]) -> dict[int, list[Task]
     # ones the scheduler gave it, in no known order against the first
     queues = {e: [*status[e]["queue"], *status[e]["tasks"]] for e in ids if e in status}
     records = _records(pool, [m for q in queues.values() for m in q])
-    return {
-        e: [_task(m, e, i == 0, records.get(m, {})) for i, m in enumerate(queue)]
-        for e, queue in queues.items()
-    }
+    return {e: _tasks(e, queue, status[e], records) for e, queue in queues.items()}
+
+
+def _tasks(eid: int, queue: list[str], status: Mapping, records: Mapping) -> list[Task]:
+    """The engine's pending tasks, the first marked running, unless the engine has both kinds
+    (then which of the two firsts runs is not known)."""
+    first: bool | None = True if not (status["queue"] and status["tasks"]) else None
+    return [
+        _task(m, eid, first if i == 0 else False, records.get(m, {})) for i, m in enumerate(queue)
+    ]
 
 
 class Starts:
@@ -213,7 +221,7 @@ def _stderr_note(text: str) -> None:
     sys.stderr.flush()
 
 
-def _task(msg_id: str, engine_id: int, running: bool, record: Mapping[str, Any]) -> Task:
+def _task(msg_id: str, engine_id: int, running: bool | None, record: Mapping[str, Any]) -> Task:
     header = record.get("header") or {}
     submitted = record.get("submitted") or header.get("date")
     return Task(

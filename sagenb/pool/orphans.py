@@ -25,9 +25,13 @@ someone's pool for good), so there it is waited for as other work is. Everything
 signalled: the cell says which engine is busy with whose task (its client session and user, as
 ipyparallel's controller records them, and when it was submitted), and `--if-busy wait` (the
 default) waits for it, one line under the cell rewritten each second, while `--if-busy fail`
-raises PoolBusyError naming it. Between the controller's answer and the interrupt an orphan's
-engine could, in principle, take a task someone submits in that instant: the window is the
-milliseconds of one signal, and only on engines that ran an orphan.
+raises PoolBusyError naming it.
+
+Two limits. Between the controller's answer and the interrupt an orphan may end and its engine
+start the task queued next there, which the interrupt would then hit: the window is the
+milliseconds between the two, and only on an engine whose orphan was running. And on an engine
+with both a task sent to it and a load-balanced one pending, which of them runs is not known
+(pool/occupancy.py): an orphan there is aborted, in case it is queued, and waited for.
 """
 
 from __future__ import annotations
@@ -107,9 +111,11 @@ def _end(
     """Abort the queued orphans, interrupt the running ones, and on a pool of this process's
     replace the engines of those that do not end. Returns the notes and the aborted ids
     (an aborted task leaves its engine's queue only when the engine reaches it)."""
-    queued = [t for t in orphans if not t.running]
+    queued = [t for t in orphans if t.running is False]
     running = [t for t in orphans if t.running]
-    for task in queued:
+    # running or not (an engine with both a task sent to it and a load-balanced one): aborted
+    # in case it is queued, never interrupted, waited for
+    for task in [t for t in orphans if not t.running]:
         pool.client.abort(jobs=[task.msg_id], targets=[task.engine_id], block=False)
     pool.interrupt([t.engine_id for t in running])
     left = _still_running(pool, running, ORPHAN_END_S)
