@@ -143,6 +143,46 @@ def test_an_earlier_runs_tasks_left_on_a_pool_of_ours_are_ended(pool, tmp_path):
     assert took < 100, f"{took:.0f} s: the tasks were waited for (they sleep 120 s), not ended"
 
 
+def test_a_failed_run_aborts_its_rank_queued_behind_another_clients_task(pool):
+    """A run that fails (rank 0's engine dies) while rank 1's task still waits behind another
+    client's task: that task is aborted, and the engine running the other client's task is
+    neither interrupted nor killed (it used to be killed, once rank 1 had not ended within
+    seconds of the failure)."""
+    from sagenb.config.job import Job
+    from sagenb.config.options import TrainConfig
+    from sagenb.run.training_run import TrainingRun
+
+    ids = pool.engine_ids
+    other = pool.cluster.connect_client_sync()  # another client of the pool: its own session
+    try:
+        foreign = other[ids[1]].apply_async(sleep_then_say, 2 * FOREIGN_S)
+        while pool.client.queue_status(ids[1])["queue"] == 0:
+            time.sleep(0.02)
+        config = TrainConfig(batch_size=16, steps=3, dashboard=False).with_engines(2)
+        run = TrainingRun(pool, config, Job.of(REGRESSION_CELL), [])
+        ended: dict = {}
+
+        def execute() -> None:
+            try:
+                run.execute()
+            except BaseException as err:  # noqa: BLE001 - the test reads it
+                ended["error"] = err
+
+        thread = threading.Thread(target=execute, name="queued-run")
+        thread.start()
+        while pool.client.queue_status(ids[0])["queue"] == 0:  # rank 0 runs (and waits)
+            time.sleep(0.02)
+        os.kill(pool.pids[ids[0]], signal.SIGKILL)
+        thread.join(timeout=60)
+        assert "died" in str(ended.get("error")), ended
+        assert foreign.get(timeout=4 * FOREIGN_S) == "slept"  # neither interrupted nor killed
+        assert ids[1] in pool.client.ids
+        with pytest.raises(ipp.error.TaskAborted):
+            run.ars[1].get(timeout=10)  # dropped by its engine once the other task ended
+    finally:
+        other.close()
+
+
 @pytest.fixture(scope="module")
 def ipcluster(tmp_path_factory):
     """A pool started outside sagenb, as `ipcluster start -n 2` would: (profile, cluster id)."""
