@@ -540,8 +540,9 @@ class TrainConfig(EngineConfig):
         "pool",
         "wait",
         "when another run (another notebook on the same ipcluster pool, another thread) holds "
-        "the pool: wait for it, saying whose run and since when, or fail at once; either way "
-        "before any engine is touched",
+        "the pool, or the run's engines run someone's task started outside sagenb (the px magic, "
+        "apply_async): wait for it, saying whose and since when, or fail at once; either way "
+        "before the run sends its engines anything (a killed kernel's tasks are ended instead)",
         choices=IF_BUSY,
     )
 

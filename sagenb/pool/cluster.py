@@ -112,6 +112,9 @@ class EnginePool:
         self.known: dict[int, tuple[float, int]] = {}
         #: stop() was called (`%smp_cluster stop` or `restart`, maybe from another thread)
         self.stopped = False
+        #: every rank task runs of this process submitted (their msg_ids): one still pending
+        #: when a later run takes the pool's lock is an orphan (pool/orphans.py)
+        self.run_tasks: set[str] = set()
 
     @classmethod
     def start(
@@ -255,11 +258,20 @@ class EnginePool:
         return len(self.client.ids)
 
     def submit(self, fn: Callable[..., Any], per_rank_args: Sequence[tuple]) -> list[Any]:
-        """Run fn(*args) for rank r on the r-th engine, each as its own AsyncResult."""
+        """Run fn(*args) for rank r on the r-th engine, each as its own AsyncResult (a run's
+        rank tasks: noted in `run_tasks`)."""
         ids = self.engine_ids
         if len(per_rank_args) > len(ids):
             raise ValueError(f"{len(per_rank_args)} ranks but the pool has {len(ids)} engines")
-        return [self.client[ids[r]].apply_async(fn, *args) for r, args in enumerate(per_rank_args)]
+        ars = [self.client[ids[r]].apply_async(fn, *args) for r, args in enumerate(per_rank_args)]
+        self.run_tasks.update(ar.msg_ids[0] for ar in ars)
+        return ars
+
+    @property
+    def session_id(self) -> str:
+        """This process's client session with the controller: every task it submits carries
+        it (pool/occupancy.py tells whose a task is by it)."""
+        return str(self.client.session.session)
 
     def warm(
         self, engine_ids: Sequence[int] | None = None, *, cancel: threading.Event | None = None

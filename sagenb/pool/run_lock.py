@@ -21,9 +21,11 @@ Its limit: the processes must share the file, so kernels on other machines attac
 same pool (each with its own copy of the connection file) are not kept apart by it.
 
 The file also says who holds it (process, user, host, thread, the cell's first line, since
-when), written by the holder once it has the lock and cleared before it lets go; a run that
-finds the pool busy shows that and waits (`--if-busy wait`, the default) or raises
-`PoolBusyError` (`--if-busy fail`).
+when, its ipyparallel client's session), written by the holder once it has the lock and cleared
+before it lets go; a run that finds the pool busy shows that and waits (`--if-busy wait`, the
+default) or raises `PoolBusyError` (`--if-busy fail`). A holder killed by a signal cannot clear
+it: the next holder reads who that was (`hold` yields it), and pool/orphans.py ends the tasks
+that dead holder left running.
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from typing import IO
+
+import psutil
 
 __all__ = ["Holder", "PoolBusyError", "hold", "holder_of"]
 
@@ -65,10 +69,12 @@ class Holder:
     what: str  # the cell's first line, or the callable's name
     run_id: str
     since: float  # seconds since the epoch
+    session: str = ""  # its ipyparallel client's session id: the tasks it submits carry it
 
     @classmethod
-    def here(cls, what: str) -> Holder:
-        """This thread of this process, about to run `what`."""
+    def here(cls, what: str, *, session: str = "") -> Holder:
+        """This thread of this process, about to run `what` through the ipyparallel client
+        whose session id is `session`."""
         return cls(
             pid=os.getpid(),
             host=socket.gethostname(),
@@ -78,7 +84,22 @@ class Holder:
             what=what,
             run_id=secrets.token_hex(4),  # not the run's token: this file is readable
             since=time.time(),
+            session=session,
         )
+
+    def gone(self) -> bool:
+        """Whether the holder's process has provably ended: it ran on this host, and its pid
+        names no process now, a zombie, or one started after it took the lock (a pid reused).
+        A holder on another host is never known to be gone."""
+        if self.host != socket.gethostname():
+            return False
+        try:
+            proc = psutil.Process(self.pid)
+            return proc.status() == psutil.STATUS_ZOMBIE or proc.create_time() > self.since
+        except psutil.NoSuchProcess:
+            return True
+        except psutil.Error:  # not ours to inspect: it exists
+            return False
 
     def describe(self, *, me: Holder | None = None) -> str:
         """'run 1f2e3d4c (`model = ...`) of user ann, pid 812 on vm (kernel-5f.json),
@@ -105,17 +126,19 @@ def holder_of(path: str) -> Holder | None:
 @contextmanager
 def hold(
     path: str, me: Holder, *, if_busy: str = "wait", note: Callable[[str], None] | None = None
-) -> Iterator[None]:
+) -> Iterator[Holder | None]:
     """Hold the pool's lock at `path` for the block: at once when it is free; else, as
     `if_busy` says, wait (`note(text)` each second says for whom and how long, "" once the
-    lock is ours) or raise PoolBusyError naming the holder."""
+    lock is ours) or raise PoolBusyError naming the holder. Yields the last holder when it
+    ended without letting go (killed: the file still names it), else None."""
     os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
     file = open(path, "a+", encoding="utf-8")  # noqa: SIM115 - held for the block
     try:
         _acquire(file, path, me, if_busy, note or _stderr_note)
+        previous = holder_of(path)  # a holder that let go cleared the file
         try:
             _write(file, me)
-            yield
+            yield previous
         finally:
             file.truncate(0)  # nobody holds it: a waiter reads no stale holder
             file.flush()

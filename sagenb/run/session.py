@@ -18,7 +18,7 @@ from sagenb.config.options import TrainConfig, describe
 from sagenb.display import event_log
 from sagenb.metrics.result import TrainResult
 from sagenb.metrics.stream import MetricSink
-from sagenb.pool import clean_slate, cluster, run_lock
+from sagenb.pool import clean_slate, cluster, orphans, run_lock
 from sagenb.run.failures import TrainingError, TrainingInterrupted
 from sagenb.run.training_run import TrainingRun
 from sagenb.sizing.cost import check_price
@@ -62,12 +62,18 @@ def train(
     if pool is None:
         pool = cluster.ensure_pool(config.engines_to_start())
     # one run per pool: before this run touches an engine, healing included (pool/run_lock.py)
-    me = run_lock.Holder.here(_first_line(prepared))
-    with run_lock.hold(pool.run_lock_path, me, if_busy=config.if_busy):
+    me = run_lock.Holder.here(_first_line(prepared), session=pool.session_id)
+    with run_lock.hold(pool.run_lock_path, me, if_busy=config.if_busy) as previous:
         pool.heal()  # engines lost in an earlier run's failure are replaced before this one
         config = _resolve_engines(config, pool)
+        engines = config.engines or pool.size
+        # tasks still on its engines: a killed kernel's ranks are ended, anyone's work waited
+        # for (or PoolBusyError), before this run sends them anything (pool/orphans.py)
+        found = orphans.settle(
+            pool, pool.engine_ids[:engines], previous=previous, if_busy=config.if_busy
+        )
         # what an earlier cell changed of the engines' processes is put back (pool/clean_slate.py)
-        replaced = clean_slate.start_clean(pool, config.engines or pool.size)
+        replaced = clean_slate.start_clean(pool, engines)
         run = TrainingRun(
             pool,
             config,
@@ -77,7 +83,7 @@ def train(
             on_failure=on_failure,
             projection=Projection.for_run(estimate, prepared, config),
         )
-        for note in replaced:
+        for note in found + replaced:
             run.warnings.append(note)
             warnings.warn_explicit(note, RuntimeWarning, "sagenb", 0, module="sagenb")
         return run.execute()

@@ -28,12 +28,15 @@ class RankTasks:
 
     def __init__(self, ars: Sequence[Any], ids: Sequence[int]) -> None:
         self.ars, self.ids = list(ars), list(ids)
+        #: ranks whose task was aborted while it waited behind another client's task on its
+        #: engine: they count as ended (the engine drops the task when it reaches it)
+        self.aborted: set[int] = set()
 
     def __len__(self) -> int:
         return len(self.ars)
 
     def all_ready(self) -> bool:
-        return all(ar.ready() for ar in self.ars)
+        return all(ar.ready() or r in self.aborted for r, ar in enumerate(self.ars))
 
     def wait_all(self, timeout: float) -> bool:
         """Whether every task ended within `timeout` seconds."""
@@ -46,7 +49,11 @@ class RankTasks:
 
     def running(self) -> dict[int, int]:
         """rank -> engine id, of the tasks still running."""
-        return {r: self.ids[r] for r, ar in enumerate(self.ars) if not ar.ready()}
+        return {
+            r: self.ids[r]
+            for r, ar in enumerate(self.ars)
+            if not ar.ready() and r not in self.aborted
+        }
 
     def ended_engines(self) -> list[int]:
         return [self.ids[r] for r, ar in enumerate(self.ars) if ar.ready()]

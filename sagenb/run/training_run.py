@@ -29,7 +29,7 @@ from sagenb.engine.wire.rendezvous import bound_store, host_for_run
 from sagenb.metrics import keys
 from sagenb.metrics.result import TrainResult
 from sagenb.metrics.stream import History, MetricSink, RankStream
-from sagenb.pool import cluster
+from sagenb.pool import cluster, occupancy
 from sagenb.run import stacks
 from sagenb.run.checkpoints import resume_warnings
 from sagenb.run.failures import (
@@ -139,6 +139,8 @@ class TrainingRun:
         self.ids = self.pool.engine_ids[: self.engines]
         self.ars = self.pool.submit(run_rank, specs)
         self.tasks = RankTasks(self.ars, self.ids)
+        # whether each task has started or waits behind another client's (pool/occupancy.py)
+        self.starts = occupancy.Starts(self.pool, self.ids, [ar.msg_ids[0] for ar in self.ars])
         self.streams = [RankStream(r, ar) for r, ar in enumerate(self.ars)]
         self.output = RankOutput(self.ars[0])  # rank 0's prints, logs, warnings, bars: once
         try:
@@ -276,12 +278,33 @@ class TrainingRun:
             if any(d and not ar.successful() for d, ar in zip(done, self.ars)):
                 self._fail()
             if all(done):
+                self.starts.end()  # a rank that waited for its engine may end before a check
+                self._queued()
                 return
+            self._queued()
             if time.monotonic() - self.last_progress > self.config.timeout:
                 self._stall()
             if self.dashboard is not None:
                 self.dashboard.tick(time.perf_counter() - self.started)
             time.sleep(POLL_S)
+
+    def _queued(self) -> None:
+        """A rank whose task waits behind another client's task on its engine has not
+        started: the stall clock (--timeout) does not run until every rank's has, and that
+        engine is never signalled (`_ours`). What the run waited for is warned once."""
+        if self.starts.waiting():
+            self.last_progress = time.monotonic()
+        elif self.starts.waited is not None and self.starts.waited not in self.warnings:
+            self.warnings.append(self.starts.waited)
+            warnings.warn_explicit(self.starts.waited, RuntimeWarning, "sagenb", 0, module="sagenb")
+
+    def _ours(self) -> list[int]:
+        """The engines of the running ranks that run this run's own task: the only ones to
+        signal. A rank still waiting behind another client's task is aborted instead."""
+        running = self.tasks.running()
+        ours = self.starts.signalable(list(running.values()))
+        self.tasks.aborted.update(r for r, eid in running.items() if eid not in ours)
+        return ours
 
     def _drain(self) -> None:
         self.output.drain()
@@ -349,13 +372,14 @@ class TrainingRun:
         if not self.pool.controller_alive():
             self._pool_died()
         tasks = self.tasks
+        self._ours()  # a rank still queued behind another client's task: aborted, not awaited
         if not tasks.wait_all(SETTLE_S):
             # Some rank is still running: blocked in a collective with a failed rank whose
             # connections stayed open, or busy in user code. Kill the failed ranks' engines
             # (a process's death closes its connections), then any rank that still runs.
             self.pool.kill(tasks.ended_engines())
             if not tasks.wait_all(RELEASE_S):
-                self.pool.kill(list(tasks.running().values()))
+                self.pool.kill(self._ours())
                 tasks.wait_all(RELEASE_S)
         # dead engines, and those whose rendezvous failed (engine/entry.py's _join says why)
         self.pool.kill(tasks.to_replace())  # waits until the controller has dropped them
@@ -370,7 +394,7 @@ class TrainingRun:
         except Exception:  # noqa: BLE001 - the store may be what failed; contain regardless
             pass
         if not self.tasks.wait_all(STOP_S):
-            self.pool.interrupt(list(self.tasks.running().values()))
+            self.pool.interrupt(self._ours())
             self._contain()
 
     def _pool_died(self) -> None:
@@ -450,6 +474,7 @@ class TrainingRun:
         peers, so the engines stay and the pool needs no repair (engines are killed and
         replaced only when they do not end, as after any failure)."""
         self._notice("stalled")
+        self._ours()  # only ranks running their own task are read and stopped
         running = self.tasks.running()
         traces = stacks.collect(self.pool, self.store, running)
         steps = self.history.last_steps()
@@ -458,7 +483,7 @@ class TrainingRun:
         if not self.tasks.wait_all(INTERRUPTED_S):
             # blocked in C++ (a deadlock of collectives), where no interrupt reaches Python:
             # kill now, as _contain would only after its own waits, to stay near --timeout
-            self.pool.kill(list(self.tasks.running().values()))
+            self.pool.kill(self._ours())
         self._contain()
         replaced = [r for r, eid in running.items() if eid not in self.pool.client.ids]
         what = "their engines replaced" if replaced else "their engines kept"
@@ -488,7 +513,7 @@ class TrainingRun:
         except KeyboardInterrupt:  # a second interrupt: stop at once
             pass
         if results is None:
-            self.pool.interrupt(list(self.tasks.running().values()))
+            self.pool.interrupt(self._ours())
             self._contain()
             self._last_metrics()
         self._close_sinks(status="interrupted")
