@@ -28,6 +28,7 @@ crosses hosts: the "keep a model replica together" placement that SageMaker call
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import signal
@@ -40,11 +41,17 @@ from typing import Any
 
 import ipyparallel as ipp
 import psutil
-from traitlets.config import Config
 
 from sagenb.config.options import DEFAULT_ENGINES
 from sagenb.pool import reaper, stale
 from sagenb.pool.ipyparallel_private import client_config, iopub_guarded
+from sagenb.pool.launchers import (
+    CONTROLLER_HEARTBEAT,
+    LAUNCHERS,
+    LOOPBACK,
+    controller_location,
+    launcher_config,
+)
 from sagenb.pool.prewarm import BackgroundStart, prewarm_wanted
 
 __all__ = [
@@ -61,22 +68,6 @@ __all__ = [
     "prewarm_wanted",
     "StartCancelled",
 ]
-
-LOOPBACK = "127.0.0.1"
-#: ms between the controller's heartbeat pings. An engine counts as registered only once the
-#: controller has seen its heart beat, at a ping (ipyparallel's hub.py, handle_new_heart), so
-#: the default 3000 ms added up to 3 s to every pool start (the registration times with
-#: either: benchmarks/results/measured_in_code.md)
-HEARTBEAT_MS = 500
-#: pings missed before an engine counts as dead, keeping ipyparallel's default tolerance
-#: (10 x 3000 ms = 30 s at the controller; 50 x (3000 + 500) ms = 175 s at the engine)
-CONTROLLER_HEARTBEAT = [
-    f"--HeartMonitor.period={HEARTBEAT_MS}",
-    "--HeartMonitor.max_heartmonitor_misses=60",
-]
-ENGINE_HEARTBEAT = ["--IPEngine.max_heartbeat_misses=175"]
-#: ipyparallel's engine launchers sagenb passes through; all but local may span hosts
-LAUNCHERS = ("local", "mpi", "slurm", "ssh")
 
 
 @dataclass(frozen=True)
@@ -141,9 +132,10 @@ class EnginePool:
             engine_launcher_class=launcher,
             # beyond loopback only when engines may run on other hosts
             controller_ip=LOOPBACK if launcher == "local" else "*",
+            controller_location=controller_location(launcher, options or {}),
             controller_args=CONTROLLER_HEARTBEAT,
             log_level=logging.ERROR,
-            config=_launcher_config(options or {}),
+            config=launcher_config(launcher, options or {}),
         )
         try:  # what pools ended by a kill left in the profile (stale.py)
             stale.remove_stale(cluster.profile_dir)
@@ -151,7 +143,11 @@ class EnginePool:
             pass
         # all n engines are launched at once (ipyparallel's engine set launchers start them
         # without waiting on each other), once the controller has written its connection file
-        cluster.start_cluster_sync()
+        try:
+            cluster.start_cluster_sync()
+        except BaseException:  # an engine that could not be launched (ssh refused, say)
+            _bounded(cluster.stop_cluster_sync, 30)  # leaves no controller behind
+            raise
         pool = None
         try:
             _owner_only(cluster)
@@ -214,8 +210,11 @@ class EnginePool:
 
     @property
     def controller_host(self) -> str:
-        """The controller's address as the engines reach it."""
-        config = client_config(self.client)
+        """The controller's address as the engines reach it: the location it was given or told
+        them (this process's client may reach it through loopback)."""
+        if getattr(self.cluster, "controller_location", ""):
+            return str(self.cluster.controller_location)
+        config = _engine_connection(self.cluster) or client_config(self.client)
         interface = config.get("interface", f"tcp://{LOOPBACK}")
         host = interface.split("://", 1)[-1]
         if host in ("*", "0.0.0.0", ""):
@@ -436,6 +435,18 @@ def _connect(cluster: ipp.Cluster) -> ipp.Client:
         return cluster.connect_client_sync()
 
 
+def _engine_connection(cluster: ipp.Cluster) -> dict[str, Any] | None:
+    """What the controller told its engines (the connection file it wrote for them), if it
+    can be read here."""
+    name = f"ipcontroller-{cluster.cluster_id}-engine.json" if cluster.cluster_id else ""
+    path = os.path.join(cluster.profile_dir or "", "security", name or "ipcontroller-engine.json")
+    try:
+        with open(path) as f:
+            return dict(json.load(f))
+    except (OSError, ValueError):
+        return None
+
+
 def _remove(path: str) -> None:
     try:
         os.remove(path)
@@ -483,22 +494,6 @@ def _result(ar: Any, timeout: float, cancel: threading.Event | None) -> Any:
         _check(cancel)
         ar.wait(0.05)
     return ar.get(timeout=max(0.0, deadline - time.monotonic()))
-
-
-def _launcher_config(options: dict[str, Any]) -> Config:
-    """{"SlurmEngineSetLauncher.partition": "gpu"} -> the traitlets Config ipyparallel reads
-    (engines get the heartbeat tolerance that goes with HEARTBEAT_MS unless options say)."""
-    config = Config()
-    config.EngineLauncher.engine_args = list(ENGINE_HEARTBEAT)
-    for key, value in options.items():
-        section, _, trait = key.rpartition(".")
-        if not section or not trait:
-            raise ValueError(
-                f"launcher option {key!r}: must be Class.trait, e.g. "
-                "MPILauncher.mpi_args or SSHEngineSetLauncher.engines"
-            )
-        config[section][trait] = value
-    return config
 
 
 def _owner_only(cluster: ipp.Cluster) -> None:
