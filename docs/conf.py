@@ -7,10 +7,11 @@ relative .md paths, which MyST resolves to the built pages
 (https://myst-parser.readthedocs.io/en/latest/syntax/cross-referencing.html).
 
 The teaching notebooks are pages too: `docs/notebooks` is a link to the repository's
-`notebooks/`, and MyST-NB (https://myst-nb.readthedocs.io) executes each one while it builds
-(about as long as tests/test_notebooks.py takes, which asserts on these executed copies instead
-of running them a second time). `-D nb_execution_mode=off` renders them without outputs, in
-seconds.
+`notebooks/`, and MyST-NB (https://myst-nb.readthedocs.io) executes each one while it builds,
+minutes in all. `-D nb_execution_mode=off` renders them without outputs, in seconds.
+tests/test_notebooks.py runs each notebook itself (then its exercises' solutions, in the same
+kernel) and builds the site with `-D nb_execution_mode=cache` from a jupyter-cache of those runs,
+so that no notebook runs twice.
 """
 
 import os
@@ -36,11 +37,10 @@ exclude_patterns = ["_build", "notebooks/checkpoints*"]
 # The notebooks are stored without outputs; the build runs each one in a fresh kernel, in a
 # temporary directory (notebook 05 writes checkpoints beside itself), and a cell that raises
 # is a warning, which -W makes an error. "cache" reruns a notebook only when its code changed
-# (jupyter-cache, in the build folder), not when sagenb did: `-D nb_execution_mode=force` then,
-# as tests/test_notebooks.py builds.
+# (jupyter-cache, in the build folder), not when sagenb did: `-D nb_execution_mode=force` then.
 nb_execution_mode = "cache"
 nb_execution_in_temp = True
-nb_execution_timeout = 300  # per cell, as tests/test_notebooks.py's nbclient had
+nb_execution_timeout = 300  # per cell, as tests/test_notebooks.py's nbclient has
 nb_execution_show_tb = True
 nb_kernel_rgx_aliases = {".*": "python3"}  # the kernel of the Python that builds, sagenb in it
 # A finished dashboard's output carries the live widget and a static HTML copy of its charts

@@ -1,52 +1,148 @@
-"""Notebooks are code: each runs top to bottom in a real kernel and must not raise, and the
-documentation site shows each one as a page with its outputs (issue 18).
+"""Notebooks are code: each runs top to bottom in a real kernel and must not raise, its
+exercises are proved solvable, and the documentation site shows each one as a page with its
+outputs (issues 18 and 35).
 
-One run serves both: the session's `site` fixture builds the docs with MyST-NB executing every
-notebook (docs/conf.py), once, whichever test asks first; the tests below assert on the executed
-copies MyST-NB leaves beside the site (`jupyter_execute/`) and on the built pages. Running the
-notebooks here with nbclient as well would double the suite's slowest part.
+One run serves all three. The session's `site` fixture runs each notebook once with nbclient,
+as shipped (its answers blank: each check prints "not answered yet"); then, in the same kernel,
+it runs the notebook's solution file (notebooks/solutions/) and its check cells again, which
+must pass. The checks reuse the runs the notebook made, so a notebook is never run twice. The
+executed notebooks, as shipped, go into a jupyter-cache from which the site's build (MyST-NB's
+"cache" mode, docs/conf.py) takes their outputs instead of running them again.
 """
 
 from __future__ import annotations
 
+import copy
 import re
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
+import traceback
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import nbformat
 import pytest
+from jupyter_cache import get_cache
+from jupyter_cache.base import CacheBundleIn
+from nbclient import NotebookClient
+from nbclient.exceptions import CellExecutionError
 
 from sagenb.pool import cluster
+from sagenb.teaching.exercises import NOT_ANSWERED
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
-# the notebooks run one after another in the build: their sum, with room for a busy machine
+SOLUTIONS = ROOT / "notebooks" / "solutions"
+# the cell tags of the exercises: an answer, its check, the one extra run a notebook may make
+ANSWER, CHECK, RUN = "exercise-answer", "exercise-check", "exercise-run"
+# the notebooks run one after another: their sum, with room for a busy machine
 pytestmark = pytest.mark.timeout(1800)
+CELL_TIMEOUT_S = 300  # per cell, as docs/conf.py's nb_execution_timeout
+
+
+@dataclass
+class Executed:
+    """One notebook run by the fixture."""
+
+    #: executed as shipped (answers blank), widget state included: what the site shows
+    shipped: nbformat.NotebookNode
+    seconds: float  # the shipped notebook's cells, start-up of its kernel included
+    error: str | None = None  # the traceback of the cell that raised
+    #: what each check printed after the solution ran (a traceback where one raised)
+    graded: list[str] = field(default_factory=list)
+    solve_seconds: float = 0.0  # the solution and the checks again
 
 
 @dataclass
 class Site:
     html: Path  # the built site
-    executed: Path  # MyST-NB's executed copies of the notebooks, widget state included
     build: subprocess.CompletedProcess
     seconds: float
+    notebooks: dict[str, Executed]
 
-    def run_time(self, path: Path) -> str:
-        """MyST-NB's "Executed notebook in N seconds" for this notebook, for the test log."""
-        log = self.build.stdout + self.build.stderr
-        found = re.search(rf"{re.escape(path.stem)}.*?Executed notebook in ([\d.]+) seconds", log)
-        return f"{found.group(1)} s" if found else "unknown"
+
+def _cells(nb: nbformat.NotebookNode, tag: str) -> list[nbformat.NotebookNode]:
+    return [c for c in nb.cells if c.cell_type == "code" and tag in c.metadata.get("tags", [])]
+
+
+def _text(cell: nbformat.NotebookNode) -> str:
+    """What a code cell printed, its traceback included."""
+    parts = []
+    for out in cell.get("outputs", []):
+        if out.get("output_type") == "error":
+            parts.append("\n".join(out.get("traceback", [])))
+        else:
+            parts.append(out.get("text", "") or out.get("data", {}).get("text/plain", ""))
+    return "".join(parts)
+
+
+def _run(client: NotebookClient, cells: list[nbformat.NotebookNode], first: int) -> str | None:
+    """Execute cells on the client's live kernel; the traceback of the first that raises."""
+    for index, cell in enumerate(cells, start=first):
+        try:
+            client.execute_cell(cell, index, execution_count=client.code_cells_executed + 1)
+        except CellExecutionError:
+            return traceback.format_exc()
+    return None
+
+
+def execute(path: Path, cwd: Path) -> Executed:
+    """Run the notebook as shipped, then its solution and its checks in the same kernel.
+
+    nbclient's own `execute()` shuts the kernel down at the end; this does what it does
+    (kernel info into the metadata, every cell, the widgets' state) with the kernel kept for
+    the solution (https://nbclient.readthedocs.io/en/latest/client.html)."""
+    nb = nbformat.read(path, as_version=4)
+    # record_timing=False as MyST-NB executes: timings in the cells' metadata would change the
+    # hash by which its cache matches a notebook to its executed copy
+    client = NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3", record_timing=False)
+    start = time.monotonic()
+    with client.setup_kernel(cwd=str(cwd)):
+        info = client.wait_for_reply(client.kc.kernel_info())
+        nb.metadata["language_info"] = info["content"]["language_info"]
+        error = _run(client, nb.cells, 0)
+        client.set_widgets_metadata()
+        done = Executed(copy.deepcopy(nb), time.monotonic() - start, error)
+        if error is None:
+            start = time.monotonic()
+            solution = nbformat.v4.new_code_cell(f"%run -i {SOLUTIONS / (path.stem + '.py')}")
+            checks = [nbformat.v4.new_code_cell(c.source) for c in _cells(nb, CHECK)]
+            extra = [solution, *checks]
+            nb.cells.extend(extra)
+            failed = _run(client, extra, len(nb.cells) - len(extra))
+            done.graded = [_text(c) for c in checks]
+            if failed:
+                done.graded.append(failed)
+            done.solve_seconds = time.monotonic() - start
+    return done
+
+
+def _cache(executed: dict[str, Executed], folder: Path) -> Path:
+    """A jupyter-cache holding each executed notebook, as MyST-NB's cache mode reads it: a
+    notebook whose code cells match one here is rendered with its outputs, not executed."""
+    cache = get_cache(str(folder))
+    for name, run in executed.items():
+        path = ROOT / "notebooks" / name
+        bundle = CacheBundleIn(run.shipped, str(path))
+        cache.cache_notebook_bundle(bundle, check_validity=False, overwrite=True)
+        # the build would run a notebook the cache does not match: say so now, not after it
+        cache.match_cache_notebook(nbformat.read(path, as_version=4))
+    return folder
 
 
 @pytest.fixture(scope="session")
 def site(tmp_path_factory) -> Site:
-    """The docs built with every notebook executed (`nb_execution_mode=force`: no cache from an
-    earlier build), warnings as errors; a notebook's raising cell is such a warning."""
+    """Every notebook executed (and its exercises solved), then the docs built from them,
+    warnings as errors."""
     cluster.stop_pool()  # each notebook's kernel starts its own pool; keep the cores for it
     out = tmp_path_factory.mktemp("site")
+    notebooks = {}
+    for path in NOTEBOOKS:
+        cwd = out / "run" / path.stem  # notebook 05 writes checkpoints beside itself
+        cwd.mkdir(parents=True)
+        notebooks[path.name] = execute(path, cwd)
+    cache = _cache(notebooks, out / "jupyter_cache")
     start = time.monotonic()
     build = subprocess.run(
         [
@@ -58,32 +154,45 @@ def site(tmp_path_factory) -> Site:
             "-b",
             "html",
             "-D",
-            "nb_execution_mode=force",
+            "nb_execution_mode=cache",
+            "-D",
+            f"nb_execution_cache_path={cache}",
             str(ROOT / "docs"),
             str(out / "html"),
         ],
         capture_output=True,
         text=True,
-        timeout=1700,
+        timeout=600,
     )
     return Site(
-        out / "html", out / "jupyter_execute" / "notebooks", build, time.monotonic() - start
+        out / "html",
+        build,
+        time.monotonic() - start,
+        notebooks,
     )
 
 
 def test_site_builds_with_notebooks_executed(site):
-    print(f"docs built with the notebooks executed in {site.seconds:.0f} s")
+    total = sum(run.seconds + run.solve_seconds for run in site.notebooks.values())
+    print(f"notebooks executed and solved in {total:.0f} s; docs built in {site.seconds:.0f} s")
     assert site.build.returncode == 0, (
         f"sphinx failed:\n{site.build.stdout[-6000:]}\n{site.build.stderr[-6000:]}"
     )
+    # every page took its notebook from the cache: none was executed a second time
+    log = site.build.stdout + site.build.stderr
+    assert "Executing notebook" not in log, log[-3000:]
+    assert len(re.findall(r"Using cached notebook", log)) == len(NOTEBOOKS), log[-3000:]
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
 def test_notebook_runs(path, site):
-    executed = site.executed / path.name
-    assert executed.exists(), f"the docs build did not execute {path.name}:\n{site.build.stderr}"
-    print(f"{path.name} ran in {site.run_time(path)}")
-    nb = nbformat.read(executed, as_version=4)
+    run = site.notebooks[path.name]
+    print(
+        f"{path.name} ran in {run.seconds:.0f} s, its solution and checks in "
+        f"{run.solve_seconds:.1f} s"
+    )
+    assert run.error is None, f"{path.name} raised:\n{run.error}"
+    nb = run.shipped
     outputs = [o for cell in nb.cells if cell.cell_type == "code" for o in cell.get("outputs", [])]
     errors = [o for o in outputs if o.get("output_type") == "error"]
     assert not errors, f"{path.name} raised:\n" + "\n".join(
@@ -101,9 +210,44 @@ def test_notebook_runs(path, site):
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
+def test_notebook_ends_with_exercises_left_blank(path, site):
+    """2 to 4 exercises, each an answer cell left blank and a check cell, after the notebook's
+    last run; as shipped (and on the site) every check says "not answered yet"."""
+    nb = site.notebooks[path.name].shipped
+    answers, checks = _cells(nb, ANSWER), _cells(nb, CHECK)
+    assert 2 <= len(checks) <= 4 and len(answers) == len(checks), (len(answers), len(checks))
+    for answer in answers:
+        names = re.findall(r"^(answer_\d+)\s*=\s*None\b", answer.source, re.M)
+        assert names, f"an answer cell that is not left blank:\n{answer.source}"
+    for number, check in enumerate(checks, start=1):
+        assert _text(check).strip() == f"Exercise {number}: {NOT_ANSWERED}", _text(check)
+    # the exercises close the notebook: after the first of their cells come only theirs (at
+    # most one extra short run, tagged exercise-run) and the cell that stops the pool
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    start = min(code.index(c) for c in answers + checks + _cells(nb, RUN))
+    tags = [set(c.metadata.get("tags", [])) & {ANSWER, CHECK, RUN} for c in code[start:-1]]
+    assert all(tags), [c.source[:60] for c in code[start:-1]]
+    assert len(_cells(nb, RUN)) <= 1, "at most one extra run for the exercises"
+    assert code[-1].source.strip() == "%smp_cluster stop"  # the notebook still tidies up
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
+def test_exercises_are_solvable(path, site):
+    """notebooks/solutions/<notebook>.py, run in the notebook's kernel after it ran, answers
+    every exercise, and each check then passes on the runs the notebook made."""
+    run = site.notebooks[path.name]
+    assert run.error is None, f"{path.name} raised before its exercises:\n{run.error}"
+    assert run.graded, f"{path.name}: no exercise was graded"
+    for number, text in enumerate(run.graded, start=1):
+        print(text.strip().splitlines()[0] if text.strip() else "(nothing printed)")
+        assert text.strip().startswith(f"Exercise {number}: correct"), text
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
 def test_page_shows_outputs(path, site):
     """The notebook's page shows what the run printed and the dashboard's static copy (an
-    inline SVG), without the widget state (MBs per dashboard) that only a kernel could use."""
+    inline SVG), without the widget state (MBs per dashboard) that only a kernel could use,
+    and the exercises as shipped: no solution on the page."""
     page = site.html / "notebooks" / f"{path.stem}.html"
     assert page.exists(), f"no page for {path.name}: is it in docs/index.md's toctree?"
     html = page.read_text()
@@ -111,3 +255,4 @@ def test_page_shows_outputs(path, site):
     assert "smp-static-copy" in html, "the dashboard's static copy is missing"
     assert "application/vnd.jupyter.widget-state+json" not in html
     assert len(html) < 2_000_000, f"{page.name} is {len(html) / 1e6:.1f} MB"
+    assert NOT_ANSWERED in html and ": correct" not in html

@@ -1,0 +1,208 @@
+"""Grading the notebooks' exercises from sagenb's own measurements.
+
+Each exercise of a teaching notebook is a task (markdown), an answer cell (`answer_1 = None`)
+and a check cell that calls one function below with the answer and what the notebook's runs
+measured: memory per rank and kind, a pipeline's busy and idle time per step, a trained model
+against a result's `state_dict()`, an estimate. Every check reads the same way:
+
+- a blank answer (None, or `...`) prints "Exercise N: not answered yet", so a notebook runs top
+  to bottom as shipped;
+- a right one prints "Exercise N: correct" with the measurement it matched;
+- a wrong one raises `WrongAnswer`, whose message says what the measurement shows (a ratio, a
+  trend, the option that fits it), not the answer to copy.
+
+Checks grade in trends and ratios, never in absolute CPU seconds: memory is counted in exact
+bytes, and a time enters only as a share of its own step.
+
+The solutions live beside the notebooks (`notebooks/solutions/`); tests/test_notebooks.py runs
+each after its notebook, in the same kernel, and requires every check to pass.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from sagenb.metrics import keys
+from sagenb.metrics.stream import StepMetrics
+
+__all__ = [
+    "NOT_ANSWERED",
+    "WrongAnswer",
+    "answered",
+    "check_number",
+    "check_choice",
+    "check_equal",
+    "check_same_model",
+    "last_step_memory",
+    "idle_share",
+]
+
+NOT_ANSWERED = "not answered yet"
+
+
+class WrongAnswer(AssertionError):
+    """An answer that the notebook's measurements contradict."""
+
+
+def answered(answer: Any) -> bool:
+    """False for a blank answer: None (as shipped) or `...`."""
+    return answer is not None and answer is not Ellipsis
+
+
+def _say(exercise: int | str, text: str) -> None:
+    print(f"Exercise {exercise}: {text}")
+
+
+def _blank(exercise: int | str, answer: Any) -> bool:
+    if answered(answer):
+        return False
+    _say(exercise, NOT_ANSWERED)
+    return True
+
+
+def _hint(hint: str) -> str:
+    return f". Hint: {hint}" if hint else ""
+
+
+def _wrong(exercise: int | str, text: str) -> WrongAnswer:
+    return WrongAnswer(f"Exercise {exercise}: {text}")
+
+
+def check_number(
+    exercise: int | str,
+    answer: Any,
+    *,
+    measured: float,
+    what: str,
+    rel: float = 0.0,
+    absolute: float = 0.0,
+    hint: str = "",
+) -> None:
+    """Grade a number against a measured one: right within `rel` (a fraction of the measured
+    value) or `absolute`, whichever is wider. A wrong answer's message gives its ratio to the
+    measurement (or its distance from it, when that is zero), not the measurement itself."""
+    if _blank(exercise, answer):
+        return
+    if isinstance(answer, torch.Tensor) and answer.numel() == 1:
+        answer = answer.item()
+    if isinstance(answer, bool) or not isinstance(answer, numbers.Real):
+        raise _wrong(exercise, f"expected a number ({what}), got {answer!r}")
+    answer = float(answer)
+    tolerance = max(rel * abs(measured), absolute)
+    if math.isfinite(answer) and abs(answer - measured) <= tolerance:
+        _say(exercise, f"correct: {answer:.4g} against {what} of {measured:.4g}")
+        return
+    if measured and math.isfinite(answer):
+        off = f"{answer / measured:.3g}x {what}"
+    else:
+        off = f"{answer - measured:+.3g} from {what}"
+    within = f"{rel:.0%}" if rel * abs(measured) >= absolute else f"{absolute:g}"
+    raise _wrong(exercise, f"{answer!r} is {off} (within {within} needed){_hint(hint)}")
+
+
+def check_choice(
+    exercise: int | str,
+    answer: Any,
+    *,
+    options: Mapping[str, str],
+    correct: str,
+    why: str,
+) -> None:
+    """Grade a multiple-choice answer: one of `options`' keys (case and spaces ignored).
+    `correct` is the option the measurement supports, `why` what the measurement shows."""
+    if _blank(exercise, answer):
+        return
+    choice = str(answer).strip().lower()
+    if choice not in options:
+        allowed = ", ".join(repr(k) for k in options)
+        raise _wrong(exercise, f"{answer!r} is not an option: answer one of {allowed}")
+    if choice != correct:
+        raise _wrong(exercise, f"not ({choice}) {options[choice]!r}: {why}")
+    _say(exercise, f"correct: ({choice}) {options[choice]}")
+
+
+def check_equal(
+    exercise: int | str, answer: Any, *, expected: Any, what: str, hint: str = ""
+) -> None:
+    """Grade an exact answer (a count, a step, a set of names) against what was measured.
+    A set given as a list or tuple counts as that set when `expected` is a set."""
+    if _blank(exercise, answer):
+        return
+    given = set(answer) if isinstance(expected, set) and isinstance(answer, Iterable) else answer
+    if given == expected:
+        _say(exercise, f"correct: {what} is {expected!r}")
+        return
+    raise _wrong(exercise, f"{answer!r} is not {what}{_hint(hint)}")
+
+
+def check_same_model(
+    exercise: int | str,
+    answer: Any,
+    *,
+    expected: Mapping[str, torch.Tensor],
+    what: str,
+    atol: float,
+) -> None:
+    """Grade a model trained by the student (an nn.Module or its state_dict) against the
+    parameters a run ended with (`result.state_dict()`): the same keys, every floating-point
+    entry within `atol`."""
+    if _blank(exercise, answer):
+        return
+    if isinstance(answer, nn.Module):
+        answer = answer.state_dict()
+    if not isinstance(answer, Mapping):
+        raise _wrong(exercise, f"expected a model or its state_dict, got {type(answer).__name__}")
+    missing = sorted(set(expected) - set(answer))
+    if missing:
+        raise _wrong(exercise, f"the model has no {', '.join(missing[:3])}: not {what}'s model")
+    diff = max(
+        (answer[k].double() - v.double()).abs().max().item()
+        for k, v in expected.items()
+        if v.is_floating_point()
+    )
+    if diff <= atol:
+        _say(exercise, f"correct: largest parameter difference from {what}: {diff:.1e}")
+        return
+    raise _wrong(
+        exercise,
+        f"largest parameter difference from {what} is {diff:.1e} (at most {atol:g} needed): "
+        "check the seed, the sample order, the batch and the optimizer against the run's config",
+    )
+
+
+# -- what the checks read from a result's metrics ---------------------------------------------
+
+
+def last_step_memory(metrics: Iterable[StepMetrics], kind: str) -> dict[int, float]:
+    """MiB of one kind ("params", "grads", "optimizer", "activations") per rank, at the last
+    step that reported it (`result.metrics`)."""
+    if kind not in keys.MEMORY_KINDS:
+        raise ValueError(f"kind={kind!r}: expected one of {', '.join(keys.MEMORY_KINDS)}")
+    key = keys.memory(kind)
+    records = [m for m in metrics if key in m.values]
+    if not records:
+        raise ValueError(f"no rank reported {key}: is this a finished run's metrics?")
+    last = max(m.step for m in records)
+    return {m.rank: float(m.values[key]) for m in records if m.step == last}
+
+
+def idle_share(metrics: Iterable[StepMetrics], *, skip: int = 2) -> dict[int, float]:
+    """A pipeline's measured bubble per rank: idle / (forward + backward + idle), summed over
+    the steps after the first `skip` (warm-up), from `result.metrics`."""
+    busy: dict[int, float] = {}
+    idle: dict[int, float] = {}
+    for m in metrics:
+        if keys.IDLE not in m.values or m.step <= skip:
+            continue
+        work = m.values[keys.BUSY_FORWARD] + m.values[keys.BUSY_BACKWARD]
+        busy[m.rank] = busy.get(m.rank, 0.0) + work
+        idle[m.rank] = idle.get(m.rank, 0.0) + m.values[keys.IDLE]
+    if not idle:
+        raise ValueError(f"no pipeline step after the first {skip} reported {keys.IDLE}")
+    return {rank: idle[rank] / (idle[rank] + busy[rank]) for rank in sorted(idle)}
