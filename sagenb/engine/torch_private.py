@@ -80,6 +80,7 @@ __all__ = [
     "direct_parameters",
     "dump_flight_recorder_json",
     "forget_failed_init",
+    "interleaved_order",
     "load_actions",
     "non_persistent_buffers",
     "pipe_from_traced",
@@ -185,6 +186,29 @@ def clear_split_point(module: nn.Module) -> None:
     # no public equivalent in torch 2.13: annotate_split_points is not undone by torch
     del module.forward
     module.__dict__.pop("_orig_forward", None)
+
+
+def interleaved_order(
+    ranks: int, chunks: int, microbatches: int, rank: int
+) -> list[tuple[str, int, int]]:
+    """("F" | "B", stage, microbatch) in the order torch's ScheduleInterleaved1F1B runs them on
+    `rank` of `ranks`, holding `chunks` stages each."""
+    # public: ScheduleInterleaved1F1B(stages, n).pipeline_order, which needs built
+    # PipelineStages in a process group (the estimate has neither); its own per-rank
+    # calculation reads only the fields its __init__ sets before calling it
+    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B
+
+    schedule = object.__new__(ScheduleInterleaved1F1B)
+    schedule.pp_group_size, schedule.n_local_stages = ranks, chunks
+    schedule._n_microbatches, schedule.rank = microbatches, rank
+    schedule.number_of_rounds = max(1, microbatches // ranks)
+    schedule.microbatches_per_round = microbatches // schedule.number_of_rounds
+    kinds = {"FORWARD": "F", "FULL_BACKWARD": "B"}
+    return [
+        (kinds[a.computation_type.name], a.stage_index, a.microbatch_index or 0)
+        for a in schedule._calculate_single_rank_operations(rank)
+        if a is not None and a.computation_type.name in kinds
+    ]
 
 
 def load_actions(
@@ -310,6 +334,11 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
         "engine.strategies.pipeline.export_split",
     ),
     PrivateName("torch", "Tensor._base", "engine.memory.MemoryMeter (activation memory)"),
+    PrivateName(
+        "torch.distributed.pipelining.schedules",
+        "ScheduleInterleaved1F1B._calculate_single_rank_operations",
+        "engine.strategies.pipeline.attribution (interleaved microbatches in flight)",
+    ),
     PrivateName(
         "torch.utils.data.dataloader",
         "_MultiProcessingDataLoaderIter._shutdown_workers",
