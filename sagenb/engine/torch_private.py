@@ -194,19 +194,30 @@ def interleaved_order(
     """("F" | "B", stage, microbatch) in the order torch's ScheduleInterleaved1F1B runs them on
     `rank` of `ranks`, holding `chunks` stages each."""
     # public: ScheduleInterleaved1F1B(stages, n).pipeline_order, which needs built
-    # PipelineStages in a process group (the estimate has neither); its own per-rank
-    # calculation reads only the fields its __init__ sets before calling it
-    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B
+    # PipelineStages in a process group (the estimate has neither). Its per-rank calculation
+    # (_calculate_single_rank_operations, torch 2.13) is these two module functions, wired
+    # with the stage of each step as below
+    from torch.distributed.pipelining import schedules
 
-    schedule = object.__new__(ScheduleInterleaved1F1B)
-    schedule.pp_group_size, schedule.n_local_stages = ranks, chunks
-    schedule._n_microbatches, schedule.rank = microbatches, rank
-    schedule.number_of_rounds = max(1, microbatches // ranks)
-    schedule.microbatches_per_round = microbatches // schedule.number_of_rounds
+    rounds = max(1, microbatches // ranks)
+    per_round = microbatches // rounds
+    warmup = schedules._get_warmup_ops(rank, chunks, per_round, ranks, microbatches)
+    steady = chunks * microbatches - warmup
+
+    def forward_stage(step: int) -> int:
+        return (step // per_round) % chunks * ranks + rank
+
+    def backward_stage(step: int) -> int:
+        return (chunks - 1 - ((step - warmup) // per_round) % chunks) * ranks + rank
+
+    ops = schedules._get_1f1b_rank_ops(
+        chunks, ranks, warmup, steady, chunks * microbatches - steady, rank,
+        forward_stage, backward_stage,
+    )  # fmt: skip
     kinds = {"FORWARD": "F", "FULL_BACKWARD": "B"}
     return [
         (kinds[a.computation_type.name], a.stage_index, a.microbatch_index or 0)
-        for a in schedule._calculate_single_rank_operations(rank)
+        for a in ops
         if a is not None and a.computation_type.name in kinds
     ]
 
@@ -336,7 +347,12 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
     PrivateName("torch", "Tensor._base", "engine.memory.MemoryMeter (activation memory)"),
     PrivateName(
         "torch.distributed.pipelining.schedules",
-        "ScheduleInterleaved1F1B._calculate_single_rank_operations",
+        "_get_warmup_ops",
+        "engine.strategies.pipeline.attribution (interleaved microbatches in flight)",
+    ),
+    PrivateName(
+        "torch.distributed.pipelining.schedules",
+        "_get_1f1b_rank_ops",
         "engine.strategies.pipeline.attribution (interleaved microbatches in flight)",
     ),
     PrivateName(
