@@ -204,8 +204,8 @@ def _device() -> torch.device:
 
 def _assemble(m: FakeModel, trace: Trace, ranks: Ranks) -> Footprint:
     rows = []
-    for held, act in zip(ranks.held, ranks.activations):
-        grads = grad_bytes(held)
+    for held, grad, act in zip(ranks.held, ranks.grads or ranks.held, ranks.activations):
+        grads = grad_bytes(grad)
         opt = sum(
             nbytes * n / p.numel() if shaped else nbytes
             for p, n in held.items()  # an empty shard still has its step count

@@ -85,6 +85,9 @@ class Ranks:
     held: list[dict[nn.Parameter, int]]
     activations: list[float]
     comm: list[dict[str, float]]
+    #: per rank, gradient elements held of each parameter, where they are not `held`'s (None:
+    #: each gradient is shaped as the elements held)
+    grads: list[dict[nn.Parameter, int]] | None = None
 
 
 class Attribution:
