@@ -30,7 +30,7 @@ from torch import nn
 # the cell's own code builds its model and data (torch.export uses the same mode inside); and a
 # real tensor made while that mode is active (the indices of the estimate's example, whose
 # values a map-style dataset's __getitem__ needs)
-from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 
 # the base of BatchNorm1d/2d/3d, their lazy forms and SyncBatchNorm; public: those classes one
 # by one for isinstance, none to subclass (engine/model/sync_batchnorm.py's GlobalBatchNorm)
@@ -67,6 +67,7 @@ __all__ = [
     "BatchNormBase",
     "ComputationType",
     "DropoutBase",
+    "FakeTensor",
     "FakeTensorMode",
     "unset_fake_temporarily",
     "PipelineScheduleRuntime",
@@ -306,6 +307,11 @@ class PrivateName(NamedTuple):
 
 PRIVATE_NAMES: tuple[PrivateName, ...] = (
     PrivateName("torch._subclasses.fake_tensor", "FakeTensorMode", "sizing.footprint.footprint"),
+    PrivateName(
+        "torch._subclasses.fake_tensor",
+        "FakeTensor",
+        "sizing.footprint (a fake tensor deep-copied by clone)",
+    ),
     PrivateName(
         "torch._subclasses.fake_tensor", "unset_fake_temporarily", "sizing.footprint._build"
     ),

@@ -57,11 +57,18 @@ class PipelineAttribution(Attribution):
         D = N // P
         per_stage = _stage_bytes(trace, starts)
         held_here = set(m.params)  # every parameter, frozen ones too
+        # a stage names its parameters as the model does; torch.export's split (a model fx
+        # cannot trace) deep-copies a weight tied across stages into each: the copy counts
+        # as the model's own parameter of that name, held by every stage that has a copy
+        by_name = dict(m.ws.model.named_parameters(remove_duplicate=False))
         held, acts, comm = [], [], []
         for r in range(N):
             position = r % P
             mine = range(position, S, P)
-            params = {p for s in mine for p in stages[s].parameters() if p in held_here}
+            params = {
+                by_name.get(name, p) for s in mine for name, p in stages[s].named_parameters()
+            }
+            params &= held_here
             held.append({p: p.numel() for p in params})
             acts.append(_held(cfg, position, per_stage) * m.scale)
             p2p = sum(_boundary(trace, starts, s) for s in mine)
