@@ -117,6 +117,31 @@ def test_pipeline_stages_hold_their_blocks():
     assert fp.comm_bytes_per_step[0]["p2p"] == 4 * 2 * 8 * F32
 
 
+def test_a_tensor_saved_on_both_sides_of_a_cut_counts_on_both_stages():
+    """Tanh saves its output for backward, and the Linear after it saves the same tensor as
+    its input: one storage in one process. Cut between them, the second stage saves the copy
+    it received: the estimate counted it only on the first. A ResNet block ends the same
+    way (its in-place ReLU, then the next block's conv): the last stage's activations were
+    28.9% under the engines' (benchmarks/estimate_accuracy.py, issue 31)."""
+    cell = """
+import torch
+from torch import nn
+model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh())
+X = torch.randn(64, 8)
+dataset = torch.utils.data.TensorDataset(X, X)
+loss_fn = nn.functional.mse_loss
+"""
+    config = EngineConfig(
+        strategy="model", partitions=2, partition_by="uniform", microbatches=2, batch_size=8
+    )
+    fp = footprint(cell, config, 2)
+    tensor = 4 * 8 * F32  # one microbatch's 4 x 8 activations
+    # stage 0, 2 microbatches in flight (1F1B's warm-up): the Linear's input, Tanh's output
+    assert _bytes(fp, 0, keys.MEMORY_ACTIVATIONS) == 2 * 2 * tensor
+    # stage 1, 1 in flight: the input received, Tanh's output (the loss's input), the target
+    assert _bytes(fp, 1, keys.MEMORY_ACTIVATIONS) == 3 * tensor
+
+
 def test_interleaved_counts_each_chunk_a_microbatch_holds():
     """With one microbatch, interleaved 1F1B runs it forward through both chunks of each engine
     before any backward: the engines hold the whole model's activations of that microbatch, as

@@ -86,9 +86,18 @@ def _stage_bytes(trace: Trace, starts: list[int]) -> list[float]:
     """Bytes saved for backward by one microbatch on each stage: what runs before the first
     block is stage 0's, after the last block the last stage's."""
     out = [0.0] * len(starts)
+
+    def stage_of(position: int) -> int:
+        return max(s for s, b in enumerate(starts) if b <= position or s == 0)
+
     for position, (whole, part) in trace.saved.items():
-        stage = max(s for s, b in enumerate(starts) if b <= position or s == 0)
-        out[stage] += whole + part
+        out[stage_of(position)] += whole + part
+    # saved on both sides of a cut: the receiving stage saves its own copy
+    seen: set[tuple[int, int]] = set()
+    for key, first, later, nbytes in trace.resaved:
+        if stage_of(first) != stage_of(later) and (key, stage_of(later)) not in seen:
+            seen.add((key, stage_of(later)))
+            out[stage_of(later)] += nbytes
     return out
 
 
