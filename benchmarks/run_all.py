@@ -5,7 +5,8 @@
 Runs, one after another (each alone on the machine): time to first step (cold and warm pool),
 sagenb against a torchrun DDP script, Accelerate's notebook_launcher, its own live dashboard and
 1 engine, the pipeline benchmarks, the memory savers (data, sharded and tensor parallel, with and
-without activation checkpointing), recovery from injected faults, batches loaded by DataLoader
+without activation checkpointing), the estimate's memory against the engines' over a spread of
+cells, recovery from injected faults, batches loaded by DataLoader
 workers (--data-workers) against the training thread, a live redraw's cost as a run grows,
 and, where Debian's chromium is, the live dashboard's cost in a real JupyterLab and browser
 (during training, and by kind of update without it). On a machine with CUDA it also runs
@@ -53,6 +54,20 @@ def machine() -> str:
     return (
         f"{platform.machine()}, {os.cpu_count()} cores, {gpu}, torch {torch.__version__}, "
         f"Python {platform.python_version()}"
+    )
+
+
+def estimate_row(acc: dict) -> str:
+    """The estimate's worst error per memory kind over its spread of cells, pipelines cut
+    alike on both sides (estimate_accuracy.md says which cut otherwise, and why)."""
+    worst, apart = acc["worst_same_cuts"], len(acc["cuts_differ"])
+    compared = sum("max_rel_error" in r for r in acc["cases"]) - apart
+    return (
+        f"| estimate against the engines' memory, worst of {compared} cases over 8 cells "
+        f"(params, grads, optimizer, activations; {apart} pipelines that --partition-by auto "
+        "cut elsewhere left out) | "
+        + ", ".join(f"{w['error']:.1%}" for w in worst.values())
+        + " | <= 2%, 2%, 2%, 20% |"
     )
 
 
@@ -107,6 +122,8 @@ def summary_md(res: dict) -> str:
             + ", ".join(f"{r['throughput live/none']:.3f}" for r in runs)
             + " | >= 0.98 (under 2% overhead) |",
         )
+    if res.get("estimate_accuracy"):
+        lines.insert(lines.index("|---|---|---|") + 3, estimate_row(res["estimate_accuracy"]))
     pipe = {r["schedule"]: r["sagenb/torchrun"] for r in res["pipeline"].get("peers", [])}
     if pipe:
         lines.insert(
@@ -148,6 +165,7 @@ def main() -> None:
         run("against_peers.py", "--rounds", "1" if args.quick else "5")  # the noisiest figures
         run("pipeline.py", "--rounds", "1" if args.quick else "3")
         run("memory_savers.py", "--rounds", "1" if args.quick else "2")
+        run("estimate_accuracy.py")
         run("recovery.py")
         run("data_workers.py", "--rounds", "1" if args.quick else "3")
         run("dashboard_redraw.py")
@@ -159,6 +177,8 @@ def main() -> None:
     res = {"machine": machine()}
     for name in ("first_step", "against_peers", "pipeline", "memory_savers", "recovery"):
         res[name] = json.loads((OUT / f"{name}.json").read_text())
+    if (OUT / "estimate_accuracy.json").exists():
+        res["estimate_accuracy"] = json.loads((OUT / "estimate_accuracy.json").read_text())
     if (OUT / "data_workers.json").exists():
         res["data_workers"] = json.loads((OUT / "data_workers.json").read_text())
     if (OUT / "dashboard_redraw.json").exists():

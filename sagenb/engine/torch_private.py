@@ -30,7 +30,7 @@ from torch import nn
 # the cell's own code builds its model and data (torch.export uses the same mode inside); and a
 # real tensor made while that mode is active (the indices of the estimate's example, whose
 # values a map-style dataset's __getitem__ needs)
-from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 
 # the base of BatchNorm1d/2d/3d, their lazy forms and SyncBatchNorm; public: those classes one
 # by one for isinstance, none to subclass (engine/model/sync_batchnorm.py's GlobalBatchNorm)
@@ -67,6 +67,7 @@ __all__ = [
     "BatchNormBase",
     "ComputationType",
     "DropoutBase",
+    "FakeTensor",
     "FakeTensorMode",
     "unset_fake_temporarily",
     "PipelineScheduleRuntime",
@@ -80,6 +81,7 @@ __all__ = [
     "direct_parameters",
     "dump_flight_recorder_json",
     "forget_failed_init",
+    "interleaved_order",
     "load_actions",
     "non_persistent_buffers",
     "pipe_from_traced",
@@ -187,6 +189,40 @@ def clear_split_point(module: nn.Module) -> None:
     module.__dict__.pop("_orig_forward", None)
 
 
+def interleaved_order(
+    ranks: int, chunks: int, microbatches: int, rank: int
+) -> list[tuple[str, int, int]]:
+    """("F" | "B", stage, microbatch) in the order torch's ScheduleInterleaved1F1B runs them on
+    `rank` of `ranks`, holding `chunks` stages each."""
+    # public: ScheduleInterleaved1F1B(stages, n).pipeline_order, which needs built
+    # PipelineStages in a process group (the estimate has neither). Its per-rank calculation
+    # (_calculate_single_rank_operations, torch 2.13) is these two module functions, wired
+    # with the stage of each step as below
+    from torch.distributed.pipelining import schedules
+
+    rounds = max(1, microbatches // ranks)
+    per_round = microbatches // rounds
+    warmup = schedules._get_warmup_ops(rank, chunks, per_round, ranks, microbatches)
+    steady = chunks * microbatches - warmup
+
+    def forward_stage(step: int) -> int:
+        return (step // per_round) % chunks * ranks + rank
+
+    def backward_stage(step: int) -> int:
+        return (chunks - 1 - ((step - warmup) // per_round) % chunks) * ranks + rank
+
+    ops = schedules._get_1f1b_rank_ops(
+        chunks, ranks, warmup, steady, chunks * microbatches - steady, rank,
+        forward_stage, backward_stage,
+    )  # fmt: skip
+    kinds = {"FORWARD": "F", "FULL_BACKWARD": "B"}
+    return [
+        (kinds[a.computation_type.name], a.stage_index, a.microbatch_index or 0)
+        for a in ops
+        if a is not None and a.computation_type.name in kinds
+    ]
+
+
 def load_actions(
     schedule: PipelineScheduleRuntime, actions: dict[int, list[Action | None]]
 ) -> None:
@@ -272,6 +308,11 @@ class PrivateName(NamedTuple):
 PRIVATE_NAMES: tuple[PrivateName, ...] = (
     PrivateName("torch._subclasses.fake_tensor", "FakeTensorMode", "sizing.footprint.footprint"),
     PrivateName(
+        "torch._subclasses.fake_tensor",
+        "FakeTensor",
+        "sizing.footprint (a fake tensor deep-copied by clone)",
+    ),
+    PrivateName(
         "torch._subclasses.fake_tensor", "unset_fake_temporarily", "sizing.footprint._build"
     ),
     PrivateName(
@@ -310,6 +351,16 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
         "engine.strategies.pipeline.export_split",
     ),
     PrivateName("torch", "Tensor._base", "engine.memory.MemoryMeter (activation memory)"),
+    PrivateName(
+        "torch.distributed.pipelining.schedules",
+        "_get_warmup_ops",
+        "engine.strategies.pipeline.attribution (interleaved microbatches in flight)",
+    ),
+    PrivateName(
+        "torch.distributed.pipelining.schedules",
+        "_get_1f1b_rank_ops",
+        "engine.strategies.pipeline.attribution (interleaved microbatches in flight)",
+    ),
     PrivateName(
         "torch.utils.data.dataloader",
         "_MultiProcessingDataLoaderIter._shutdown_workers",

@@ -72,8 +72,7 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(WIDTH)
         self.head = nn.Linear(WIDTH, VOCAB, bias=False)
         nn.init.normal_(self.wte.weight, std=0.1)
-        self.head.weight = self.wte.weight  # tied input and output embeddings
-    def forward(self, idx):
+{tie}    def forward(self, idx):
         x = self.wte(idx) + self.wpe
         for block in self.blocks:
             x = block(x)
@@ -99,12 +98,16 @@ def gpt_cell(
     samples: int = 128,
     lr: float = 0.1,
     attention: str = "split",
+    tied: bool = True,
 ) -> str:
-    """The source of a cell training a GPT of `layers` blocks (tied embedding and head).
+    """The source of a cell training a GPT of `layers` blocks, its output head tied to the
+    token embedding (one Parameter) unless `tied=False`.
     attention="split" has separate q/k/v/output projections (tensor parallel splits them by
     heads); "packed" uses torch's nn.MultiheadAttention."""
     kinds = {"split": SPLIT_ATTENTION, "packed": PACKED_ATTENTION}
     if attention not in kinds:
         raise ValueError(f"attention {attention!r}: must be one of {', '.join(kinds)}")
     header = _HEADER.format(vocab=vocab, context=context, width=width, heads=heads, layers=layers)
-    return header + kinds[attention] + _MODEL.format(samples=samples, lr=lr)
+    tie = "        self.head.weight = self.wte.weight  # tied input and output embeddings\n"
+    model = _MODEL.format(samples=samples, lr=lr, tie=tie if tied else "")
+    return header + kinds[attention] + model

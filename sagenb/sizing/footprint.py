@@ -46,7 +46,7 @@ from sagenb.engine.strategies.attribution import (
     Trace,
     grad_bytes,
 )
-from sagenb.engine.torch_private import FakeTensorMode, unset_fake_temporarily
+from sagenb.engine.torch_private import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from sagenb.engine.workspace import build_workspace
 from sagenb.metrics import keys
 from sagenb.sizing.footprint_trace import optimizer_state, trace_step
@@ -93,7 +93,7 @@ def footprint(job: Any, config: EngineConfig, world_size: int) -> Footprint:
     config = _at(config.for_engines(), world_size)
     attribute = _attribution(config)
     # real tensors may meet fake ones: the example's indices are real (see _build)
-    with FakeTensorMode(allow_non_fake_inputs=True), _unchanged_conversions_pass():
+    with FakeTensorMode(allow_non_fake_inputs=True), _unchanged_conversions_pass(), _fake_copies():
         m = _build(job, config, world_size)
         split, layout = attribute.prepare(m)
         trace = _trace(m, split)
@@ -141,6 +141,38 @@ def _unchanged_conversions_pass() -> Iterator[None]:
         yield
     finally:
         nn.Module.to = original  # type: ignore[method-assign]
+
+
+@contextmanager
+def _fake_copies() -> Iterator[None]:
+    """`copy.deepcopy` of a fake tensor clones it, as Tensor.__deepcopy__ does for a tensor
+    without storage.
+
+    torch 2.13's Tensor.__deepcopy__ takes a tensor subclass for one without storage only when
+    its data_ptr() is 0; a FakeTensor's is not, so its fake storage was copied byte by byte: heap
+    corruption. torch.distributed.pipelining's Pipe deep-copies a weight tied across stages
+    (a tied Llama split by torch.export), after which the process aborted ("corrupted
+    double-linked list") or segfaulted in the garbage collector, in 2 runs of 5 of a tiny tied
+    Llama's estimate and in every run of benchmarks/estimate_accuracy.py that estimated one."""
+    original = torch.Tensor.__deepcopy__
+
+    def deepcopy(t: torch.Tensor, memo: dict[int, Any]) -> torch.Tensor:
+        if not isinstance(t, FakeTensor):
+            return original(t, memo)
+        if id(t) not in memo:
+            with torch.no_grad():
+                copied = t.clone()
+            if isinstance(t, nn.Parameter):
+                memo[id(t)] = nn.Parameter(copied, t.requires_grad)
+            else:
+                memo[id(t)] = copied.requires_grad_(t.requires_grad)
+        return memo[id(t)]
+
+    torch.Tensor.__deepcopy__ = deepcopy  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        torch.Tensor.__deepcopy__ = original  # type: ignore[method-assign]
 
 
 def _unchanged(t: torch.Tensor, args: tuple, kwargs: dict) -> bool:
@@ -204,8 +236,8 @@ def _device() -> torch.device:
 
 def _assemble(m: FakeModel, trace: Trace, ranks: Ranks) -> Footprint:
     rows = []
-    for held, act in zip(ranks.held, ranks.activations):
-        grads = grad_bytes(held)
+    for held, grad, act in zip(ranks.held, ranks.grads or ranks.held, ranks.activations):
+        grads = grad_bytes(grad)
         opt = sum(
             nbytes * n / p.numel() if shaped else nbytes
             for p, n in held.items()  # an empty shard still has its step count

@@ -55,14 +55,23 @@ class _Meter(MemoryMeter):
         super().__init__(module, None, torch.device("cpu"))  # type: ignore[arg-type]
         self.trace, self.tags, self.position = trace, tags, 0
         self.forward = True
+        self._first: dict[int, int] = {}  # storage key -> the position that first saved it
+        self._again: set[tuple[int, int]] = set()
 
     def _pack(self, tensor: torch.Tensor) -> Any:
         before = len(self._live)
         saved = super()._pack(tensor)
-        if self.forward and saved.key is not None and len(self._live) > before:
-            nbytes = self._live[saved.key][0]
+        if not self.forward or saved.key is None:
+            return saved
+        nbytes = self._live[saved.key][0]
+        if len(self._live) > before:
+            self._first[saved.key] = self.position
             entry = self.trace.saved.setdefault(self.position, [0.0, 0.0])
             entry[1 if self.tags.has(tensor) else 0] += nbytes
+        elif (first := self._first.get(saved.key, self.position)) != self.position:
+            if (saved.key, self.position) not in self._again:
+                self._again.add((saved.key, self.position))
+                self.trace.resaved.append((saved.key, first, self.position, float(nbytes)))
         return saved
 
 

@@ -51,6 +51,12 @@ class Trace:
     saved: dict[int, list[float]] = field(default_factory=dict)
     #: bytes of each block's output (the tensor a pipeline cut sends)
     block_out: dict[int, float] = field(default_factory=dict)
+    #: storages saved again at a later position than the one that first saved them (and
+    #: counted), as (storage, first position, later position, bytes): a block's output saved by its
+    #: own last op and by the next block's first (a ResNet block's in-place ReLU, then a
+    #: conv). A pipeline cut between the two holds it on both sides (the receiving stage
+    #: saves the copy it received)
+    resaved: list[tuple[int, int, int, float]] = field(default_factory=list)
     #: tensor parallel's all-reduced bytes: row-wise outputs (forward), column-wise inputs'
     #: gradients (backward)
     rowwise_out: float = 0.0
@@ -85,6 +91,9 @@ class Ranks:
     held: list[dict[nn.Parameter, int]]
     activations: list[float]
     comm: list[dict[str, float]]
+    #: per rank, gradient elements held of each parameter, where they are not `held`'s (None:
+    #: each gradient is shaped as the elements held)
+    grads: list[dict[nn.Parameter, int]] | None = None
 
 
 class Attribution:

@@ -1,8 +1,9 @@
 """The pipeline's answer to the estimate (engine/strategies/attribution.py), for model and
 hybrid: the cut points cuts.py chooses for training, the model split by partition.py's
 split_model; rank = replica x P + position holds stages position, position + P, ... and the
-activations of the microbatches in flight (GPipe: all M; 1F1B: P - position; Narayanan et al.
-2021, arXiv:2104.04473, 2.2).
+activations of the microbatches in flight, walked along the compute order the rank runs (GPipe:
+all M; 1F1B: P - position; Narayanan et al. 2021, arXiv:2104.04473, 2.2; interleaved: torch's
+own ScheduleInterleaved1F1B order over the rank's chunks).
 
 Communication: p2p, each microbatch's activation at a cut forward and its gradient backward (the
 same bytes); hybrid adds 2(D-1)/D x the rank's gradient bytes across the D replicas.
@@ -26,6 +27,7 @@ from sagenb.engine.strategies.pipeline.balance import static_profile
 from sagenb.engine.strategies.pipeline.cuts import choose_cuts
 from sagenb.engine.strategies.pipeline.partition import split_model
 from sagenb.engine.strategies.pipeline.prefetch_schedule import compute_order
+from sagenb.engine.torch_private import interleaved_order
 
 if TYPE_CHECKING:
     from sagenb.config.options import EngineConfig
@@ -55,14 +57,20 @@ class PipelineAttribution(Attribution):
         D = N // P
         per_stage = _stage_bytes(trace, starts)
         held_here = set(m.params)  # every parameter, frozen ones too
+        # a stage names its parameters as the model does; torch.export's split (a model fx
+        # cannot trace) deep-copies a weight tied across stages into each: the copy counts
+        # as the model's own parameter of that name, held by every stage that has a copy
+        by_name = dict(m.ws.model.named_parameters(remove_duplicate=False))
         held, acts, comm = [], [], []
         for r in range(N):
             position = r % P
             mine = range(position, S, P)
-            params = {p for s in mine for p in stages[s].parameters() if p in held_here}
+            params = {
+                by_name.get(name, p) for s in mine for name, p in stages[s].named_parameters()
+            }
+            params &= held_here
             held.append({p: p.numel() for p in params})
-            flight = _in_flight(cfg, position)
-            acts.append(sum(per_stage[s] for s in mine) * flight / len(mine) * m.scale)
+            acts.append(_held(cfg, position, per_stage) * m.scale)
             p2p = sum(_boundary(trace, starts, s) for s in mine)
             slices = cfg.microbatches * cfg.grad_accum
             comm.append(
@@ -78,9 +86,18 @@ def _stage_bytes(trace: Trace, starts: list[int]) -> list[float]:
     """Bytes saved for backward by one microbatch on each stage: what runs before the first
     block is stage 0's, after the last block the last stage's."""
     out = [0.0] * len(starts)
+
+    def stage_of(position: int) -> int:
+        return max(s for s, b in enumerate(starts) if b <= position or s == 0)
+
     for position, (whole, part) in trace.saved.items():
-        stage = max(s for s, b in enumerate(starts) if b <= position or s == 0)
-        out[stage] += whole + part
+        out[stage_of(position)] += whole + part
+    # saved on both sides of a cut: the receiving stage saves its own copy
+    seen: set[tuple[int, int]] = set()
+    for key, first, later, nbytes in trace.resaved:
+        if stage_of(first) != stage_of(later) and (key, stage_of(later)) not in seen:
+            seen.add((key, stage_of(later)))
+            out[stage_of(later)] += nbytes
     return out
 
 
@@ -95,24 +112,26 @@ def _boundary(trace: Trace, starts: list[int], s: int) -> float:
     return sent
 
 
-def _in_flight(cfg: EngineConfig, position: int) -> float:
-    """Microbatches whose activations one engine holds at once, per stage it runs.
+def _held(cfg: EngineConfig, position: int, per_stage: list[float]) -> float:
+    """The most activation bytes one engine holds at once: each forward along the compute order
+    the engine runs adds its stage's bytes for one microbatch, its backward frees them.
 
-    GPipe and 1F1B: the most forwards not yet matched by their backward along the compute
-    order the engines run (prefetch_schedule.compute_order, torch's own order: GPipe all M,
-    1F1B P - position, its warm-up; Narayanan et al. 2021, arXiv:2104.04473, 2.2).
-    Interleaved: torch's warm-up of (v - 1) P + 2 (P - 1 - position) + 1 chunk-microbatches
-    spread over the v chunks (an approximation, not measured).
+    GPipe and 1F1B: prefetch_schedule.compute_order, torch's own order on the one stage
+    (GPipe all M, 1F1B P - position in its warm-up; Narayanan et al. 2021, arXiv:2104.04473,
+    2.2). Interleaved: torch's ScheduleInterleaved1F1B order over the engine's chunks
+    (torch_private.interleaved_order), whose warm-up holds (v - 1) P + 2 (P - 1 - position) + 1
+    chunk-microbatches at most; each counts its own chunk's bytes.
 
     The engines once counted one microbatch more on the first stage, at the first step: the
     shape inference PipelineStage runs there (a forward with grad, then dropped) was kept
     alive by the memory meter's own hooks, a leak engine/memory.py no longer has (issue 31)."""
     M, P = cfg.microbatches, cfg.partitions
     if cfg.schedule == "interleaved":
-        v = cfg.stages // P
-        return min(M * v, (v - 1) * P + 2 * (P - 1 - position) + 1) / v
-    held = most = 0
-    for op, _ in compute_order(cfg.schedule, P, M, position):
-        held += 1 if op == "F" else -1
+        order = interleaved_order(P, cfg.stages // P, M, position)
+    else:
+        order = [(op, position, i) for op, i in compute_order(cfg.schedule, P, M, position)]
+    held = most = 0.0
+    for op, stage, _ in order:
+        held += per_stage[stage] if op == "F" else -per_stage[stage]
         most = max(most, held)
-    return float(most)
+    return most
