@@ -6,12 +6,14 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 # From Debian, when missing (root only; without them those tests skip and say why):
 # Chromium for the browser tests (one renders the saved dashboard, one drives notebook 1 in
-# JupyterLab through Playwright; no browser download), Open MPI for the MPI-launched pool.
+# JupyterLab through Playwright; no browser download), Open MPI for the MPI-launched pool,
+# OpenSSH's server for the pool whose engines start through ssh on two namespace hosts.
 missing=()
 command -v chromium >/dev/null || missing+=(chromium)
 command -v mpiexec >/dev/null || missing+=(openmpi-bin)
+[ -x /usr/sbin/sshd ] || missing+=(openssh-server)
 if [ ${#missing[@]} -gt 0 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-  echo "installing ${missing[*]} from Debian for the browser and MPI tests (a minute or two)"
+  echo "installing ${missing[*]} from Debian for the browser and multi-host tests (a minute or two)"
   { apt-get update -qq >/dev/null && apt-get install -y -qq "${missing[@]}" >/dev/null; } ||
     echo "could not install ${missing[*]}: the tests that need them will be skipped"
 fi

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import ipyparallel as ipp
+import psutil
 import pytest
 
 import sagenb
@@ -167,6 +168,147 @@ def test_two_hosts_train_like_one_process(two_host_pool):
     assert time.perf_counter() - stopped < 5
     again = cluster.attach_pool(profile=str(Path(pool.cluster.profile_dir)), cluster_id="twohosts")
     assert again.size == 2
+
+
+# -- two hosts reached through ssh -------------------------------------------------------------
+SSHD = "/usr/sbin/sshd"
+SFTP_SERVER = "/usr/lib/openssh/sftp-server"  # scp speaks SFTP since OpenSSH 9
+
+
+def _ssh_missing() -> str | None:
+    for path in (SSHD, SFTP_SERVER):
+        if not os.path.exists(path):
+            return f"no {path} (Debian: openssh-server; scripts/test.sh installs it as root)"
+    if shutil.which("ssh") is None or shutil.which("ssh-keygen") is None:
+        return "no ssh client (Debian: openssh-client)"
+    return _namespaces_unavailable()
+
+
+class SshHosts(TwoHosts):
+    """TwoHosts, each running its own sshd on its address, accepting a key made here."""
+
+    def __init__(self, folder: Path) -> None:
+        super().__init__()
+        self.folder, self.daemons = folder, []
+        self.key = folder / "id_ed25519"
+        self.remote_profile = folder / "remote-profile"
+        self.ssh_args = [
+            "-i", str(self.key), "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=no",
+            "-o", "UserKnownHostsFile=/dev/null", "-o", "LogLevel=ERROR",
+        ]  # fmt: skip
+
+    @property
+    def addresses(self) -> list[str]:
+        return [f"{self.subnet}.{i}" for i in (2, 3)]
+
+    def create(self) -> None:
+        super().create()
+        for ns in self.namespaces:  # the engines reach the controller on this machine's side
+            _ip("-n", ns, "route", "add", "default", "via", self.address)
+        keygen = ["ssh-keygen", "-q", "-t", "ed25519", "-N", ""]
+        subprocess.run([*keygen, "-f", str(self.key)], check=True)
+        subprocess.run([*keygen, "-f", str(self.folder / "host_key")], check=True)
+        (self.folder / "authorized_keys").write_text((self.folder / "id_ed25519.pub").read_text())
+        os.makedirs("/run/sshd", mode=0o755, exist_ok=True)  # sshd's privilege separation
+        for ns, addr in zip(self.namespaces, self.addresses):
+            config = self.folder / f"sshd-{addr}"
+            config.write_text(
+                f"ListenAddress {addr}\nHostKey {self.folder / 'host_key'}\n"
+                f"AuthorizedKeysFile {self.folder / 'authorized_keys'}\n"
+                "PermitRootLogin prohibit-password\nPasswordAuthentication no\nUsePAM no\n"
+                f"StrictModes no\nSubsystem sftp {SFTP_SERVER}\n"
+                f"PidFile {self.folder / f'sshd-{addr}.pid'}\n"
+            )
+            self.daemons.append(
+                subprocess.Popen(
+                    ["ip", "netns", "exec", ns, SSHD, "-D", "-e", "-f", str(config)],
+                    stderr=subprocess.DEVNULL,
+                )
+            )
+        for addr in self.addresses:  # each sshd answers before the pool starts
+            deadline = time.monotonic() + 30
+            while subprocess.run(
+                ["ssh", *self.ssh_args, addr, "true"], capture_output=True, timeout=30
+            ).returncode:
+                assert time.monotonic() < deadline, f"sshd on {addr} did not answer"
+                time.sleep(0.3)
+
+    def remove(self) -> None:
+        for daemon in self.daemons:
+            daemon.kill()
+            daemon.wait(timeout=30)
+        super().remove()
+
+    def engines(self) -> list[psutil.Process]:
+        """The processes sshd started for the pool (engines and their nannies): they carry the
+        remote profile in their environment."""
+        found = []
+        for proc in psutil.process_iter():
+            try:
+                if proc.environ().get("IPP_PROFILE_DIR") == str(self.remote_profile):
+                    found.append(proc)
+            except psutil.Error:
+                pass
+        return found
+
+
+@pytest.fixture
+def ssh_hosts(_stop_pool_at_end, tmp_path):
+    reason = _ssh_missing()
+    if reason:
+        pytest.skip(reason)
+    cluster.stop_pool()
+    hosts = SshHosts(tmp_path)
+    try:
+        hosts.create()
+        yield hosts
+    finally:
+        cluster.stop_pool()
+        for proc in hosts.engines():
+            proc.kill()
+        hosts.remove()
+
+
+def _gone_within(hosts: SshHosts, seconds: float) -> list[psutil.Process]:
+    deadline = time.monotonic() + seconds
+    while (left := hosts.engines()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return left
+
+
+def test_ssh_launcher_starts_engines_on_two_hosts_that_train_like_one_process(ssh_hosts):
+    from IPython.core.interactiveshell import InteractiveShell
+
+    hosts = ssh_hosts
+    engines = {addr: 2 for addr in hosts.addresses}
+    shell = InteractiveShell.instance()
+    shell.run_line_magic("load_ext", "sagenb")
+    # the line a user types (README, docs/beyond-one-machine.md); the ssh arguments are the
+    # test's own key and throwaway host keys, and the copied connection files land apart
+    # from the notebook's own profile (both "hosts" share this machine's disk)
+    shell.run_line_magic(
+        "smp_cluster",
+        f'start -n 4 --launcher ssh --launcher-option "SSHEngineSetLauncher.engines={engines}"'
+        f' --launcher-option "SSHEngineSetLauncher.ssh_args={hosts.ssh_args}"'
+        f' --launcher-option "SSHEngineSetLauncher.scp_args={hosts.ssh_args}"'
+        f" --launcher-option SSHEngineSetLauncher.remote_profile_dir={hosts.remote_profile}",
+    )
+    pool = cluster.current_pool()
+    assert pool is not None and pool.launcher == "ssh" and pool.multi_host
+    assert sorted(row.address for row in pool.status()) == sorted(hosts.addresses * 2)
+    assert pool.controller_host == hosts.address  # on the route to them, not this host's name
+    assert len(hosts.engines()) >= 4  # started by the hosts' sshd, not by this process
+    for options in (
+        dict(strategy="data"),
+        dict(strategy="sharded"),
+        dict(strategy="model", partitions=2),
+    ):
+        result = sagenb.train(SEQUENTIAL_CELL, batch_size=32, steps=6, dashboard=False, **options)
+        model, _, _ = train_reference(SEQUENTIAL_CELL, batch_size=32, steps=6)
+        assert_params_equal(result.state_dict(), model, context=str(options))
+    shell.run_line_magic("smp_cluster", "stop")
+    left = _gone_within(hosts, 30)
+    assert not left, f"left on the hosts after stop: {[p.cmdline() for p in left]}"
 
 
 @pytest.mark.parametrize(

@@ -404,8 +404,15 @@ class EnginePool:
         try:
             self.client.close()
             if alive:  # ipyparallel's stop waits on its controller
-                _bounded(self.cluster.stop_cluster_sync, timeout)
+                # engines on other hosts are ended through their launcher (ssh: a kill sent
+                # over ssh per engine, then polled), which takes longer than local signals
+                bound = timeout if self.launcher == "local" else max(timeout, 60.0)
+                _bounded(self.cluster.stop_cluster_sync, bound)
         finally:
+            # stopped here: ipyparallel's own stop at interpreter exit would start again what
+            # may still be running in the bounded thread, and for ssh engines it connects to
+            # hosts that may be gone by then, which held the exiting process for minutes
+            self.cluster.shutdown_atexit = False
             # whatever is left (an engine stuck in C++ ignores SIGTERM; a killed controller's
             # children), by pid and process group, bounded
             reaper.end(known)
