@@ -5,8 +5,11 @@ Both equal the single-process reference."""
 from __future__ import annotations
 
 import importlib.util
+import itertools
+import json
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -19,8 +22,9 @@ import pytest
 
 import sagenb
 from sagenb.pool import cluster
+from sagenb.run.failures import EngineDiedError
 
-from .helpers import assert_params_equal
+from .helpers import assert_params_equal, fault_cell
 from .models import SEQUENTIAL_CELL
 from .reference import train_reference
 
@@ -64,8 +68,10 @@ def test_mpi_launcher_pool_trains_like_one_process(mpi_pool):
 class TwoHosts:
     """A bridge with this machine's side at .1 and two network namespaces at .2 and .3."""
 
+    made = itertools.count()  # names of their own: a deleted namespace's links go lazily
+
     def __init__(self) -> None:
-        tag = os.getpid() % 100_000
+        tag = (os.getpid() + 7 * next(TwoHosts.made)) % 100_000
         self.subnet = f"10.{77 + tag % 100}.{tag % 250}"
         self.bridge = f"smpbr{tag}"
         self.namespaces = [f"smp{tag}-h{i}" for i in (1, 2)]
@@ -185,10 +191,12 @@ def _ssh_missing() -> str | None:
 
 
 class SshHosts(TwoHosts):
-    """TwoHosts, each running its own sshd on its address, accepting a key made here."""
+    """TwoHosts, each running its own sshd on its address, accepting a key made here, under a
+    host name of its own (a UTS namespace: what the engines it starts report as their host)."""
 
     def __init__(self, folder: Path) -> None:
         super().__init__()
+        self.names = [f"sagenb-host{i}" for i in (1, 2)]
         self.folder, self.daemons = folder, []
         self.key = folder / "id_ed25519"
         self.remote_profile = folder / "remote-profile"
@@ -210,7 +218,7 @@ class SshHosts(TwoHosts):
         subprocess.run([*keygen, "-f", str(self.folder / "host_key")], check=True)
         (self.folder / "authorized_keys").write_text((self.folder / "id_ed25519.pub").read_text())
         os.makedirs("/run/sshd", mode=0o755, exist_ok=True)  # sshd's privilege separation
-        for ns, addr in zip(self.namespaces, self.addresses):
+        for ns, addr, name in zip(self.namespaces, self.addresses, self.names):
             config = self.folder / f"sshd-{addr}"
             config.write_text(
                 f"ListenAddress {addr}\nHostKey {self.folder / 'host_key'}\n"
@@ -221,9 +229,20 @@ class SshHosts(TwoHosts):
             )
             self.daemons.append(
                 subprocess.Popen(
-                    ["ip", "netns", "exec", ns, SSHD, "-D", "-e", "-f", str(config)],
+                    [
+                        "ip",
+                        "netns",
+                        "exec",
+                        ns,
+                        "unshare",
+                        "--uts",
+                        "sh",
+                        "-c",
+                        f'hostname {name} && exec {SSHD} -D -e -f "$0"',
+                        str(config),
+                    ],
                     stderr=subprocess.DEVNULL,
-                )
+                )  # fmt: skip
             )
         for addr in self.addresses:  # each sshd answers before the pool starts
             deadline = time.monotonic() + 30
@@ -276,26 +295,34 @@ def _gone_within(hosts: SshHosts, seconds: float) -> list[psutil.Process]:
     return left
 
 
+def _ssh_options(hosts: SshHosts) -> dict[str, object]:
+    """The launcher options a user gives for these hosts; the ssh arguments are the test's
+    own key and throwaway host keys, and the copied connection files land apart from the
+    notebook's own profile (both "hosts" share this machine's disk)."""
+    return {
+        "SSHEngineSetLauncher.engines": {addr: 2 for addr in hosts.addresses},
+        "SSHEngineSetLauncher.ssh_args": hosts.ssh_args,
+        "SSHEngineSetLauncher.scp_args": hosts.ssh_args,
+        "SSHEngineSetLauncher.remote_profile_dir": str(hosts.remote_profile),
+    }
+
+
+def _on_each_host(pool, hosts: SshHosts) -> None:
+    assert sorted(row.address for row in pool.status()) == sorted(hosts.addresses * 2)
+
+
 def test_ssh_launcher_starts_engines_on_two_hosts_that_train_like_one_process(ssh_hosts):
     from IPython.core.interactiveshell import InteractiveShell
 
     hosts = ssh_hosts
-    engines = {addr: 2 for addr in hosts.addresses}
     shell = InteractiveShell.instance()
     shell.run_line_magic("load_ext", "sagenb")
-    # the line a user types (README, docs/beyond-one-machine.md); the ssh arguments are the
-    # test's own key and throwaway host keys, and the copied connection files land apart
-    # from the notebook's own profile (both "hosts" share this machine's disk)
-    shell.run_line_magic(
-        "smp_cluster",
-        f'start -n 4 --launcher ssh --launcher-option "SSHEngineSetLauncher.engines={engines}"'
-        f' --launcher-option "SSHEngineSetLauncher.ssh_args={hosts.ssh_args}"'
-        f' --launcher-option "SSHEngineSetLauncher.scp_args={hosts.ssh_args}"'
-        f" --launcher-option SSHEngineSetLauncher.remote_profile_dir={hosts.remote_profile}",
-    )
+    # the line a user types (README, docs/beyond-one-machine.md)
+    options = " ".join(f'--launcher-option "{k}={v}"' for k, v in _ssh_options(hosts).items())
+    shell.run_line_magic("smp_cluster", f"start -n 4 --launcher ssh {options}")
     pool = cluster.current_pool()
     assert pool is not None and pool.launcher == "ssh" and pool.multi_host
-    assert sorted(row.address for row in pool.status()) == sorted(hosts.addresses * 2)
+    _on_each_host(pool, hosts)
     assert pool.controller_host == hosts.address  # on the route to them, not this host's name
     assert len(hosts.engines()) >= 4  # started by the hosts' sshd, not by this process
     for options in (
@@ -306,9 +333,58 @@ def test_ssh_launcher_starts_engines_on_two_hosts_that_train_like_one_process(ss
         result = sagenb.train(SEQUENTIAL_CELL, batch_size=32, steps=6, dashboard=False, **options)
         model, _, _ = train_reference(SEQUENTIAL_CELL, batch_size=32, steps=6)
         assert_params_equal(result.state_dict(), model, context=str(options))
+
+    # an engine killed on the second host mid-run is named with its host; the next run
+    # starts its replacement there (not on the first host: ipyparallel's order)
+    name, addr = hosts.names[1], hosts.addresses[1]
+    rank = [pool.address(e) for e in pool.engine_ids].index(addr)
+    where = rf"rank {rank} \(engine \d+ on {name} \({re.escape(addr)}\)\) failed:\n.*died"
+    with pytest.raises(EngineDiedError, match=where):
+        kill = fault_cell("os.kill(os.getpid(), signal.SIGKILL)", rank=rank)
+        sagenb.train(kill, batch_size=16, steps=20, dashboard=False)
+    result = sagenb.train(SEQUENTIAL_CELL, batch_size=32, steps=6, dashboard=False)
+    assert_params_equal(result.state_dict(), model, context="healed")
+    _on_each_host(pool, hosts)
+
+    # a restart ends every engine on both hosts and starts four new ones
+    before = {p.pid for p in hosts.engines()}
+    shell.run_line_magic("smp_cluster", "restart")
+    pool = cluster.current_pool()
+    _on_each_host(pool, hosts)
+    assert not before & {p.pid for p in hosts.engines()}, "an engine outlived the restart"
+
     shell.run_line_magic("smp_cluster", "stop")
     left = _gone_within(hosts, 30)
     assert not left, f"left on the hosts after stop: {[p.cmdline() for p in left]}"
+
+
+KERNEL = """
+import json, sys, time
+import sagenb
+pool = sagenb.start_pool(4, launcher="ssh", options=json.loads(sys.argv[1]))
+print(len(pool.client.ids), flush=True)
+time.sleep(600)  # killed here
+"""
+
+
+def test_a_kernel_killed_by_sigkill_leaves_nothing_on_either_host(ssh_hosts):
+    """The watcher (pool/reaper.py) ends the engines on the other hosts over ssh: nothing on
+    this machine is their parent, and their heartbeat would keep them for minutes."""
+    hosts = ssh_hosts
+    kernel = subprocess.Popen(
+        [sys.executable, "-c", KERNEL, json.dumps(_ssh_options(hosts))],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert kernel.stdout is not None
+        assert kernel.stdout.readline().strip() == "4"
+        assert len(hosts.engines()) >= 4
+    finally:
+        kernel.kill()
+        kernel.wait(timeout=30)
+    left = _gone_within(hosts, 30)
+    assert not left, f"left on the hosts after SIGKILL: {[p.cmdline() for p in left]}"
 
 
 @pytest.mark.parametrize(

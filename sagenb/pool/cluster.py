@@ -43,7 +43,7 @@ import ipyparallel as ipp
 import psutil
 
 from sagenb.config.options import DEFAULT_ENGINES
-from sagenb.pool import reaper, stale
+from sagenb.pool import reaper, remote, stale
 from sagenb.pool.ipyparallel_private import client_config, iopub_guarded
 from sagenb.pool.launchers import (
     CONTROLLER_HEARTBEAT,
@@ -340,6 +340,7 @@ class EnginePool:
         procs = _pool_processes()
         reaper.watch(procs)  # ended with this process, however it ends
         self.known.update(reaper.identities(procs))
+        reaper.watch_remote(remote.ssh_engines(self.cluster))  # and those on other hosts
 
     def controller_alive(self) -> bool:
         """Whether the controller process of a pool started here still runs: not once the
@@ -384,7 +385,18 @@ class EnginePool:
         if missing <= 0 or not self.owned:
             self.target_size = min(self.target_size, self.size)
             return
-        self.cluster.start_engines_sync(n=missing)
+        hosts = self.options.get("SSHEngineSetLauncher.engines")
+        where = None
+        if self.launcher == "ssh" and hosts:  # where they were lost, not on the first host
+            alive = [self.places.get(e, ("", ""))[1] for e in self.client.ids]
+            where = remote.replacements(hosts, alive, missing)
+        if where is not None:
+            self.cluster.config.SSHEngineSetLauncher.engines = where
+        try:
+            self.cluster.start_engines_sync(n=missing)
+        finally:
+            if where is not None:  # the next start (a restart) takes the user's setting
+                self.cluster.config.SSHEngineSetLauncher.engines = hosts
         self._remember()
         self.client.wait_for_engines(self.target_size, timeout=timeout, interactive=False)
         self.warm()
@@ -398,17 +410,21 @@ class EnginePool:
             self.client.close()
             return
         procs = _pool_processes()
+        hosts = remote.ssh_engines(self.cluster)  # ipyparallel drops them as it stops them
         # a cell's child in a session of its own (start_new_session=True) is neither in an
         # engine's process group nor, once its engine has stopped, its descendant: noted now
         known = {**self.known, **reaper.identities(procs + _descendants(procs))}
+        stopped = False
         try:
             self.client.close()
             if alive:  # ipyparallel's stop waits on its controller
                 # engines on other hosts are ended through their launcher (ssh: a kill sent
                 # over ssh per engine, then polled), which takes longer than local signals
                 bound = timeout if self.launcher == "local" else max(timeout, 60.0)
-                _bounded(self.cluster.stop_cluster_sync, bound)
+                stopped = _bounded(self.cluster.stop_cluster_sync, bound)
         finally:
+            if not stopped:  # a dead controller, or a stop that hung: over ssh from here
+                remote.end_remote(hosts, grace=reaper.GRACE_S)
             # stopped here: ipyparallel's own stop at interpreter exit would start again what
             # may still be running in the bounded thread, and for ssh engines it connects to
             # hosts that may be gone by then, which held the exiting process for minutes
@@ -417,6 +433,7 @@ class EnginePool:
             # children), by pid and process group, bounded
             reaper.end(known)
             reaper.forget(procs)
+            reaper.forget_remote(hosts)
             _remove(self.run_lock_path)  # no run can hold a lock on a stopped pool
             _remove_crash_files(self.pids.values())
 
@@ -461,12 +478,13 @@ def _remove(path: str) -> None:
         pass
 
 
-def _bounded(fn: Callable[[], Any], timeout: float) -> None:
+def _bounded(fn: Callable[[], Any], timeout: float) -> bool:
     """Call fn in a daemon thread and wait at most `timeout` s for it (a call that hangs on a
-    dead peer is left behind, not waited for)."""
+    dead peer is left behind, not waited for); whether it returned in time."""
     worker = threading.Thread(target=fn, daemon=True, name="sagenb-bounded")
     worker.start()
     worker.join(timeout)
+    return not worker.is_alive()
 
 
 #: held while this process imports the engine side (torch): `%load_ext` holds it while the

@@ -19,6 +19,9 @@ a new one and hands it the whole list (kept here, as sent), with a warning namin
 watcher's pid; `check()`, made each time the pool is used, does the same should that thread be
 gone.
 
+Engines started on other hosts through ssh are not this machine's processes: the watcher is
+told their host and remote pid (`watch_remote`) and ends them over ssh (remote.py).
+
 Each process is identified by pid and start time, so a pid the system has reused since is never
 touched, and neither is the group of the process that started the pool.
 """
@@ -39,7 +42,19 @@ from typing import IO, Any
 
 import psutil
 
-__all__ = ["watch", "forget", "check", "watcher_pid", "identities", "end", "main"]
+from sagenb.pool.remote import end_remote as _end_remote
+
+__all__ = [
+    "watch",
+    "forget",
+    "watch_remote",
+    "forget_remote",
+    "check",
+    "watcher_pid",
+    "identities",
+    "end",
+    "main",
+]
 
 #: seconds between SIGTERM and SIGKILL for whatever is still alive
 GRACE_S = 2.0
@@ -50,6 +65,8 @@ _watcher: subprocess.Popen[str] | None = None
 #: what the watcher was told to guard, {pid: [pid, start time, process group]}: a restarted
 #: watcher is handed it whole
 _watched: dict[int, list[Any]] = {}
+#: engines on other hosts, {(location, pid): [location, ssh command, pid]} (remote.ssh_engines)
+_remote: dict[tuple[str, int], list[Any]] = {}
 _closing = False  # this process exits normally: the watcher ends on purpose
 _exit_registered = False
 
@@ -70,6 +87,28 @@ def forget(processes: Iterable[psutil.Process]) -> None:
         for e in entries:
             _watched.pop(e[0], None)
         _send({"forget": entries})
+
+
+def watch_remote(entries: Iterable[list[Any]]) -> None:
+    """Have the watcher end these engines on other hosts (remote.ssh_engines' rows) over ssh
+    if this process dies before it forgets them."""
+    entries = list(entries)
+    if not entries:
+        return
+    with _lock:
+        _remote.update({(e[0], e[2]): e for e in entries})
+        _send({"remote": entries})
+
+
+def forget_remote(entries: Iterable[list[Any]]) -> None:
+    """Those engines were stopped normally."""
+    entries = list(entries)
+    if not entries:
+        return
+    with _lock:
+        for e in entries:
+            _remote.pop((e[0], e[2]), None)
+        _send({"forget_remote": entries})
 
 
 def check() -> int | None:
@@ -178,7 +217,8 @@ def _restart() -> int:
         RuntimeWarning,
         stacklevel=2,
     )
-    _write({"watch": list(_watched.values())})  # a new watcher that died at once: next check
+    # a new watcher that died at once: next check
+    _write({"watch": list(_watched.values()), "remote": list(_remote.values())})
     return old
 
 
@@ -210,14 +250,26 @@ def main(argv: list[str]) -> None:
     """The watcher: keep a list from the pipe; at its end, end what is on the list."""
     _, parent_pgid = int(argv[0]), int(argv[1])
     watched: dict[int, tuple[float, int]] = {}
+    remote: dict[tuple[str, int], list[Any]] = {}
     for line in sys.stdin:  # ends when the starting process closes the pipe or dies
         message = json.loads(line)
         for pid, created, pgid in message.get("watch", []):
             watched[pid] = (created, pgid)
         for pid, _, _ in message.get("forget", []):
             watched.pop(pid, None)
+        remote.update({(e[0], e[2]): e for e in message.get("remote", [])})
+        for e in message.get("forget_remote", []):
+            remote.pop((e[0], e[2]), None)
+    hosts = None
+    if remote:  # over ssh, while the local processes end
+        hosts = threading.Thread(
+            target=_end_remote, args=(list(remote.values()),), kwargs={"grace": GRACE_S}
+        )
+        hosts.start()
     if watched:
         reap(watched, spare_pgids={parent_pgid, os.getpgrp()})
+    if hosts is not None:
+        hosts.join()
 
 
 def reap(
