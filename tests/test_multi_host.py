@@ -403,3 +403,17 @@ def test_bad_cluster_lines_say_what_to_change(line, message):
     shell.run_line_magic("load_ext", "sagenb")
     with pytest.raises(UsageError, match=message):
         shell.run_line_magic("smp_cluster", line)
+
+
+def test_replacements_go_to_the_hosts_that_lost_engines():
+    from sagenb.pool.remote import replacements
+
+    own = {"n": 2, "remote_python": "/opt/py/bin/python"}
+    engines = {"10.1.1.2": 2, "me@10.1.1.3:2222": own}
+    lost_on_b = replacements(engines, ["10.1.1.2", "10.1.1.2", "10.1.1.3"], 1)
+    assert lost_on_b == {"me@10.1.1.3:2222": {"n": 1, "remote_python": "/opt/py/bin/python"}}
+    assert own["n"] == 2  # the user's setting is left as it was
+    assert replacements(engines, ["10.1.1.3"], 3) == {"10.1.1.2": 2, **lost_on_b}
+    # counts that do not add up, a host that does not resolve: ipyparallel's own order
+    assert replacements(engines, ["10.1.1.3"], 1) is None
+    assert replacements({"no-such-host.invalid": 2}, [], 2) is None
