@@ -1,13 +1,15 @@
-"""Engines on other hosts, started through ssh: how to end them from here, and where to start
-their replacements.
+"""Engines on other hosts, started through ssh or a batch system (Slurm): how to end them from
+here, and where to start their replacements.
 
 ipyparallel's SSH launcher starts each engine with `nohup ... &` in an ssh session that then
-ends (its launcher.py, `ShellCommandSend.cmd_start`), so nothing on this machine is the
-engine's parent: a kernel killed by SIGKILL ends its controller through the watcher
-(reaper.py), but the engines on the other hosts would run on until they miss the controller's
-heartbeat for minutes (launchers.ENGINE_HEARTBEAT). So the watcher is also told each ssh
-engine's host and remote pid, and ends them over ssh, SIGTERM then SIGKILL, one ssh session per
-host, each bounded: a host that no longer answers holds the watcher for at most `timeout`.
+ends (its launcher.py, `ShellCommandSend.cmd_start`), and its Slurm launcher submits a job that
+slurmd runs on the nodes: nothing on this machine is the engines' parent. A kernel killed by
+SIGKILL ends its controller through the watcher (reaper.py), but the engines would run on until
+they miss the controller's heartbeat for minutes (launchers.ENGINE_HEARTBEAT), and a Slurm job
+would hold its nodes as long. So the watcher is also handed, for each engine on another host,
+the command that ends it: a kill over ssh (SIGTERM, then SIGKILL, in one bounded session), or
+`scancel JOBID` with the Slurm settings of this process's environment. The commands run in
+parallel, each bounded: a host that no longer answers holds the watcher for at most `timeout`.
 
 A replacement engine (`EnginePool.heal`) goes to the host that lost one: ipyparallel's
 `SSHEngineSetLauncher.start(n)` fills its `engines` hosts in order, which would put every
@@ -17,6 +19,7 @@ user asked for.
 
 from __future__ import annotations
 
+import os
 import shlex
 import socket
 import subprocess
@@ -25,61 +28,87 @@ from collections import Counter
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-__all__ = ["ssh_engines", "end_remote", "replacements"]
+__all__ = ["enders", "end_remote", "replacements", "batch_jobs", "job_states"]
 
 #: seconds ssh waits for a host that does not answer, when ending its engines
 CONNECT_TIMEOUT_S = 10
+#: what a batch command needs from this process's environment (SLURM_CONF: which cluster)
+_BATCH_ENV = ("SLURM_", "PATH")
 
 
-def ssh_engines(cluster: Any) -> list[list[Any]]:
-    """[[location, ssh command with its arguments, remote pid], ...] of the cluster's engines
-    started through ssh (none for other launchers)."""
-    from ipyparallel.cluster.launcher import SSHLauncher
+def enders(cluster: Any, *, grace: float) -> list[list[Any]]:
+    """[[key, argv, env], ...]: for each of the cluster's engines started through ssh, the
+    command that ends it (SIGTERM, SIGKILL `grace` s later), and for each batch job of engines,
+    the command that cancels it. Empty for local and MPI engines (this machine's processes)."""
+    from ipyparallel.cluster.launcher import BatchSystemLauncher, SSHLauncher
 
     found = []
     for engine_set in list(getattr(cluster, "engines", {}).values()):
+        if isinstance(engine_set, BatchSystemLauncher) and engine_set.job_id:
+            env = {k: v for k, v in os.environ.items() if k.startswith(_BATCH_ENV)}
+            argv = [*engine_set.delete_command, str(engine_set.job_id)]
+            found.append([f"job {engine_set.job_id}", argv, env])
         for launcher in list(getattr(engine_set, "launchers", {}).values()):
             pid = getattr(launcher, "pid", 0)
             if isinstance(launcher, SSHLauncher) and launcher.location and pid and pid > 0:
-                command = [*launcher.ssh_cmd, *launcher.ssh_args]
-                found.append([launcher.location, command, int(pid)])
+                script = f"kill -TERM {pid}; sleep {grace:g}; kill -KILL {pid}"
+                argv = [
+                    *launcher.ssh_cmd,
+                    *launcher.ssh_args,
+                    *("-o", f"ConnectTimeout={CONNECT_TIMEOUT_S}", "-o", "BatchMode=yes"),
+                    launcher.location,
+                    shlex.join(["sh", "-c", script + " 2>/dev/null; true"]),
+                ]
+                found.append([f"{launcher.location} pid {pid}", argv, {}])
     return found
 
 
-def end_remote(entries: Iterable[list[Any]], *, grace: float, timeout: float = 30.0) -> None:
-    """End the remote pids of `entries` (ssh_engines' rows): on each host, in one ssh session
-    and in parallel across hosts, SIGTERM, then SIGKILL `grace` seconds later to whatever is
-    left; waits at most `timeout` seconds for all hosts together."""
-    by_host: dict[tuple[str, tuple[str, ...]], list[int]] = {}
-    for location, command, pid in entries:
-        by_host.setdefault((location, tuple(command)), []).append(int(pid))
+def batch_jobs(cluster: Any) -> list[str]:
+    """The ids of the cluster's batch jobs of engines (Slurm), in the order submitted."""
+    from ipyparallel.cluster.launcher import BatchSystemLauncher
+
+    sets = list(getattr(cluster, "engines", {}).values())
+    return [str(s.job_id) for s in sets if isinstance(s, BatchSystemLauncher) and s.job_id]
+
+
+def job_states(jobs: list[str]) -> dict[str, str]:
+    """{job id: 'pending: Resources' / 'running' / ...} as `squeue` tells them; a job squeue
+    no longer lists is absent, and {} when squeue cannot be asked."""
+    try:
+        shown = subprocess.run(
+            ["squeue", "-h", "-j", ",".join(jobs), "-o", "%i|%T|%r"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return {}
+    states = {}
+    for line in shown.splitlines():
+        job, _, rest = line.strip().partition("|")
+        state, _, reason = rest.partition("|")
+        if job:
+            why = f": {reason}" if reason and reason != "None" else ""
+            states[job] = f"{state.lower()}{why}"
+    return states
+
+
+def end_remote(entries: Iterable[list[Any]], *, timeout: float = 30.0) -> None:
+    """Run the `enders` commands, in parallel; waits at most `timeout` seconds for them all."""
     threads = []
-    for (location, command), pids in by_host.items():
-        listed = " ".join(str(p) for p in sorted(set(pids)))
-        script = (
-            f"kill -TERM {listed} 2>/dev/null; sleep {grace:g}; kill -KILL {listed} 2>/dev/null; "
-            "true"
-        )
-        argv = [
-            *command,
-            "-o",
-            f"ConnectTimeout={CONNECT_TIMEOUT_S}",
-            "-o",
-            "BatchMode=yes",
-            location,
-            shlex.join(["sh", "-c", script]),
-        ]
-        thread = threading.Thread(target=_run, args=(argv, timeout), daemon=True)
+    for _, argv, env in entries:
+        thread = threading.Thread(target=_run, args=(argv, env, timeout), daemon=True)
         thread.start()
         threads.append(thread)
     for thread in threads:
         thread.join(timeout)
 
 
-def _run(argv: list[str], timeout: float) -> None:
+def _run(argv: list[str], env: dict[str, str], timeout: float) -> None:
     try:
         subprocess.run(
             argv,
+            env={**os.environ, **env},
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
