@@ -250,6 +250,8 @@ def test_a_kernel_killed_by_sigkill_leaves_nothing_on_either_host(ssh_hosts):
     [
         ("start --launcher pbs", r"argument --launcher: invalid choice: 'pbs'"),
         ("start --launcher-option nope", r"--launcher-option 'nope': must be CLASS.TRAIT=VALUE"),
+        ("start --timeout soon", r"--timeout: 'soon': must be a number of seconds above 0"),
+        ("start --timeout 0", r"--timeout: '0': must be a number of seconds above 0"),
         ("start --profile /no/such/dir --cluster-id x", r"no running ipyparallel cluster found"),
     ],
 )
