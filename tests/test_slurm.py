@@ -76,6 +76,7 @@ def test_a_slurm_pool_trains_like_one_process_and_stop_cancels_its_job(slurm):
         assert_params_equal(result.state_dict(), model, context=str(options))
     shell.run_line_magic("smp_cluster", "stop")
     assert _jobs_within(slurm, 30) == []
+    assert not os.path.exists("slurm_engine.sbatch")  # the job's script is not left in the cwd
 
 
 KERNEL = """

@@ -143,6 +143,13 @@ class EnginePool:
             log_level=logging.ERROR,
             config=launcher_config(launcher, options or {}),
         )
+        if launcher == "slurm" and "SlurmEngineSetLauncher.batch_file_name" not in (options or {}):
+            # ipyparallel writes the job's script into the notebook's folder (its work_dir
+            # '.'); beside the job's output in the profile's log folder instead
+            logs = os.path.join(cluster.profile_dir, "log")
+            os.makedirs(logs, exist_ok=True)
+            name = os.path.join(logs, f"ipengine-{cluster.cluster_id}.sbatch")
+            cluster.config.SlurmEngineSetLauncher.batch_file_name = name  # removed at stop
         try:  # what pools ended by a kill left in the profile (stale.py)
             stale.remove_stale(cluster.profile_dir)
         except Exception:  # noqa: BLE001 - tidying never stops a start
@@ -468,6 +475,10 @@ class EnginePool:
             reaper.forget(procs)
             reaper.forget_remote(hosts)
             _remove(self.run_lock_path)  # no run can hold a lock on a stopped pool
+            if self.launcher == "slurm":  # the job's script sagenb placed (start)
+                script = self.cluster.config.SlurmEngineSetLauncher.get("batch_file_name", "")
+                if os.path.isabs(script) and script.endswith(".sbatch"):
+                    _remove(script)
             _remove_crash_files(self.pids.values())
 
 
