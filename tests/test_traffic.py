@@ -47,6 +47,8 @@ def test_ring_bytes_follow_the_collective_and_its_group():
     step.add({"kind": "reduce_scatter", "input_bytes": 800, "output_bytes": 400}, 4)
     assert step.sent == {"all_reduce": 1500.0, "all_gather": 700.0, "reduce_scatter": 400.0}
     assert step.payload == {"all_reduce": 1000, "all_gather": 800, "reduce_scatter": 800}
+    step.add({"kind": "all_reduce", "input_bytes": 8, "output_bytes": 8}, 4)
+    assert step.messages["all_reduce"] == [1000, 8] and step.calls["all_reduce"] == 2
     later = [StepTraffic(2, sent={"all_reduce": 10.0}), StepTraffic(3, sent={"all_reduce": 30.0})]
     assert typical_step([step, *later]) == {"all_reduce": 20.0}
     with pytest.raises(ValueError, match="none after the first 1"):
@@ -68,21 +70,37 @@ def test_the_flight_recorder_names_each_collective_and_its_bytes():
     assert collectives_since(time.time_ns() + 10**9) == []
 
 
+# 4 MiB of gradients: more than DDP's first bucket (1 MiB) once it rebuilds its buckets
+WIDE_CELL = """
+import torch
+from torch import nn
+model = nn.Sequential(*(nn.Linear(512, 512, bias=False) for _ in range(4)))
+X = torch.randn(64, 512)
+dataset = torch.utils.data.TensorDataset(X, X.flip(1))
+loss_fn = nn.functional.mse_loss
+def make_optimizer(params):
+    return torch.optim.SGD(params, lr=0.01)
+"""
+
+
 @pytest.mark.timeout(240)
 def test_measured_bytes_per_step_of_data_parallel_and_sharded(pool):
     """DDP sends its gradients once (2(N-1)/N x Psi = Psi on 2 engines), as the estimate says;
     FSDP2 gathers the parameters twice (ZeRO-3) as estimated, and on gloo reduces the gradients
     with an all-reduce where the estimate counts nccl's reduce-scatter."""
     options = dict(batch_size=16, steps=3, dashboard=False)
-    ns: dict = {}
-    exec(SPLIT_GPT_CELL, ns)
-    psi = 4 * sum(p.numel() for p in ns["model"].parameters())
-    data = sagenb.train(SPLIT_GPT_CELL, strategy="data", **options)
+    psi = 4 * 4 * 512 * 512
+    data = sagenb.train(WIDE_CELL, strategy="data", **options)
     steps = measure_traffic(data)
     assert sorted(steps) == [0, 1] and [s.step for s in steps[0]] == [1, 2, 3]
     sent = typical_step(steps[1])
     # sagenb's own reductions (loss, target count) add a few bytes, well under 1%
     assert psi <= sent["all_reduce"] < 1.01 * psi, (sent, psi)
+    # the gradients in DDP's buckets (messages over 1 KiB; sagenb's own are a few bytes): one
+    # message in the first step, then rebuilt in backward's order, the first capped at 1 MiB
+    buckets = [[b for b in s.messages["all_reduce"] if b > 1024] for s in steps[1]]
+    assert buckets[0] == [psi], buckets
+    assert sum(buckets[-1]) == psi and buckets[-1][0] == 2**20, buckets  # one weight: 1 MiB
     estimate = sagenb.estimate(data.source, data.config).footprint.comm_bytes_per_step[0]
     assert math.isclose(sent["all_reduce"], estimate["all_reduce"], rel_tol=0.01)
 
@@ -96,9 +114,11 @@ def test_measured_bytes_per_step_of_data_parallel_and_sharded(pool):
 
 @pytest.mark.timeout(120)
 def test_all_reduce_takes_longer_for_larger_messages(pool):
-    times = all_reduce_benchmark([4096, 16 * 2**20], engines=2, repeats=3)
+    times = all_reduce_benchmark([4096, 16 * 2**20], engines=2, repeats=5)
     assert list(times) == [4096, 16 * 2**20]
-    # 16 MiB against 4 KiB: about 30x slower measured on this 2-core machine; 3x is far below
-    assert times[16 * 2**20] > 3 * times[4096] > 0, times
+    # 16 MiB against 4 KiB on this 2-core machine: about 30x when idle, 1.8x in a run with
+    # the fast lane's tests on the same cores (a small all-reduce then waits for a core):
+    # only the order holds under any load
+    assert times[16 * 2**20] > times[4096] > 0, times
     with pytest.raises(ValueError, match="at least 2"):
         all_reduce_benchmark([4096], engines=1)

@@ -45,6 +45,8 @@ class StepTraffic:
     payload: dict[str, float] = field(default_factory=dict)
     #: bytes this rank sends in a ring, as the estimate counts them
     sent: dict[str, float] = field(default_factory=dict)
+    #: the payload of each call, in the order called (DDP's buckets, FSDP's units)
+    messages: dict[str, list[float]] = field(default_factory=dict)
 
     def add(self, collective: dict[str, Any], world_size: int) -> None:
         kind = collective["kind"]
@@ -59,6 +61,7 @@ class StepTraffic:
         self.calls[kind] = self.calls.get(kind, 0) + 1
         self.payload[kind] = self.payload.get(kind, 0.0) + payload
         self.sent[kind] = self.sent.get(kind, 0.0) + sent
+        self.messages.setdefault(kind, []).append(payload)
 
 
 def _ask_engines(fn: Any, per_rank_args: list[tuple], timeout_s: float) -> list[Any]:
