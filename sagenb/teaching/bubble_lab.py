@@ -27,7 +27,7 @@ from typing import Any
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from sagenb.engine.strategies.pipeline.strategy import SCHEDULES, bubble_fraction
+from sagenb.engine.strategies.pipeline import SCHEDULES, bubble_fraction
 from sagenb.metrics import keys
 from sagenb.metrics.stream import StepMetrics
 
