@@ -5,8 +5,10 @@ Both equal the single-process reference."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -19,8 +21,10 @@ import pytest
 
 import sagenb
 from sagenb.pool import cluster
+from sagenb.run.failures import EngineDiedError
 
-from .helpers import assert_params_equal
+from .helpers import assert_params_equal, fault_cell
+from .hosts import SshHosts, TwoHosts, namespaces_unavailable, ssh_missing
 from .models import SEQUENTIAL_CELL
 from .reference import train_reference
 
@@ -61,59 +65,11 @@ def test_mpi_launcher_pool_trains_like_one_process(mpi_pool):
 
 
 # -- two hosts on one machine -----------------------------------------------------------------
-class TwoHosts:
-    """A bridge with this machine's side at .1 and two network namespaces at .2 and .3."""
-
-    def __init__(self) -> None:
-        tag = os.getpid() % 100_000
-        self.subnet = f"10.{77 + tag % 100}.{tag % 250}"
-        self.bridge = f"smpbr{tag}"
-        self.namespaces = [f"smp{tag}-h{i}" for i in (1, 2)]
-        self.veths = [f"smpv{tag}{i}" for i in (1, 2)]
-
-    @property
-    def address(self) -> str:
-        return f"{self.subnet}.1"
-
-    def create(self) -> None:
-        run = _ip
-        run("link", "add", self.bridge, "type", "bridge")
-        run("addr", "add", f"{self.address}/24", "dev", self.bridge)
-        run("link", "set", self.bridge, "up")
-        for i, (ns, veth) in enumerate(zip(self.namespaces, self.veths), start=2):
-            run("netns", "add", ns)
-            run("link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", ns)
-            run("link", "set", veth, "master", self.bridge, "up")
-            run("-n", ns, "addr", "add", f"{self.subnet}.{i}/24", "dev", "eth0")
-            run("-n", ns, "link", "set", "eth0", "up")
-            run("-n", ns, "link", "set", "lo", "up")
-
-    def remove(self) -> None:
-        for ns in self.namespaces:
-            _ip("netns", "delete", ns, check=False)
-        _ip("link", "delete", self.bridge, check=False)
-
-
-def _ip(*args: str, check: bool = True) -> None:
-    subprocess.run(["ip", *args], check=check, capture_output=True, timeout=30)
-
-
-def _namespaces_unavailable() -> str | None:
-    if shutil.which("ip") is None:
-        return "no iproute2 `ip` command"
-    probe = f"smpprobe{os.getpid() % 100_000}"
-    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
-    if made.returncode != 0:
-        return f"cannot create network namespaces here: {made.stderr.strip()}"
-    subprocess.run(["ip", "netns", "delete", probe], capture_output=True)
-    return None
-
-
 @pytest.fixture
 def two_host_pool(_stop_pool_at_end, tmp_path):
     """A controller on the bridge address and one engine in each namespace, started outside
     sagenb (as `ipcluster` on two machines would); sagenb attaches to it."""
-    reason = _namespaces_unavailable()
+    reason = namespaces_unavailable()
     if reason:
         pytest.skip(reason)
     cluster.stop_pool()
@@ -171,90 +127,9 @@ def test_two_hosts_train_like_one_process(two_host_pool):
 
 
 # -- two hosts reached through ssh -------------------------------------------------------------
-SSHD = "/usr/sbin/sshd"
-SFTP_SERVER = "/usr/lib/openssh/sftp-server"  # scp speaks SFTP since OpenSSH 9
-
-
-def _ssh_missing() -> str | None:
-    for path in (SSHD, SFTP_SERVER):
-        if not os.path.exists(path):
-            return f"no {path} (Debian: openssh-server; scripts/test.sh installs it as root)"
-    if shutil.which("ssh") is None or shutil.which("ssh-keygen") is None:
-        return "no ssh client (Debian: openssh-client)"
-    return _namespaces_unavailable()
-
-
-class SshHosts(TwoHosts):
-    """TwoHosts, each running its own sshd on its address, accepting a key made here."""
-
-    def __init__(self, folder: Path) -> None:
-        super().__init__()
-        self.folder, self.daemons = folder, []
-        self.key = folder / "id_ed25519"
-        self.remote_profile = folder / "remote-profile"
-        self.ssh_args = [
-            "-i", str(self.key), "-o", "BatchMode=yes", "-o", "StrictHostKeyChecking=no",
-            "-o", "UserKnownHostsFile=/dev/null", "-o", "LogLevel=ERROR",
-        ]  # fmt: skip
-
-    @property
-    def addresses(self) -> list[str]:
-        return [f"{self.subnet}.{i}" for i in (2, 3)]
-
-    def create(self) -> None:
-        super().create()
-        for ns in self.namespaces:  # the engines reach the controller on this machine's side
-            _ip("-n", ns, "route", "add", "default", "via", self.address)
-        keygen = ["ssh-keygen", "-q", "-t", "ed25519", "-N", ""]
-        subprocess.run([*keygen, "-f", str(self.key)], check=True)
-        subprocess.run([*keygen, "-f", str(self.folder / "host_key")], check=True)
-        (self.folder / "authorized_keys").write_text((self.folder / "id_ed25519.pub").read_text())
-        os.makedirs("/run/sshd", mode=0o755, exist_ok=True)  # sshd's privilege separation
-        for ns, addr in zip(self.namespaces, self.addresses):
-            config = self.folder / f"sshd-{addr}"
-            config.write_text(
-                f"ListenAddress {addr}\nHostKey {self.folder / 'host_key'}\n"
-                f"AuthorizedKeysFile {self.folder / 'authorized_keys'}\n"
-                "PermitRootLogin prohibit-password\nPasswordAuthentication no\nUsePAM no\n"
-                f"StrictModes no\nSubsystem sftp {SFTP_SERVER}\n"
-                f"PidFile {self.folder / f'sshd-{addr}.pid'}\n"
-            )
-            self.daemons.append(
-                subprocess.Popen(
-                    ["ip", "netns", "exec", ns, SSHD, "-D", "-e", "-f", str(config)],
-                    stderr=subprocess.DEVNULL,
-                )
-            )
-        for addr in self.addresses:  # each sshd answers before the pool starts
-            deadline = time.monotonic() + 30
-            while subprocess.run(
-                ["ssh", *self.ssh_args, addr, "true"], capture_output=True, timeout=30
-            ).returncode:
-                assert time.monotonic() < deadline, f"sshd on {addr} did not answer"
-                time.sleep(0.3)
-
-    def remove(self) -> None:
-        for daemon in self.daemons:
-            daemon.kill()
-            daemon.wait(timeout=30)
-        super().remove()
-
-    def engines(self) -> list[psutil.Process]:
-        """The processes sshd started for the pool (engines and their nannies): they carry the
-        remote profile in their environment."""
-        found = []
-        for proc in psutil.process_iter():
-            try:
-                if proc.environ().get("IPP_PROFILE_DIR") == str(self.remote_profile):
-                    found.append(proc)
-            except psutil.Error:
-                pass
-        return found
-
-
 @pytest.fixture
 def ssh_hosts(_stop_pool_at_end, tmp_path):
-    reason = _ssh_missing()
+    reason = ssh_missing()
     if reason:
         pytest.skip(reason)
     cluster.stop_pool()
@@ -276,26 +151,34 @@ def _gone_within(hosts: SshHosts, seconds: float) -> list[psutil.Process]:
     return left
 
 
+def _ssh_options(hosts: SshHosts) -> dict[str, object]:
+    """The launcher options a user gives for these hosts; the ssh arguments are the test's
+    own key and throwaway host keys, and the copied connection files land apart from the
+    notebook's own profile (both "hosts" share this machine's disk)."""
+    return {
+        "SSHEngineSetLauncher.engines": {addr: 2 for addr in hosts.addresses},
+        "SSHEngineSetLauncher.ssh_args": hosts.ssh_args,
+        "SSHEngineSetLauncher.scp_args": hosts.ssh_args,
+        "SSHEngineSetLauncher.remote_profile_dir": str(hosts.remote_profile),
+    }
+
+
+def _on_each_host(pool, hosts: SshHosts) -> None:
+    assert sorted(row.address for row in pool.status()) == sorted(hosts.addresses * 2)
+
+
 def test_ssh_launcher_starts_engines_on_two_hosts_that_train_like_one_process(ssh_hosts):
     from IPython.core.interactiveshell import InteractiveShell
 
     hosts = ssh_hosts
-    engines = {addr: 2 for addr in hosts.addresses}
     shell = InteractiveShell.instance()
     shell.run_line_magic("load_ext", "sagenb")
-    # the line a user types (README, docs/beyond-one-machine.md); the ssh arguments are the
-    # test's own key and throwaway host keys, and the copied connection files land apart
-    # from the notebook's own profile (both "hosts" share this machine's disk)
-    shell.run_line_magic(
-        "smp_cluster",
-        f'start -n 4 --launcher ssh --launcher-option "SSHEngineSetLauncher.engines={engines}"'
-        f' --launcher-option "SSHEngineSetLauncher.ssh_args={hosts.ssh_args}"'
-        f' --launcher-option "SSHEngineSetLauncher.scp_args={hosts.ssh_args}"'
-        f" --launcher-option SSHEngineSetLauncher.remote_profile_dir={hosts.remote_profile}",
-    )
+    # the line a user types (README, docs/beyond-one-machine.md)
+    options = " ".join(f'--launcher-option "{k}={v}"' for k, v in _ssh_options(hosts).items())
+    shell.run_line_magic("smp_cluster", f"start -n 4 --launcher ssh {options}")
     pool = cluster.current_pool()
     assert pool is not None and pool.launcher == "ssh" and pool.multi_host
-    assert sorted(row.address for row in pool.status()) == sorted(hosts.addresses * 2)
+    _on_each_host(pool, hosts)
     assert pool.controller_host == hosts.address  # on the route to them, not this host's name
     assert len(hosts.engines()) >= 4  # started by the hosts' sshd, not by this process
     for options in (
@@ -306,9 +189,60 @@ def test_ssh_launcher_starts_engines_on_two_hosts_that_train_like_one_process(ss
         result = sagenb.train(SEQUENTIAL_CELL, batch_size=32, steps=6, dashboard=False, **options)
         model, _, _ = train_reference(SEQUENTIAL_CELL, batch_size=32, steps=6)
         assert_params_equal(result.state_dict(), model, context=str(options))
+
+    # an engine killed on the second host mid-run is named with its host; the next run
+    # starts its replacement there (not on the first host: ipyparallel's order)
+    name, addr = hosts.names[1], hosts.addresses[1]
+    rank = [pool.address(e) for e in pool.engine_ids].index(addr)
+    where = rf"rank {rank} \(engine \d+ on {name} \({re.escape(addr)}\)\) failed:\n.*died"
+    with pytest.raises(EngineDiedError, match=where):
+        kill = fault_cell("os.kill(os.getpid(), signal.SIGKILL)", rank=rank)
+        sagenb.train(kill, batch_size=16, steps=20, dashboard=False)
+    result = sagenb.train(SEQUENTIAL_CELL, batch_size=32, steps=6, dashboard=False)
+    assert_params_equal(result.state_dict(), model, context="healed")
+    _on_each_host(pool, hosts)
+
+    # a restart ends every engine on both hosts and starts four new ones
+    before = {p.pid for p in hosts.engines()}
+    shell.run_line_magic("smp_cluster", "restart")
+    pool = cluster.current_pool()
+    _on_each_host(pool, hosts)
+    assert not before & {p.pid for p in hosts.engines()}, "an engine outlived the restart"
+
     shell.run_line_magic("smp_cluster", "stop")
     left = _gone_within(hosts, 30)
     assert not left, f"left on the hosts after stop: {[p.cmdline() for p in left]}"
+
+
+KERNEL = """
+import json, sys, time
+import sagenb
+pool = sagenb.start_pool(2, launcher="ssh", options=json.loads(sys.argv[1]))
+print(len(pool.client.ids), flush=True)
+time.sleep(600)  # killed here
+"""
+
+
+def test_a_kernel_killed_by_sigkill_leaves_nothing_on_either_host(ssh_hosts):
+    """The watcher (pool/reaper.py) ends the engines on the other hosts over ssh: nothing on
+    this machine is their parent, and their heartbeat would keep them for minutes."""
+    hosts = ssh_hosts
+    one_each = {addr: 1 for addr in hosts.addresses}
+    options = {**_ssh_options(hosts), "SSHEngineSetLauncher.engines": one_each}
+    kernel = subprocess.Popen(
+        [sys.executable, "-c", KERNEL, json.dumps(options)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert kernel.stdout is not None
+        assert kernel.stdout.readline().strip() == "2"
+        assert len(hosts.engines()) >= 2
+    finally:
+        kernel.kill()
+        kernel.wait(timeout=30)
+    left = _gone_within(hosts, 30)
+    assert not left, f"left on the hosts after SIGKILL: {[p.cmdline() for p in left]}"
 
 
 @pytest.mark.parametrize(
@@ -316,6 +250,8 @@ def test_ssh_launcher_starts_engines_on_two_hosts_that_train_like_one_process(ss
     [
         ("start --launcher pbs", r"argument --launcher: invalid choice: 'pbs'"),
         ("start --launcher-option nope", r"--launcher-option 'nope': must be CLASS.TRAIT=VALUE"),
+        ("start --timeout soon", r"--timeout: 'soon': must be a number of seconds above 0"),
+        ("start --timeout 0", r"--timeout: '0': must be a number of seconds above 0"),
         ("start --profile /no/such/dir --cluster-id x", r"no running ipyparallel cluster found"),
     ],
 )
@@ -327,3 +263,17 @@ def test_bad_cluster_lines_say_what_to_change(line, message):
     shell.run_line_magic("load_ext", "sagenb")
     with pytest.raises(UsageError, match=message):
         shell.run_line_magic("smp_cluster", line)
+
+
+def test_replacements_go_to_the_hosts_that_lost_engines():
+    from sagenb.pool.remote import replacements
+
+    own = {"n": 2, "remote_python": "/opt/py/bin/python"}
+    engines = {"10.1.1.2": 2, "me@10.1.1.3:2222": own}
+    lost_on_b = replacements(engines, ["10.1.1.2", "10.1.1.2", "10.1.1.3"], 1)
+    assert lost_on_b == {"me@10.1.1.3:2222": {"n": 1, "remote_python": "/opt/py/bin/python"}}
+    assert own["n"] == 2  # the user's setting is left as it was
+    assert replacements(engines, ["10.1.1.3"], 3) == {"10.1.1.2": 2, **lost_on_b}
+    # counts that do not add up, a host that does not resolve: ipyparallel's own order
+    assert replacements(engines, ["10.1.1.3"], 1) is None
+    assert replacements({"no-such-host.invalid": 2}, [], 2) is None

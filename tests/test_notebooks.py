@@ -1,6 +1,6 @@
 """Notebooks are code: each runs top to bottom in a real kernel and must not raise, its
 exercises are proved solvable, and the documentation site shows each one as a page with its
-outputs (issues 18 and 35).
+outputs, and its prose quotes only figures its cells printed (issues 18 and 35).
 
 One run serves all three. The session's `site` fixture runs each notebook once with nbclient,
 as shipped (its answers blank: each check prints "not answered yet"); then, in the same kernel,
@@ -30,6 +30,8 @@ from nbclient.exceptions import CellExecutionError
 
 from sagenb.pool import cluster
 from sagenb.teaching.exercises import NOT_ANSWERED
+
+from .prose import contradictions
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
@@ -207,6 +209,17 @@ def test_notebook_runs(path, site):
     size = len(nbformat.writes(nb).encode())
     print(f"{path.name} saved: {size / 1e3:.0f} KB, {len(boards)} dashboard(s)")
     assert size <= 300_000 * len(boards), f"{size / 1e3:.0f} KB for {len(boards)} dashboards"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
+def test_prose_quotes_only_what_the_cells_printed(path, site):
+    """Every figure the markdown quotes is one a cell of the notebook printed or wrote in its
+    source, in this run (tests/prose.py): a text that quotes a figure measured on this machine
+    fails on the next run that measures another, so the prose refers to such figures instead."""
+    wrong = contradictions(site.notebooks[path.name].shipped)
+    assert not wrong, "quoted in the prose, printed by no cell:\n" + "\n".join(
+        f"  markdown cell {q.cell}: {q.text!r} in '...{q.context}...'" for q in wrong
+    )
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])

@@ -124,11 +124,30 @@ def cluster_parser() -> MagicParser:
         help="a setting of ipyparallel's launcher, e.g. MPILauncher.mpi_args=['--oversubscribe']"
         " (repeatable; values read as Python literals, else as text)",
     )
+    parser.add_argument(
+        "--timeout",
+        type=_seconds,
+        default=120.0,
+        metavar="SECONDS",
+        help="start: how long to wait for the engines to register (a Slurm job may wait in "
+        "the queue; its state is shown meanwhile); default 120",
+    )
     parser.add_argument("--profile", default=None, help="attach: the pool's IPython profile")
     parser.add_argument(
         "--cluster-id", default=None, help="attach to the pool `ipcluster start` started"
     )
     return parser
+
+
+def _seconds(text: str) -> float:
+    """--timeout's value: a positive number of seconds."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be a number of seconds above 0")
+    return value
 
 
 def _launcher_options(items: list[str]) -> dict[str, Any]:
@@ -237,6 +256,8 @@ class SmpMagics(Magics):
                 args.engines or cluster.DEFAULT_ENGINES,
                 launcher=args.launcher,
                 options=options,
+                timeout=args.timeout,
+                say=print,
             )
         elif args.action == "restart":
             pool = _guard(cluster.restart_pool, args.engines)

@@ -43,7 +43,7 @@ import ipyparallel as ipp
 import psutil
 
 from sagenb.config.options import DEFAULT_ENGINES
-from sagenb.pool import reaper, stale
+from sagenb.pool import reaper, remote, stale
 from sagenb.pool.ipyparallel_private import client_config, iopub_guarded
 from sagenb.pool.launchers import (
     CONTROLLER_HEARTBEAT,
@@ -68,6 +68,9 @@ __all__ = [
     "prewarm_wanted",
     "StartCancelled",
 ]
+
+#: seconds between two reads of a batch job's state while its engines are awaited (squeue)
+JOB_POLL_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -116,9 +119,12 @@ class EnginePool:
         options: dict[str, Any] | None = None,
         timeout: float = 120.0,
         cancel: threading.Event | None = None,
+        say: Callable[[str], None] | None = None,
     ) -> EnginePool:
         """Start a controller and n engines with ipyparallel's `launcher`; `options` are
         launcher settings as ipyparallel names them ("SlurmEngineSetLauncher.partition").
+        `timeout`: seconds for the engines to register; `say` is told what a batch job of
+        engines waits for while it waits ("Slurm job 12: pending: Resources").
         Setting `cancel` (a background start) stops what was started and raises StartCancelled
         at the next check (every 50 ms while waiting on the engines)."""
         if n < 1:
@@ -154,7 +160,7 @@ class EnginePool:
             client = _connect(cluster)
             pool = cls(cluster, client, n, launcher=launcher, options=options)
             pool._remember()  # controller and engines, watched from their launch on
-            pool._register(n, timeout, cancel)
+            pool._register(n, timeout, cancel, say)
             pool._remember()  # and the nanny each engine started as it registered
             pool.warm(cancel=cancel)
         except BaseException:
@@ -165,20 +171,45 @@ class EnginePool:
             raise
         return pool
 
-    def _register(self, n: int, timeout: float, cancel: threading.Event | None) -> None:
+    def _register(
+        self,
+        n: int,
+        timeout: float,
+        cancel: threading.Event | None,
+        say: Callable[[str], None] | None = None,
+    ) -> None:
         """Wait until n engines have registered, starting each one's warm-up imports (torch,
         DDP's torch._dynamo: the longest part of a start) as soon as it has registered rather
-        than when the last one has."""
+        than when the last one has. A batch job's state (Slurm's squeue) is read every few
+        seconds and said when it changes, and named if the wait times out."""
         warm, _ = _engine_side()
         waiting = self.client.wait_for_engines(n, timeout=timeout, block=False, interactive=False)
         warming: set[int] = set()
+        jobs = remote.batch_jobs(self.cluster)
+        states: dict[str, str] = {}
+        asked = time.monotonic()
         while not waiting.done():
             for eid in set(self.client.ids) - warming:
                 self.client[eid].apply_async(warm)  # warm() below waits for it and checks it
                 warming.add(eid)
             _check(cancel)
+            if jobs and time.monotonic() - asked > JOB_POLL_S:
+                asked, seen = time.monotonic(), remote.job_states(jobs)
+                for job, state in seen.items():
+                    if say is not None and states.get(job) != state:
+                        say(f"Slurm job {job}: {state}")
+                states.update(seen)
             time.sleep(0.05)
-        waiting.result()
+        try:
+            waiting.result()
+        except TimeoutError:
+            queued = "; ".join(f"Slurm job {j}: {s}" for j, s in states.items())
+            raise TimeoutError(
+                f"{len(self.client.ids)} of {n} engines registered within {timeout:g} s"
+                + (f" ({queued})" if queued else "")
+                + ": allow longer with `%smp_cluster start --timeout SECONDS`; what was "
+                "started is stopped" + (" and the job cancelled" if jobs else "")
+            ) from None
 
     @classmethod
     def attach(
@@ -340,6 +371,8 @@ class EnginePool:
         procs = _pool_processes()
         reaper.watch(procs)  # ended with this process, however it ends
         self.known.update(reaper.identities(procs))
+        # and those on other hosts, through the command that ends them
+        reaper.watch_remote(remote.enders(self.cluster, grace=reaper.GRACE_S))
 
     def controller_alive(self) -> bool:
         """Whether the controller process of a pool started here still runs: not once the
@@ -384,7 +417,18 @@ class EnginePool:
         if missing <= 0 or not self.owned:
             self.target_size = min(self.target_size, self.size)
             return
-        self.cluster.start_engines_sync(n=missing)
+        hosts = self.options.get("SSHEngineSetLauncher.engines")
+        where = None
+        if self.launcher == "ssh" and hosts:  # where they were lost, not on the first host
+            alive = [self.places.get(e, ("", ""))[1] for e in self.client.ids]
+            where = remote.replacements(hosts, alive, missing)
+        if where is not None:
+            self.cluster.config.SSHEngineSetLauncher.engines = where
+        try:
+            self.cluster.start_engines_sync(n=missing)
+        finally:
+            if where is not None:  # the next start (a restart) takes the user's setting
+                self.cluster.config.SSHEngineSetLauncher.engines = hosts
         self._remember()
         self.client.wait_for_engines(self.target_size, timeout=timeout, interactive=False)
         self.warm()
@@ -398,17 +442,22 @@ class EnginePool:
             self.client.close()
             return
         procs = _pool_processes()
+        # ipyparallel drops its launchers as it stops them
+        hosts = remote.enders(self.cluster, grace=reaper.GRACE_S)
         # a cell's child in a session of its own (start_new_session=True) is neither in an
         # engine's process group nor, once its engine has stopped, its descendant: noted now
         known = {**self.known, **reaper.identities(procs + _descendants(procs))}
+        stopped = False
         try:
             self.client.close()
             if alive:  # ipyparallel's stop waits on its controller
                 # engines on other hosts are ended through their launcher (ssh: a kill sent
                 # over ssh per engine, then polled), which takes longer than local signals
                 bound = timeout if self.launcher == "local" else max(timeout, 60.0)
-                _bounded(self.cluster.stop_cluster_sync, bound)
+                stopped = _bounded(self.cluster.stop_cluster_sync, bound)
         finally:
+            if not stopped:  # a dead controller, or a stop that hung: over ssh from here
+                remote.end_remote(hosts)
             # stopped here: ipyparallel's own stop at interpreter exit would start again what
             # may still be running in the bounded thread, and for ssh engines it connects to
             # hosts that may be gone by then, which held the exiting process for minutes
@@ -417,6 +466,7 @@ class EnginePool:
             # children), by pid and process group, bounded
             reaper.end(known)
             reaper.forget(procs)
+            reaper.forget_remote(hosts)
             _remove(self.run_lock_path)  # no run can hold a lock on a stopped pool
             _remove_crash_files(self.pids.values())
 
@@ -461,12 +511,13 @@ def _remove(path: str) -> None:
         pass
 
 
-def _bounded(fn: Callable[[], Any], timeout: float) -> None:
+def _bounded(fn: Callable[[], Any], timeout: float) -> bool:
     """Call fn in a daemon thread and wait at most `timeout` s for it (a call that hangs on a
-    dead peer is left behind, not waited for)."""
+    dead peer is left behind, not waited for); whether it returned in time."""
     worker = threading.Thread(target=fn, daemon=True, name="sagenb-bounded")
     worker.start()
     worker.join(timeout)
+    return not worker.is_alive()
 
 
 #: held while this process imports the engine side (torch): `%load_ext` holds it while the
@@ -583,10 +634,16 @@ def _cancel_background() -> bool:
 
 
 def start_pool(
-    n: int = DEFAULT_ENGINES, *, launcher: str = "local", options: dict[str, Any] | None = None
+    n: int = DEFAULT_ENGINES,
+    *,
+    launcher: str = "local",
+    options: dict[str, Any] | None = None,
+    timeout: float = 120.0,
+    say: Callable[[str], None] | None = None,
 ) -> EnginePool:
     """Start a pool of n engines with ipyparallel's `launcher`, replacing any running one; the
-    pool `%load_ext` is starting in the background is that pool when it is the same."""
+    pool `%load_ext` is starting in the background is that pool when it is the same.
+    `timeout` and `say` as `EnginePool.start`."""
     global _current
     if _background is not None and (n, launcher, options or {}) == (_background.n, "local", {}):
         joined = _join_background(raise_error=False)
@@ -594,7 +651,7 @@ def start_pool(
             return joined
     stop_pool()
     started = time.perf_counter()
-    _current = EnginePool.start(n, launcher=launcher, options=options)
+    _current = EnginePool.start(n, launcher=launcher, options=options, timeout=timeout, say=say)
     logging.getLogger(__name__).info(
         "pool of %d engines in %.1f s", n, time.perf_counter() - started
     )

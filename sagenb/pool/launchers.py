@@ -5,16 +5,19 @@
 hosts, so the controller listens beyond loopback and must tell the engines an address they can
 reach: ipyparallel tells them this machine's host name, which many machines (Debian's
 /etc/hosts among them) resolve to a loopback address, where an engine on another host finds
-nothing and the pool start waits out its timeout. For `ssh`, whose engine hosts are named, the
-controller's location is this machine's address on the route to the first of them, unless the
-user names one (`Cluster.controller_location`). The engines on the other hosts run the same
+nothing and the pool start waits out its timeout. Then the controller's location is this
+machine's address on the route to the engines' network: for `ssh`, to the first engine host
+named; for `slurm`, to the Slurm controller (`scontrol show config`'s SlurmctldHost), unless
+the user names one (`Cluster.controller_location`). The engines on the other hosts run the same
 Python as the notebook (same path: `SSHEngineSetLauncher.remote_python` says otherwise).
 """
 
 from __future__ import annotations
 
 import ipaddress
+import re
 import socket
+import subprocess
 import sys
 from typing import Any
 
@@ -79,15 +82,15 @@ def ssh_hosts(options: dict[str, Any]) -> list[str]:
 
 def controller_location(launcher: str, options: dict[str, Any]) -> str:
     """The address the controller tells the engines ('' leaves ipyparallel's choice, this
-    machine's host name): for ssh, the address on the route to the first engine host when the
-    host name would send the engines to a loopback address."""
+    machine's host name): when the host name would send the engines to a loopback address,
+    the address on the route to the first ssh engine host, or to the Slurm controller."""
     given = options.get("Cluster.controller_location")
     if given:
         return str(given)
-    if launcher != "ssh":
+    if launcher not in ("ssh", "slurm") or not _resolves_to_loopback(socket.gethostname()):
         return ""
-    hosts = ssh_hosts(options)
-    if not hosts or not _resolves_to_loopback(socket.gethostname()):
+    hosts = ssh_hosts(options) if launcher == "ssh" else _slurm_controller()
+    if not hosts:
         return ""
     try:
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
@@ -95,6 +98,24 @@ def controller_location(launcher: str, options: dict[str, Any]) -> str:
             return str(probe.getsockname()[0])
     except OSError:
         return ""  # unresolvable host: ssh itself says so when the engines start
+
+
+def _slurm_controller() -> list[str]:
+    """The Slurm controller's address (or name), as `scontrol show config` gives it:
+    'SlurmctldHost[0] = name(address)'; [] when scontrol cannot tell."""
+    try:
+        shown = subprocess.run(
+            ["scontrol", "show", "config"], capture_output=True, text=True, timeout=10
+        ).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    found = re.search(r"^SlurmctldHost\[0\]\s*=\s*([^\s(]+)(?:\(([^)]+)\))?", shown, re.M)
+    if not found:
+        return []
+    address = found.group(2) or found.group(1)
+    if address.startswith("127."):
+        return []
+    return [address]
 
 
 def _resolves_to_loopback(name: str) -> bool:

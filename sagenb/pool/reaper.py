@@ -19,6 +19,10 @@ a new one and hands it the whole list (kept here, as sent), with a warning namin
 watcher's pid; `check()`, made each time the pool is used, does the same should that thread be
 gone.
 
+Engines started on other hosts through ssh or Slurm are not this machine's processes: the
+watcher is handed the command that ends them (`watch_remote`: a kill over ssh, a job's
+scancel; remote.py) and runs it.
+
 Each process is identified by pid and start time, so a pid the system has reused since is never
 touched, and neither is the group of the process that started the pool.
 """
@@ -39,7 +43,19 @@ from typing import IO, Any
 
 import psutil
 
-__all__ = ["watch", "forget", "check", "watcher_pid", "identities", "end", "main"]
+from sagenb.pool.remote import end_remote as _end_remote
+
+__all__ = [
+    "watch",
+    "forget",
+    "watch_remote",
+    "forget_remote",
+    "check",
+    "watcher_pid",
+    "identities",
+    "end",
+    "main",
+]
 
 #: seconds between SIGTERM and SIGKILL for whatever is still alive
 GRACE_S = 2.0
@@ -50,6 +66,8 @@ _watcher: subprocess.Popen[str] | None = None
 #: what the watcher was told to guard, {pid: [pid, start time, process group]}: a restarted
 #: watcher is handed it whole
 _watched: dict[int, list[Any]] = {}
+#: engines on other hosts, {key: [key, argv, env]}: the command that ends each (remote.enders)
+_remote: dict[str, list[Any]] = {}
 _closing = False  # this process exits normally: the watcher ends on purpose
 _exit_registered = False
 
@@ -70,6 +88,28 @@ def forget(processes: Iterable[psutil.Process]) -> None:
         for e in entries:
             _watched.pop(e[0], None)
         _send({"forget": entries})
+
+
+def watch_remote(entries: Iterable[list[Any]]) -> None:
+    """Have the watcher run these commands (remote.enders' rows: a kill over ssh, a Slurm
+    job's scancel) if this process dies before it forgets them."""
+    entries = list(entries)
+    if not entries:
+        return
+    with _lock:
+        _remote.update({e[0]: e for e in entries})
+        _send({"remote": entries})
+
+
+def forget_remote(entries: Iterable[list[Any]]) -> None:
+    """Those engines were stopped normally."""
+    entries = list(entries)
+    if not entries:
+        return
+    with _lock:
+        for e in entries:
+            _remote.pop(e[0], None)
+        _send({"forget_remote": entries})
 
 
 def check() -> int | None:
@@ -178,7 +218,8 @@ def _restart() -> int:
         RuntimeWarning,
         stacklevel=2,
     )
-    _write({"watch": list(_watched.values())})  # a new watcher that died at once: next check
+    # a new watcher that died at once: next check
+    _write({"watch": list(_watched.values()), "remote": list(_remote.values())})
     return old
 
 
@@ -210,14 +251,24 @@ def main(argv: list[str]) -> None:
     """The watcher: keep a list from the pipe; at its end, end what is on the list."""
     _, parent_pgid = int(argv[0]), int(argv[1])
     watched: dict[int, tuple[float, int]] = {}
+    remote: dict[str, list[Any]] = {}
     for line in sys.stdin:  # ends when the starting process closes the pipe or dies
         message = json.loads(line)
         for pid, created, pgid in message.get("watch", []):
             watched[pid] = (created, pgid)
         for pid, _, _ in message.get("forget", []):
             watched.pop(pid, None)
+        remote.update({e[0]: e for e in message.get("remote", [])})
+        for e in message.get("forget_remote", []):
+            remote.pop(e[0], None)
+    hosts = None
+    if remote:  # over ssh, while the local processes end
+        hosts = threading.Thread(target=_end_remote, args=(list(remote.values()),))
+        hosts.start()
     if watched:
         reap(watched, spare_pgids={parent_pgid, os.getpgrp()})
+    if hosts is not None:
+        hosts.join()
 
 
 def reap(

@@ -38,24 +38,38 @@ DEAD_ENGINE = ("EngineError", "DeadEngine")
 
 
 class TrainingError(RuntimeError):
-    """A rank failed; the message carries its rank, engine id and traceback."""
+    """A rank failed; the message carries its rank, engine id (and, on a pool that spans
+    hosts, the engine's host) and traceback."""
 
-    def __init__(self, rank: int, engine_id: int, detail: str) -> None:
-        self.rank, self.engine_id, self.detail = rank, engine_id, detail
-        super().__init__(f"rank {rank} (engine {engine_id}) failed:\n{detail}")
+    def __init__(self, rank: int, engine_id: int, detail: str, host: str = "") -> None:
+        self.rank, self.engine_id, self.detail, self.host = rank, engine_id, detail, host
+        super().__init__(f"{self.who} failed:\n{detail}")
+
+    @property
+    def who(self) -> str:
+        """'rank 1 (engine 3)', or 'rank 1 (engine 3 on host-b)'."""
+        on = f" on {self.host}" if self.host else ""
+        return f"rank {self.rank} (engine {self.engine_id}{on})"
 
 
 class OutOfMemoryError(TrainingError):
     """A rank ran out of memory; `memory` is its last reported memory telemetry (MiB)."""
 
-    def __init__(self, rank: int, engine_id: int, detail: str, memory: Mapping[str, float]):
+    def __init__(
+        self,
+        rank: int,
+        engine_id: int,
+        detail: str,
+        memory: Mapping[str, float],
+        host: str = "",
+    ):
         self.memory = dict(memory)
         shown = ", ".join(
             f"{k.removeprefix(keys.MEMORY_PREFIX)} {v:.1f}" for k, v in self.memory.items()
         )
-        super().__init__(rank, engine_id, detail)
+        super().__init__(rank, engine_id, detail, host)
         self.args = (
-            f"rank {rank} (engine {engine_id}) ran out of memory; its last step held: "
+            f"{self.who} ran out of memory; its last step held: "
             f"{shown or 'no step finished'}. Lower --batch-size, raise --microbatches or "
             f"--partitions, or use --delay-init.\n{detail}",
         )
@@ -138,13 +152,15 @@ def classify(
     engine_id: int,
     memory: Mapping[str, float],
     death: str = "",
+    host: str = "",
 ) -> TrainingError:
     """The error to raise for a rank's remote exception; `death` is a dead engine's crash
-    report (run/stacks.py: the signal and where it hit), when it wrote one."""
+    report (run/stacks.py: the signal and where it hit), when it wrote one; `host` the
+    engine's host, named on a pool that spans hosts."""
     if ename in DEAD_ENGINE:
         return EngineDiedError(
-            rank, engine_id, f"its engine process died ({death or NO_REPORT}): {evalue}"
+            rank, engine_id, f"its engine process died ({death or NO_REPORT}): {evalue}", host
         )
     if ename in ("MemoryError", "OutOfMemoryError") or any(m in evalue for m in OOM_MARKERS):
-        return OutOfMemoryError(rank, engine_id, evalue, memory)
-    return TrainingError(rank, engine_id, evalue)
+        return OutOfMemoryError(rank, engine_id, evalue, memory, host)
+    return TrainingError(rank, engine_id, evalue, host)

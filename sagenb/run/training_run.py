@@ -460,7 +460,15 @@ class TrainingRun:
             engine_id=self.ids[first],
             memory=self.history.memory(first),
             death=self._crash_report(first) if ename in DEAD_ENGINE else "",
+            host=self._host(first),
         )
+
+    def _host(self, rank: int) -> str:
+        """Where the rank's engine runs, 'host-b (10.0.0.3)', on a pool that spans hosts."""
+        if not self.pool.multi_host:
+            return ""
+        name, address = self.pool.places.get(self.ids[rank], ("", ""))
+        return f"{name} ({address})" if name and address and name != address else name or address
 
     def _crash_report(self, rank: int) -> str:
         """The dead engine's report of the fatal signal that ended it, read on this host."""
