@@ -164,7 +164,7 @@ MAY_IMPORT = {
     "metrics": {"config"},
     "display": {"config", "metrics", "sizing"},
     "sizing": {"config", "display", "engine", "metrics", "pool", "run"},
-    "teaching": {"metrics"},
+    "teaching": {"metrics", "engine", "display"},
 }
 
 

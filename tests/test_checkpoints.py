@@ -20,6 +20,7 @@ import sagenb
 from sagenb.config import ConfigError
 from sagenb.engine.checkpoint.distributed import candidates, latest
 from sagenb.engine.checkpoint.reader import CheckpointError, SafePlanner, SafeReader
+from sagenb.metrics import keys
 from sagenb.run.failures import EngineDiedError, TrainingError, TrainingInterrupted
 
 from .conftest import REGRESSION_CELL
@@ -88,6 +89,25 @@ def test_a_crash_mid_write_keeps_the_last_good_checkpoint(pool, tmp_path):
     )
     assert resumed.history[0]["step"] == 7 and latest(tmp_path).name == "step-00000009"
     assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-00000006", "step-00000009"]
+
+
+def test_each_step_that_wrote_a_checkpoint_reports_its_write_time(pool, tmp_path):
+    """checkpoint_write(s), the cost notebook 05's checkpoint interval is computed from: on
+    every rank, on the steps that wrote one (every 3rd and the last), and on no other."""
+    run = sagenb.train(
+        REGRESSION_CELL,
+        batch_size=16,
+        steps=7,
+        epochs=1,
+        checkpoint_dir=str(tmp_path),
+        checkpoint_every=3,
+        dashboard=False,
+    )
+    wrote = {(m.step, m.rank) for m in run.metrics if keys.CHECKPOINT_WRITE in m.values}
+    assert wrote == {(step, rank) for step in (3, 6, 7) for rank in (0, 1)}
+    assert all(
+        m.values[keys.CHECKPOINT_WRITE] > 0 for m in run.metrics if (m.step, m.rank) in wrote
+    )
 
 
 def test_interrupt_writes_a_checkpoint(pool, tmp_path):

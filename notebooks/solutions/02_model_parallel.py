@@ -1,6 +1,6 @@
 """Solutions to the exercises of notebook 02 (02_model_parallel.ipynb).
 
-They use what the notebook defined (GPT, gpipe, hybrid): run them in its kernel after it ran,
+They use what the notebook defined (GPT, gpipe, hybrid, lab): run them in its kernel after it ran,
 `%run -i solutions/02_model_parallel.py`, then run the check cells again.
 """
 
@@ -49,3 +49,17 @@ def one_process(config=hybrid.config):  # noqa: F821
 
 
 answer_3 = one_process()
+
+
+# 4. The lab's GPipe points on p = 2, in increasing m: the first whose measured idle share is
+#    under 0.6 x the share measured at m = 1 (0 when none is).
+def first_m_under(points, *, share_of_m1=0.6):
+    gpipe_2 = sorted(
+        (pt for pt in points if pt.partitions == 2 and pt.schedule == "gpipe"),
+        key=lambda pt: pt.microbatches,
+    )
+    limit = share_of_m1 * gpipe_2[0].idle_share  # the sweep's first m is 1
+    return next((pt.microbatches for pt in gpipe_2 if pt.idle_share < limit), 0)
+
+
+answer_4 = first_m_under(lab)  # noqa: F821

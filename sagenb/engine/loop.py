@@ -92,12 +92,18 @@ def train_loop(
     )
     with loading as steps:  # --data-workers: worker processes end with the block
         for data in steps:
-            publish(_step(ws, strategy, config, data, optimizer, scheduler, meter, device, scaler))
+            metrics = _step(ws, strategy, config, data, optimizer, scheduler, meter, device, scaler)
             last, total = data.step.number, data.step.total
             stop = last != total and should_stop(last)  # after the last step, none to skip
             every = config.checkpoint_every
             if config.checkpoint_dir and (stop or last == total or (every and last % every == 0)):
+                # timed for the step that wrote it: what choosing --checkpoint-every weighs
+                # (Young's and Daly's intervals, docs/reliability.md)
+                began = time.perf_counter()
                 unsaved = checkpoint.save(config.checkpoint_dir, last, options=options, **objects)
+                if unsaved is None:
+                    metrics[keys.CHECKPOINT_WRITE] = time.perf_counter() - began
+            publish(metrics)
             if stop or unsaved is not None:
                 break
     return last, unsaved

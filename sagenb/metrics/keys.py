@@ -28,6 +28,9 @@ GRAD_NORM: Final = "grad_norm"  # --clip-grad-norm
 EVAL_LOSS: Final = "eval_loss"  # on steps that evaluate (--eval-every, the last)
 STEP_TIME: Final = "step_time(s)"
 DATA_WAIT: Final = "data_wait(s)"
+#: the steps that wrote a checkpoint (--checkpoint-dir): this rank's seconds in checkpoint.save,
+#: from its start to the last rank's agreement that the checkpoint is in place
+CHECKPOINT_WRITE: Final = "checkpoint_write(s)"
 SAMPLES: Final = "samples"
 TOKENS: Final = "tokens"  # token-id inputs only
 THROUGHPUT: Final = "throughput(samples/s)"
