@@ -85,16 +85,31 @@ def measure_traffic(result: Any, *, timeout_s: float = 60.0) -> dict[int, list[S
             ends[record.rank].append((record.values[keys.TIME], record.step))
     if not ends:
         raise ValueError("the result has no step's metrics: did the run finish a step?")
+    # from the run's submission (its first step's end less the time to it): a window that
+    # began earlier took in the last collectives of a run just before on the same engines
     first_end = min(t for rank in ends.values() for t, _ in rank)
-    since_ns = int((first_end - result.wall_time_s - 1.0) * 1e9)
+    since_ns = int((first_end - result.time_to_first_step_s) * 1e9)
     ranks = sorted(ends)
     found = _ask_engines(collectives_since, [(since_ns,) for _ in ranks], timeout_s)
     if any(f is None for f in found):
         raise RuntimeError("this torch build has no flight recorder: nothing to measure from")
     return {
-        rank: _by_step(sorted(ends[rank]), collectives, result.engines)
+        rank: _by_step(sorted(ends[rank]), _this_run(collectives, first_end), result.engines)
         for rank, collectives in zip(ranks, found)
     }
+
+
+def _this_run(collectives: list[dict[str, Any]], first_end: float) -> list[dict[str, Any]]:
+    """The collectives of the run's own process groups: its default group is the newest one
+    that was used before its first step ended (a group made later is one of the run's
+    subgroups); a run just before on the same engines used an older one."""
+    defaults = [
+        c["pg_id"] for c in collectives if c.get("default") and c["time_ns"] / 1e9 <= first_end
+    ]
+    if not defaults:
+        return collectives
+    run_group = max(defaults)
+    return [c for c in collectives if c.get("pg_id", run_group) >= run_group]
 
 
 def _by_step(

@@ -49,7 +49,8 @@ def _bytes(sizes: list[list[int]], dtypes: list[str]) -> int:
 
 def collectives_since(since_ns: int) -> list[dict[str, Any]] | None:
     """This process's collectives called at or after `since_ns` (time.time_ns()), oldest first:
-    {"kind": "all_reduce", "time_ns", "input_bytes", "output_bytes", "group"}. None where this
+    {"kind": "all_reduce", "time_ns", "input_bytes", "output_bytes", "group", "pg_id",
+    "default"}. None where this
     torch build has no flight recorder."""
     raw = dump_flight_recorder_json()
     if raw is None:
@@ -65,6 +66,10 @@ def collectives_since(since_ns: int) -> list[dict[str, Any]] | None:
                 "input_bytes": _bytes(entry["input_sizes"], entry["input_dtypes"]),
                 "output_bytes": _bytes(entry["output_sizes"], entry["output_dtypes"]),
                 "group": str(entry["process_group"][0]),
+                # which instance of a group (each init_process_group makes a new one, its
+                # name reused), and whether it is the default group
+                "pg_id": int(entry.get("pg_id", -1)),
+                "default": entry["process_group"][1] == "default_pg",
             }
         )
     return sorted(out, key=lambda c: c["time_ns"])
