@@ -6,6 +6,7 @@ in the queue each leave no job behind."""
 
 from __future__ import annotations
 
+import glob
 import os
 import subprocess
 import sys
@@ -105,7 +106,9 @@ def test_a_kernel_killed_by_sigkill_cancels_its_job(slurm):
 
 def test_a_job_waiting_in_the_queue_says_why_and_times_out_on_the_flag(slurm, capsys):
     # another user's job holds every CPU of both nodes
-    blocker = slurm.run("sbatch", "-n", "4", "-J", "blocker", "--wrap", "sleep 600").split()[-1]
+    blocker = slurm.run(
+        "sbatch", "-n", "4", "-J", "blocker", "-o", os.devnull, "--wrap", "sleep 600"
+    ).split()[-1]  # its output nowhere: by default slurm-JOB.out in the cwd
     shell = _shell()
     started = time.monotonic()
     with pytest.raises(TimeoutError, match=r"(?s)0 of 4 engines registered within 8 s.*"
@@ -113,5 +116,6 @@ def test_a_job_waiting_in_the_queue_says_why_and_times_out_on_the_flag(slurm, ca
         shell.run_line_magic("smp_cluster", "start -n 4 --launcher slurm --timeout 8")
     assert time.monotonic() - started < 60
     assert "pending: Resources" in capsys.readouterr().out  # said while it waited
+    assert not glob.glob("slurm-*.out") and not os.path.exists("slurm_engine.sbatch")
     assert _jobs_within(slurm, 30, keep="blocker") == []  # ours is gone, the blocker is not
     assert any(blocker in job for job in slurm.jobs())
