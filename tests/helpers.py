@@ -132,3 +132,23 @@ def check_equal(result, cell: str, *, tol: float = TOL, **options) -> tuple[torc
     torch.testing.assert_close(result.losses, losses, rtol=0, atol=tol)
     assert_params_equal(result.state_dict(), model, tol=tol)
     return model, ns
+
+
+#: what the multi-host tests train on each launcher's pool (tests/test_multi_host.py, test_slurm.py)
+THREE_STRATEGIES = (
+    dict(strategy="data"),
+    dict(strategy="sharded"),
+    dict(strategy="model", partitions=2),
+)
+
+
+def check_strategies(cell: str, strategies, *, batch_size: int, steps: int):
+    """Train `cell` on the current pool with each of `strategies` (train options) and check
+    each against the one-process reference; returns the reference model."""
+    import sagenb
+
+    model, _, _ = train_reference(cell, batch_size=batch_size, steps=steps)
+    for options in strategies:
+        result = sagenb.train(cell, batch_size=batch_size, steps=steps, dashboard=False, **options)
+        assert_params_equal(result.state_dict(), model, context=str(options))
+    return model

@@ -23,17 +23,13 @@ import sagenb
 from sagenb.pool import cluster
 from sagenb.run.failures import EngineDiedError
 
-from .helpers import assert_params_equal, fault_cell
+from .helpers import THREE_STRATEGIES, assert_params_equal, check_strategies, fault_cell
 from .hosts import SshHosts, TwoHosts, namespaces_unavailable, ssh_missing
 from .models import SEQUENTIAL_CELL
-from .reference import train_reference
 
 
 def check_both_strategies():
-    for options in (dict(strategy="data"), dict(strategy="model", partitions=2)):
-        result = sagenb.train(SEQUENTIAL_CELL, batch_size=32, steps=6, dashboard=False, **options)
-        model, _, _ = train_reference(SEQUENTIAL_CELL, batch_size=32, steps=6)
-        assert_params_equal(result.state_dict(), model, context=str(options))
+    check_strategies(SEQUENTIAL_CELL, THREE_STRATEGIES[::2], batch_size=32, steps=6)  # data, model
 
 
 # -- MPI ------------------------------------------------------------------------------------
@@ -181,14 +177,7 @@ def test_ssh_launcher_starts_engines_on_two_hosts_that_train_like_one_process(ss
     _on_each_host(pool, hosts)
     assert pool.controller_host == hosts.address  # on the route to them, not this host's name
     assert len(hosts.engines()) >= 4  # started by the hosts' sshd, not by this process
-    for options in (
-        dict(strategy="data"),
-        dict(strategy="sharded"),
-        dict(strategy="model", partitions=2),
-    ):
-        result = sagenb.train(SEQUENTIAL_CELL, batch_size=32, steps=6, dashboard=False, **options)
-        model, _, _ = train_reference(SEQUENTIAL_CELL, batch_size=32, steps=6)
-        assert_params_equal(result.state_dict(), model, context=str(options))
+    model = check_strategies(SEQUENTIAL_CELL, THREE_STRATEGIES, batch_size=32, steps=6)
 
     # an engine killed on the second host mid-run is named with its host; the next run
     # starts its replacement there (not on the first host: ipyparallel's order)

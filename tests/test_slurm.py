@@ -14,13 +14,11 @@ import time
 
 import pytest
 
-import sagenb
 from sagenb.pool import cluster
 
-from .helpers import assert_params_equal
+from .helpers import THREE_STRATEGIES, check_strategies
 from .hosts import SlurmNodes, slurm_missing
 from .models import SEQUENTIAL_CELL
-from .reference import train_reference
 
 
 @pytest.fixture
@@ -67,14 +65,7 @@ def test_a_slurm_pool_trains_like_one_process_and_stop_cancels_its_job(slurm):
     assert places == sorted(list(zip(slurm.names, slurm.addresses)) * 2)  # 2 on each node
     assert pool.controller_host == slurm.address  # on the route to slurmctld, not loopback
     assert any("ipengine" in job and "RUNNING" in job for job in slurm.jobs())
-    for options in (
-        dict(strategy="data"),
-        dict(strategy="sharded"),
-        dict(strategy="model", partitions=2),
-    ):
-        result = sagenb.train(SEQUENTIAL_CELL, batch_size=32, steps=6, dashboard=False, **options)
-        model, _, _ = train_reference(SEQUENTIAL_CELL, batch_size=32, steps=6)
-        assert_params_equal(result.state_dict(), model, context=str(options))
+    check_strategies(SEQUENTIAL_CELL, THREE_STRATEGIES, batch_size=32, steps=6)
     shell.run_line_magic("smp_cluster", "stop")
     assert _jobs_within(slurm, 30) == []
     assert not os.path.exists("slurm_engine.sbatch")  # the job's script is not left in the cwd
