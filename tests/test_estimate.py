@@ -5,6 +5,7 @@ of the cell on fake tensors: no engine starts (the pool is checked before and af
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -211,6 +212,21 @@ def test_a_run_makes_its_own_projection_off_the_notebooks_process():
     assert "AssertionError: the cell runs on engines only" in failing.why, failing.why
     meter = CostMeter(instance_price(P4D), 2, runs_on="cpu", projection=failing)
     assert meter.projected_on(4).startswith(f"projected on 1 x {P4D}: no estimate (AssertionError")
+
+
+def test_a_cell_run_again_is_projected_at_once_without_a_second_child():
+    """sizing/projection.py: the figure a run's own estimate made is kept by what it
+    estimated, --steps and --epochs aside (they change how many steps, not a step's cost); a
+    run of other options makes its own."""
+    config = TrainConfig(engines=2, batch_size=16, steps=4).with_engines(2)
+    first = Projection.for_run(None, Job.of(REGRESSION_CELL), config)
+    assert first.pending and first.wait(120), first.why
+    again = Projection.for_run(None, Job.of(REGRESSION_CELL), dataclasses.replace(config, steps=9, epochs=3))
+    assert not again.pending and again._child is None
+    assert again.step_time_s == first.step_time_s
+    other = Projection.for_run(None, Job.of(REGRESSION_CELL), dataclasses.replace(config, batch_size=8))
+    assert other.pending and other._child is not None
+    other.cancel("not needed")
 
 
 NEEDS_ENGINES_CELL = REGRESSION_CELL + (

@@ -156,7 +156,9 @@ class Estimate:
     def describes(self, job: Job, config: TrainConfig) -> bool:
         """Whether this estimates training `job` with `config` (engines resolved): the same
         cell and every option that reaches the engines, on the same instance and table."""
-        return self.job is not None and _key(self.job, self.config) == _key(job, config)
+        return self.job is not None and estimate_key(self.job, self.config) == estimate_key(
+            job, config
+        )
 
     def rank_totals(self) -> list[float]:
         return [rank_total_mib(r) for r in self.ranks]
@@ -279,7 +281,9 @@ def estimate(
     return dataclasses.replace(_assemble(prepared, config, hw, price, fp, run), job=prepared)
 
 
-def _key(job: Job, config: TrainConfig) -> tuple[Any, ...]:
+def estimate_key(job: Job, config: TrainConfig) -> tuple[Any, ...]:
+    """What an estimate depends on: the cell, every option that reaches the engines, the
+    instance and its price table."""
     return (job.source, job.payload, config.for_engines(), config.instance, config.hardware_table)
 
 

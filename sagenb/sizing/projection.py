@@ -9,11 +9,20 @@ the engines keep busy it takes only the time they leave idle, and it is SIGKILLe
 kernel dies (prctl PR_SET_PDEATHSIG). A slow or failing estimate never stops the run: the
 header then says why there is no projection.
 
+A figure made is kept, by what it estimated (the cell and every option that reaches the
+engines but --steps and --epochs, which change how many steps there are, not what a step
+costs): a cell run again, the notebook's loop, is projected at once and starts no child. The
+child is not free, SCHED_IDLE or not: on 2 cores, the seconds it takes to start Python, import
+torch and trace the cell took 20-25% of the steps of a 300-step data-parallel run
+(benchmarks/against_peers.py, issue 31), the engines' caches and the wake-ups of their
+collectives being what it shares.
+
     python -m sagenb.sizing.projection   # reads a pickled (Job, TrainConfig) on stdin
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pickle
@@ -21,6 +30,7 @@ import subprocess
 import sys
 import threading
 import warnings
+from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -31,6 +41,8 @@ __all__ = ["Projection"]
 
 #: most seconds the child may take; past them it is ended and the header says so
 ESTIMATE_TIMEOUT_S = 600.0
+#: how many figures are kept for cells run again (see above)
+KEPT = 64
 
 
 class Projection:
@@ -46,6 +58,7 @@ class Projection:
         self._lock = threading.Lock()
         self._listeners: list[Callable[[], None]] = []
         self._child: subprocess.Popen[bytes] | None = None
+        self._key: bytes | None = None  # what it estimates, where its figure is to be kept
         if step_time_s is not None:
             self._ended = True
             self._done.set()
@@ -57,12 +70,21 @@ class Projection:
         run's own estimate, made in a child process while the engines train."""
         if estimate is not None and estimate.describes(job, config):
             return cls(estimate.step_time_s)
-        return cls.start(job, config)
+        key = _what(job, config)
+        with _kept:
+            made = _made.get(key)
+            if made is not None:
+                _made.move_to_end(key)
+        if made is not None:
+            return cls(made)
+        return cls.start(job, config, keep_as=key)
 
     @classmethod
-    def start(cls, job: Any, config: Any) -> Projection:
-        """Estimate `job` with `config` (engines resolved) in a child process, now."""
+    def start(cls, job: Any, config: Any, *, keep_as: bytes | None = None) -> Projection:
+        """Estimate `job` with `config` (engines resolved) in a child process, now; the figure
+        is kept under `keep_as` (for_run) once made."""
         projection = cls(why="estimating (in the background)")
+        projection._key = keep_as
         global _latest
         with _starting:  # one estimate at a time: a run's own is moot once the next starts
             if _latest is not None:
@@ -132,6 +154,8 @@ class Projection:
                 return
             self.step_time_s, self.why = step_time_s, why
             self._ended = True
+            if step_time_s is not None and self._key is not None:
+                _keep(self._key, step_time_s)
             listeners, self._listeners = self._listeners, []
         for listener in listeners:
             _tell(listener)
@@ -141,6 +165,27 @@ class Projection:
 #: the latest run's own estimate, and the lock its replacement takes
 _latest: Projection | None = None
 _starting = threading.Lock()
+
+
+#: figures made, by what they estimated (`_what`), the latest used last; under _kept
+_kept = threading.Lock()
+_made: OrderedDict[bytes, tuple[float, float]] = OrderedDict()
+
+
+def _what(job: Any, config: Any) -> bytes:
+    """What a figure estimates: the key `Estimate.describes` compares, but for the number of
+    steps (a step costs the same however many there are)."""
+    from sagenb.sizing.estimates import estimate_key
+
+    return pickle.dumps(estimate_key(job, dataclasses.replace(config, steps=None, epochs=1)))
+
+
+def _keep(key: bytes, step_time_s: tuple[float, float]) -> None:
+    with _kept:
+        _made[key] = step_time_s
+        _made.move_to_end(key)
+        while len(_made) > KEPT:
+            _made.popitem(last=False)
 
 
 def _tell(listener: Callable[[], None]) -> None:
