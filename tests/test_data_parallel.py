@@ -96,25 +96,34 @@ model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
 X = torch.randn(64, 8)
 y = torch.randint(0, 4, (64,))
 y[{ignored}] = -100
-dataset = torch.utils.data.TensorDataset(X, y)
+dataset = {dataset}
 loss_fn = nn.CrossEntropyLoss()
 def make_optimizer(params):
     return torch.optim.SGD(params, lr=0.1, momentum=0.9)
 """
 
 
-@pytest.mark.parametrize("grad_accum", [1, 2])
-def test_class_labels_that_one_engine_never_counts(pool, grad_accum):
-    """Integer class labels: the global count's all-reduce runs while the step does, the step
-    weighs its pieces as if every sample counted, then rescales the gradients once the sum is
-    in (engine/loop.py _GlobalCount). Here engine 0's share of every slice is all -100 and
-    engine 1's holds one more: were the weight each rank's own guess (0 on engine 0), the
-    engines' gradients would disagree and neither would equal one process."""
+@pytest.mark.parametrize(
+    "grad_accum, dataset",
+    [
+        (1, "torch.utils.data.TensorDataset(X, y)"),
+        (2, "torch.utils.data.TensorDataset(X, y)"),
+        (2, "list(zip(X, y))"),
+    ],
+)
+def test_class_labels_that_one_engine_never_counts(pool, grad_accum, dataset):
+    """Integer class labels. A TensorDataset's are counted for the whole global batch on
+    every engine, with no collective (engine/loop.py _counted_here); other datasets' counts
+    are all-reduced while the step runs, the step weighing its pieces as if every sample
+    counted, then rescaling the gradients once the sum is in (_GlobalCount). Here engine 0's
+    share of every slice is all -100 and engine 1's holds one more: were the weight each
+    rank's own guess (0 on engine 0), the engines' gradients would disagree and neither would
+    equal one process."""
     steps, size = 4, 8
     plan = plan_steps(64, batch_size=size, epochs=1, steps=steps, seed=0)
     slices = [piece for step in plan for piece in step.indices.chunk(grad_accum)]
     ignored = [int(i) for piece in slices for i in piece[: len(piece) // 2 + 1]]
-    cell = CLASSES_CELL.format(ignored=ignored)
+    cell = CLASSES_CELL.format(ignored=ignored, dataset=dataset)
     result = sagenb.train(
         cell, batch_size=size, steps=steps, grad_accum=grad_accum, dashboard=False
     )

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
 import torch.distributed as dist
+from torch.utils.data import TensorDataset
 
 from sagenb.engine.checkpoint import distributed as checkpoint
 from sagenb.engine.checkpoint import resume
@@ -166,7 +167,13 @@ def _step(ws, strategy, config, data, optimizer, scheduler, meter, device, scale
     loss_scale = scaler.scale if scaler is not None else 1.0
     with autocast(config.precision, device):
         loss, counted, samples, tokens = _accumulate(
-            ws, strategy, meter, data.batches, loss_scale, exact_first=scaler is not None
+            ws,
+            strategy,
+            meter,
+            data.batches,
+            loss_scale,
+            exact_first=scaler is not None,
+            known=_counted_here(ws, step),
         )
     metrics: dict[str, Any] = {
         keys.STEP: step.number,
@@ -206,7 +213,28 @@ def _step(ws, strategy, config, data, optimizer, scheduler, meter, device, scale
     return metrics
 
 
-def _accumulate(ws, strategy, meter, batches, loss_scale, *, exact_first=False):
+def _counted_here(ws: Workspace, step: Step) -> torch.Tensor | None:
+    """The targets the whole global batch counts, counted on this engine without a
+    collective, where that costs less than one: a TensorDataset without a collate_fn holds
+    every sample's target, and the step's indices name the whole global batch (each of its
+    samples loaded by one replica: the config's batch split), so indexing its targets costs
+    about what loading this engine's share did. None elsewhere (a dataset whose other samples
+    this engine would have to load, a stream, dict samples)."""
+    dataset, objective = ws.dataset, ws.objective
+    if (
+        ws.collate_fn is not None
+        or type(dataset) is not TensorDataset
+        or len(dataset.tensors) != 2
+        or objective.dict_samples
+    ):
+        return None
+    target = dataset.tensors[1]
+    if not objective.counts_vary(target):
+        return None  # the sample count: every rank knows it
+    return objective.count(target[step.indices])
+
+
+def _accumulate(ws, strategy, meter, batches, loss_scale, *, exact_first=False, known=None):
     """Forward and backward over the grad_accum slices of one global batch (the backward
     runs under the forward's autocast too: pipeline schedules interleave the two, and
     autocast leaves backward's dtypes to those of the forward ops).
@@ -216,7 +244,8 @@ def _accumulate(ws, strategy, meter, batches, loss_scale, *, exact_first=False):
     then averaged over: so the step's gradient is that of the loss one process would compute
     over the global batch, whatever each slice holds. Returns the loss (this engine's share),
     its counted targets, samples and tokens. `exact_first`: the global count is needed before
-    the first backward (fp16's loss scale: see _GlobalCount)."""
+    the first backward (fp16's loss scale: see _GlobalCount). `known`: the global batch's
+    count where this engine counted it itself (_counted_here)."""
     objective = ws.objective
     counts = [objective.count(objective.target(b), b) for b in batches]
     samples = sum(batch_size_of(b) for b in batches)
@@ -226,6 +255,7 @@ def _accumulate(ws, strategy, meter, batches, loss_scale, *, exact_first=False):
         varies=objective.counts_vary(objective.target(batches[0])),
         in_flight=strategy.counts_in_flight and not exact_first and dist.is_initialized(),
         samples=samples,
+        known=known,
     )
     scale = loss_scale * strategy.replicas / total.assumed
     sums = []
@@ -262,14 +292,29 @@ class _GlobalCount:
     (`assumed`, the same on every rank: exact for a classifier's labels without -100). After
     the last backward, whose gradient all-reduce has come after the count's, `settle` reads
     the sum and, when it differs, rescales the gradients by assumed / actual: exact up to
-    rounding, as every gradient is linear in the loss's weight."""
+    rounding, as every gradient is linear in the loss's weight.
+
+    Where the engine can count the whole global batch's targets itself (`known`: a
+    TensorDataset's labels, loop._counted_here), no collective is needed at all; the in-flight
+    one still left data parallel at 0.90x torchrun on that job, its 20 ms steps paying ~1 ms of
+    bookkeeping (benchmarks/results/against_peers.md)."""
 
     def __init__(
-        self, counted: torch.Tensor, strategy: Any, *, varies: bool, in_flight: bool, samples: int
+        self,
+        counted: torch.Tensor,
+        strategy: Any,
+        *,
+        varies: bool,
+        in_flight: bool,
+        samples: int,
+        known: torch.Tensor | None = None,
     ) -> None:
         self.local = float(counted)
         self._replicas, self._work = strategy.replicas, None
         self.assumed = self.local * self._replicas
+        if known is not None:
+            self.assumed = float(known)
+            return
         if not varies:
             return
         self._everywhere = counted.to(torch.int64).clone()
