@@ -216,15 +216,27 @@ def test_a_run_makes_its_own_projection_off_the_notebooks_process():
 
 def test_a_cell_run_again_is_projected_at_once_without_a_second_child():
     """sizing/projection.py: the figure a run's own estimate made is kept by what it
-    estimated, --steps and --epochs aside (they change how many steps, not a step's cost); a
-    run of other options makes its own."""
+    estimated, --steps and --epochs aside (they change how many steps, not a step's cost), and
+    a run of the same before it came takes the figure of the child at work; a run of other
+    options makes its own."""
     config = TrainConfig(engines=2, batch_size=16, steps=4).with_engines(2)
     first = Projection.for_run(None, Job.of(REGRESSION_CELL), config)
-    assert first.pending and first.wait(120), first.why
-    again = Projection.for_run(None, Job.of(REGRESSION_CELL), dataclasses.replace(config, steps=9, epochs=3))
+    assert first.pending
+    # run again before the figure came: it follows the child at work, starting none
+    follows = Projection.for_run(
+        None, Job.of(REGRESSION_CELL), dataclasses.replace(config, steps=2)
+    )
+    assert follows.pending and follows._child is None
+    assert first.wait(120) and follows.wait(10), first.why
+    assert follows.step_time_s == first.step_time_s is not None
+    again = Projection.for_run(
+        None, Job.of(REGRESSION_CELL), dataclasses.replace(config, steps=9, epochs=3)
+    )
     assert not again.pending and again._child is None
     assert again.step_time_s == first.step_time_s
-    other = Projection.for_run(None, Job.of(REGRESSION_CELL), dataclasses.replace(config, batch_size=8))
+    other = Projection.for_run(
+        None, Job.of(REGRESSION_CELL), dataclasses.replace(config, batch_size=8)
+    )
     assert other.pending and other._child is not None
     other.cancel("not needed")
 

@@ -11,9 +11,10 @@ header then says why there is no projection.
 
 A figure made is kept, by what it estimated (the cell and every option that reaches the
 engines but --steps and --epochs, which change how many steps there are, not what a step
-costs): a cell run again, the notebook's loop, is projected at once and starts no child. The
-child is not free, SCHED_IDLE or not: on 2 cores, the seconds it takes to start Python, import
-torch and trace the cell took 20-25% of the steps of a 300-step data-parallel run
+costs): a cell run again, the notebook's loop, is projected at once and starts no child; run
+again before its figure came, it takes the figure of the child already at work. The child is
+not free, SCHED_IDLE or not: on 2 cores, the seconds it takes to start Python, import torch
+and trace the cell took 20-25% of the steps of a 300-step data-parallel run
 (benchmarks/against_peers.py, issue 31), the engines' caches and the wake-ups of their
 collectives being what it shares.
 
@@ -77,6 +78,14 @@ class Projection:
                 _made.move_to_end(key)
         if made is not None:
             return cls(made)
+        with _starting:
+            pending = _latest
+        if pending is not None and pending.pending and pending._key == key:
+            # the same cell run again before its figure came (a short run, then the long
+            # one): this run takes that child's figure; a second child would compete too
+            follower = cls(why=pending.why)
+            pending.on_end(lambda: follower._end(pending.step_time_s, pending.why))
+            return follower
         return cls.start(job, config, keep_as=key)
 
     @classmethod
