@@ -170,22 +170,31 @@ def summarise(
 #: what profiling one step on each side found (cProfile of rank 0, classify workload): each
 #: per-step cost sagenb adds over the torchrun script, and what became of it
 FINDINGS = """
-## Per-step costs sagenb adds over the torchrun script (cProfile of rank 0, classify workload)
+## Per-step costs sagenb adds over the torchrun script (classify workload)
 
-- The all-reduce of the counted targets (engine/loop.py), blocking before each step's first
-  forward: a second point per step where the ranks wait for each other (0.7 ms enqueue and
-  1.7 ms wait a step under load). Now started asynchronously; the step weighs its pieces as if
-  every sample counted a target and rescales the gradients after the last backward when the
-  sum differs (always for a language model: one multiply a gradient tensor). On a quiet
-  machine a 1-element gloo all-reduce costs ~0.25 ms blocking, ~0.05 ms to start async.
-- A microbenchmark under torchrun (same process, variants alternated 10 steps at a time, p10
-  of step times, load 3-5): no count 19.7-21.6 ms, blocking 20.2-23.2, async 20.4-22.4,
-  counting the whole global batch's labels locally 20.1-22.0: the differences are within
-  this machine's noise.
-- Everything else of sagenb's loop (loading, counting, metrics, memory meter) is under
-  0.5 ms a step. Scripts exported to torchrun (engine/launch.py) also gather every rank's
-  metrics on rank 0 at every step with gather_object (~3.7 ms a step under load): not changed
-  here.
+How they were found (issue 31): cProfile of rank 0's loop on each side (an engine's
+`train_loop` wrapped in the pool, `peers/ddp_script.py --profile` under torchrun); the CPU
+time of each step's thread and process (`time.thread_time`, `time.process_time`) and the
+machine's CPU split (`/proc/stat`) over a run on each side; and the torchrun script's own loop
+run inside the engines, which trained as fast as torchrun, so the engines' processes were not
+the cost.
+
+- **The run's own projection on --instance** (sizing/projection.py): every run started a
+  child process to estimate itself, at SCHED_IDLE. Its 2-4 s of CPU (Python, torch's import,
+  the trace) cost the engines 20-25% of a 300-step run's steps: the machine was 95% busy
+  against 89% for torchrun, with the engines' own CPU per step the same (30 ms) and their wall
+  time 45 ms against 33. The figure is now kept by cell and options (--steps aside), and a
+  run of the same cell before it came follows the child at work: a cell run again starts no
+  child. The first run of a new cell still pays it: the first round's ratios below.
+- **The count of integer targets**: its all-reduce, started asynchronously before, is gone
+  for a TensorDataset: every engine counts the whole global batch's labels itself (the
+  step's indices name it). Other datasets keep the in-flight all-reduce.
+- **The memory meter's per-step sums** of parameters, gradients and optimizer state (~0.1 ms)
+  are taken on the steps it counts activations.
+- What remains (cProfile, under its own overhead): the loss's weighting and reporting
+  (~0.3 ms a step), the step's metrics and their batching to the notebook (~0.1 ms), and the
+  engine's ipykernel threads and the controller's heartbeats (~1% of one core).
+  On this machine single rounds move by 5-10% whichever side runs.
 """
 
 
