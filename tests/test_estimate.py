@@ -228,7 +228,8 @@ def test_a_cell_run_again_is_projected_at_once_without_a_second_child():
     )
     assert follows.pending and follows._child is None
     assert first.wait(120) and follows.wait(10), first.why
-    assert follows.step_time_s == first.step_time_s is not None
+    assert first.step_time_s is not None
+    assert follows.step_time_s == first.step_time_s
     again = Projection.for_run(
         None, Job.of(REGRESSION_CELL), dataclasses.replace(config, steps=9, epochs=3)
     )
