@@ -16,8 +16,15 @@ from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell
 
 import sagenb
-from sagenb.config.options import SECTIONS, TrainConfig, _opt, strategy_names
-from sagenb.engine.strategies import describe
+from sagenb.config.options import (
+    SECTIONS,
+    TrainConfig,
+    _opt,
+    _strategy_keywords,
+    every_option,
+    option_owners,
+    strategy_names,
+)
 from sagenb.metrics.result import TrainResult
 from sagenb.notebook import panel as panel_module
 from sagenb.notebook.magics import parse_train_line
@@ -97,7 +104,7 @@ def test_every_option_the_panel_is_given_comes_back(tmp_path):
         ),
         dict(strategy="model", partitions=2, memory_budget=2.5),
         dict(strategy="tensor", engines=4, tensor_parallel=2),
-        dict(strategy="sharded", engines=4, reshard_after_forward=False),
+        dict(strategy="sharded", engines=4, reshard_after_forward=False, replicas=2),
     ]
     changed = set()
     for options in own:
@@ -106,22 +113,20 @@ def test_every_option_the_panel_is_given_comes_back(tmp_path):
         assert panel.config == config, panel.error
         assert parse_train_line(shown_line(panel).removeprefix("%%smp_train ")) == config
         for name, control in panel.options.items():
-            assert control.read() == getattr(config, name), name
-        changed |= {
-            f.name for f in dataclasses.fields(config) if getattr(config, f.name) != f.default
-        }
-    assert changed == set(panel.controls), "a field this test leaves at its default"
+            assert control.read() == config.option(name), name
+        changed |= {o.name for o in every_option() if config.option(o.name) != o.default}
+    assert changed == set(panel.controls), "an option this test leaves at its default"
 
 
 def test_every_field_has_a_widget_in_its_sections_tab():
-    """The widgets are the fields, less those declared `panel=False`, each in the tab of its
-    section (SECTIONS order), with the flag and its help as the tooltip."""
+    """The widgets are the options (the fields, and where `strategy_options` stands those the
+    strategies declare), less those declared `panel=False`, each in the tab of its section
+    (SECTIONS order), with the flag and its help as the tooltip."""
     panel = sagenb.ControlPanel()
-    fields = dataclasses.fields(TrainConfig)
-    left_out = {f.name for f in fields if f.metadata.get("panel", True) is False}
-    shown = [f for f in fields if f.name not in left_out]
-    assert list(panel.controls) == [f.name for f in shown]
-    in_use = {f.metadata["section"] for f in shown}
+    shown = [o for o in every_option() if o.panel]
+    assert list(panel.controls) == [o.name for o in shown]
+    assert "replicas" in panel.controls  # declared by sharded (engine/strategies/sharded.py)
+    in_use = {o.section for o in shown}
     titles = [section.title for name, section in SECTIONS.items() if name in in_use]
     assert list(panel.sections.titles) == titles
     by_title = dict(zip(panel.sections.titles, panel.sections.children, strict=True))
@@ -130,12 +135,12 @@ def test_every_field_has_a_widget_in_its_sections_tab():
             continue
         about, grid = by_title[section.title].children
         assert section.about in about.value
-        names = [f.name for f in shown if f.metadata["section"] == name]
+        names = [o.name for o in shown if o.section == name]
         assert list(grid.children) == [panel.controls[n] for n in names]
-    for f in shown:
-        tooltip = panel.controls[f.name].tooltip
-        assert tooltip.startswith(f"--{f.name.replace('_', '-')}"), tooltip
-        assert f.metadata["help"].replace("%%", "%") in tooltip
+    for o in shown:
+        tooltip = panel.controls[o.name].tooltip
+        assert tooltip.startswith(f"--{o.name.replace('_', '-')}"), tooltip
+        assert o.help.replace("%%", "%") in tooltip
 
 
 def test_widgets_follow_each_fields_type_and_metadata():
@@ -179,16 +184,19 @@ def test_a_field_added_to_the_spec_gets_a_widget(monkeypatch):
     """A new option needs no edit of the panel: declared as the config's fields are, it gets a
     widget in its section's tab and reaches the config; one declared panel=False keeps the
     value the panel was given."""
-    extended = dataclasses.make_dataclass(
-        "ExtendedConfig",
-        [
-            ("warmup_steps", int, _opt("training", 0, "steps of linear learning-rate warm-up")),
-            ("smoothing", float | None, _opt("training", None, "label smoothing", shown="off")),
-            ("note", str, _opt("output", "", "a note kept with the result", panel=False)),
-        ],
-        bases=(TrainConfig,),
-        frozen=True,
-        kw_only=True,
+    # as TrainConfig is made: its __init__ takes the options strategies declare as keywords
+    extended = _strategy_keywords(
+        dataclasses.make_dataclass(
+            "ExtendedConfig",
+            [
+                ("warmup_steps", int, _opt("training", 0, "steps of linear learning-rate warm-up")),
+                ("smoothing", float | None, _opt("training", None, "label smoothing", shown="off")),
+                ("note", str, _opt("output", "", "a note kept with the result", panel=False)),
+            ],
+            bases=(TrainConfig,),
+            frozen=True,
+            kw_only=True,
+        )
     )
     monkeypatch.setattr(panel_module, "TrainConfig", extended)
     panel = sagenb.ControlPanel(note="kept")
@@ -212,7 +220,7 @@ def test_options_of_other_strategies_are_greyed_out_and_left_at_their_default():
     for strategy in strategy_names():
         panel.controls["strategy"].value = strategy
         for name, widget in panel.controls.items():
-            owners = [s for s in strategy_names() if name in describe(s).own_options]
+            owners = option_owners(name)  # own_options, or declared by the strategy
             assert widget.disabled == bool(owners and strategy not in owners), (strategy, name)
     assert "--strategy model or hybrid" in panel.controls["partitions"].tooltip
     set_options(panel, engines="", strategy="model", partitions=3)

@@ -110,6 +110,13 @@ class Description:
         for the estimate and the planner; 0: every engine works the whole step."""
         return 0.0
 
+    def inner_collectives(self, config: EngineConfig, engines: int) -> tuple[int, tuple[str, ...]]:
+        """The collective kinds that run only within groups of consecutive ranks, and the
+        groups' size: on instances that each hold whole groups they go at the instance's own
+        link, not the network (hybrid sharding's gathers and reduce-scatters); default: every
+        collective spans all the engines."""
+        return engines, ()
+
     def build(
         self, config: EngineConfig, *, rank: int, world_size: int, device: torch.device
     ) -> Strategy:

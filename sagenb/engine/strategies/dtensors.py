@@ -56,7 +56,7 @@ def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float) -> flo
         part = local(g).detach().double().pow(2).sum()
         if is_sharded(g):
             dims = [i for i, p in enumerate(g.placements) if p.is_shard()]
-            for dim in dims:  # one mesh dimension per sharded placement (1-D in sagenb)
+            for dim in dims:  # one in sagenb (hybrid sharding: Replicate, then Shard(0))
                 group = g.device_mesh.get_group(dim)
                 squares[group] = squares.get(group, zero) + part
         else:

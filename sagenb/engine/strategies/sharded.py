@@ -7,6 +7,15 @@ computes, its parameters are all-gathered; after backward its gradients are redu
 (averaged), so each engine steps the optimizer on its own shard. With
 --no-reshard-after-forward the gathered parameters stay until backward (ZeRO-2: more memory,
 one all-gather fewer per block). torch's FSDP2 tutorial and torchtitan apply it the same way.
+
+With --replicas R (hybrid sharding, HSDP) the engines form a 2-D mesh (replicate R, shard N/R):
+each group of N/R consecutive engines shards the model among itself, and the R groups hold the
+same shards, their gradients all-reduced across the groups after the reduce-scatter within
+each. A group of consecutive ranks stays on one host, so the gathers and reduce-scatters that
+run every block stay inside it and only the gradient all-reduce crosses hosts. `fully_shard`
+does it all when its mesh is 2-D (torch.distributed.fsdp.fully_shard's docs; torchtitan's
+`dp_replicate` x `dp_shard`, Accelerate's `dp_replicate_size` x `dp_shard_size`, SageMaker
+model parallel v2's `hybrid_shard_degree`).
 """
 
 from __future__ import annotations
@@ -15,10 +24,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
+from sagenb.config.errors import ConfigError
 from sagenb.config.job import JobError
+from sagenb.config.spec import Option
 from sagenb.engine.model.blocks import find_blocks
 from sagenb.engine.model.delayed import materialize
 from sagenb.engine.model.pretrained import Checkpoint, load_local
@@ -36,7 +47,7 @@ from sagenb.engine.strategies.attribution import (
     param_bytes,
     ring,
 )
-from sagenb.engine.strategies.description import Description, plural
+from sagenb.engine.strategies.description import DEFAULT_ENGINES, Description, plural
 from sagenb.engine.strategies.split_params import SplitParameters
 from sagenb.engine.workspace import Workspace
 
@@ -59,15 +70,17 @@ class Sharded(SplitParameters):
         device: torch.device,
         seed: int = 0,
         reshard_after_forward: bool = True,
+        replicas: int = 1,
     ):
         super().__init__(rank=rank, world_size=world_size, device=device, seed=seed)
         self.reshard_after_forward = reshard_after_forward
+        self.groups = replicas  # --replicas (`replicas`, data_parallel.py, counts the batch split)
 
     def setup(self, ws: Workspace) -> None:
         self.key_order = list(ws.model.state_dict().keys())
         # every engine takes its own samples: BatchNorm over all of them, before FSDP wraps it
         model = sync_batchnorm(ws.model, device=self.device) if self.world_size > 1 else ws.model
-        mesh = init_device_mesh(self.device.type, (self.world_size,))
+        mesh = _mesh(self.device, self.world_size, self.groups)
         delayed = any(p.is_meta for p in model.parameters())
         for block in _blocks(model):
             if delayed:  # materialise one block at a time: no engine ever holds the whole
@@ -97,6 +110,16 @@ class Sharded(SplitParameters):
         return piece_loss(objective, self.module, batch, scale)
 
 
+def _mesh(device: torch.device, world_size: int, replicas: int) -> DeviceMesh:
+    """FSDP's mesh: 1-D over every engine, or 2-D (replicate, shard) for hybrid sharding, rank
+    r in replica r // (N/R), holding shard r % (N/R) (init_device_mesh lays ranks out row by
+    row)."""
+    if replicas == 1:
+        return init_device_mesh(device.type, (world_size,))
+    shape = (replicas, world_size // replicas)
+    return init_device_mesh(device.type, shape, mesh_dim_names=("replicate", "shard"))
+
+
 def _to(module: nn.Module, device: torch.device) -> nn.Module:
     """`module` on `device`; one holding meta parameters is left to fully_shard, which moves
     its real states and keeps the meta ones for deferred initialisation."""
@@ -117,17 +140,55 @@ def _blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 class ShardedDescription(Description):
     name = "sharded"
-    summary = "sharded data parallel (FSDP2, ZeRO-3 or ZeRO-2)"
+    summary = "sharded data parallel (FSDP2, ZeRO-3 or ZeRO-2; hybrid with --replicas)"
     menu_order = 30
     syncs_norm = True
     own_options = ("reshard_after_forward",)
+    options = (
+        Option(
+            "replicas",
+            "parallelism",
+            1,
+            "groups of engines that each hold the whole model sharded among their own (hybrid "
+            "sharding, HSDP): shards within a group, gradients all-reduced across the groups "
+            "(1: every engine shares one sharding)",
+        ),
+    )
 
     def attribution(self) -> Attribution:
         return ShardedAttribution()
 
+    def check(self, config: EngineConfig) -> None:
+        replicas, engines = config.option("replicas"), config.engines
+        if replicas < 1:
+            raise ConfigError("replicas", replicas, "must be an integer >= 1")
+        if engines is not None and engines % replicas:
+            raise ConfigError(
+                "replicas",
+                replicas,
+                f"must divide --engines ({engines}): the engines form --replicas groups of "
+                f"equal size, each sharding the model among its own engines",
+            )
+
+    def engines_to_start(self, config: EngineConfig) -> int:
+        replicas = config.option("replicas")
+        return DEFAULT_ENGINES if replicas == 1 else DEFAULT_ENGINES * replicas
+
+    def inner_collectives(self, config: EngineConfig, engines: int) -> tuple[int, tuple[str, ...]]:
+        replicas = config.option("replicas")
+        if replicas == 1:
+            return engines, ()
+        return engines // replicas, ("all_gather", "reduce_scatter")
+
     def layout(self, config: EngineConfig, engines: int) -> str:
         zero = "ZeRO-3" if config.reshard_after_forward else "ZeRO-2"
-        return f"sharded ({zero}) on {plural(engines, 'engine')}"
+        replicas = config.option("replicas")
+        if replicas == 1:
+            return f"sharded ({zero}) on {plural(engines, 'engine')}"
+        return (
+            f"hybrid sharded ({zero}): {engines // replicas}-way shards x "
+            f"{plural(replicas, 'replica')}"
+        )
 
     def build(
         self, config: EngineConfig, *, rank: int, world_size: int, device: torch.device
@@ -138,30 +199,39 @@ class ShardedDescription(Description):
             device=device,
             seed=config.seed,
             reshard_after_forward=config.reshard_after_forward,
+            replicas=config.option("replicas"),
         )
 
 
 class ShardedAttribution(Attribution):
     """Each parameter, its gradient and its optimizer state split on dim 0 in torch.chunk's
-    pieces, as `fully_shard` splits them; activations as data parallel. all_gather (N-1)/N x
+    pieces, as `fully_shard` splits them; activations as data parallel. all_gather (S-1)/S x
     parameter bytes, twice per slice with reshard-after-forward (ZeRO-3: forward and
-    backward), once without (ZeRO-2); reduce_scatter (N-1)/N x gradient bytes once per step:
-    together ZeRO's 3 x params against DDP's 2 x. The transiently gathered block is not in the
-    figures (the engines' accounting counts the local shards too); its size is in the notes."""
+    backward), once without (ZeRO-2); reduce_scatter (S-1)/S x gradient bytes once per step:
+    together ZeRO's 3 x params against DDP's 2 x. S is the engines that share one sharding: N,
+    or N / R with --replicas R, whose groups then all-reduce each rank's gradient shard across
+    the R groups (2 (R-1)/R x its bytes). The transiently gathered block is not in the figures
+    (the engines' accounting counts the local shards too); its size is in the notes."""
 
     def ranks(self, m: FakeModel, trace: Trace, layout: Any) -> Ranks:
         N, cfg = m.world, m.config
+        R = cfg.option("replicas")
+        S = N // R  # the engines of one group; rank r holds shard r % S
         held: list[dict[nn.Parameter, int]] = [{} for _ in range(N)]
         for p in m.params:
-            rows = chunk_sizes(p.shape[0], N) if p.dim() else [1] + [0] * (N - 1)
+            rows = chunk_sizes(p.shape[0], S) if p.dim() else [1] + [0] * (S - 1)
             for r in range(N):
-                held[r][p] = rows[r] * (p.numel() // max(p.shape[0], 1) if p.dim() else 1)
+                held[r][p] = rows[r % S] * (p.numel() // max(p.shape[0], 1) if p.dim() else 1)
         whole = {p: p.numel() for p in m.params}
         gathers = (2 if cfg.reshard_after_forward else 1) * cfg.grad_accum
         send = {  # frozen parameters are gathered too, only gradients are reduce-scattered
-            "all_gather": gathers * ring("all_gather", param_bytes(whole), N),
-            "reduce_scatter": ring("reduce_scatter", grad_bytes(whole), N),
+            "all_gather": gathers * ring("all_gather", param_bytes(whole), S),
+            "reduce_scatter": ring("reduce_scatter", grad_bytes(whole), S),
         }
+        comm = [dict(send) for _ in range(N)]
+        if R > 1:  # each group's reduced shards, averaged across the replicas
+            for r in range(N):
+                comm[r]["all_reduce"] = ring("all_reduce", grad_bytes(held[r]), R)
         biggest = max((module_bytes(b) for b in m.blocks), default=0)
         m.notes.append(
             f"sharded: params/grads/optimizer are each rank's shards; while a block computes "
@@ -169,7 +239,7 @@ class ShardedAttribution(Attribution):
             "not in the figures)"
         )
         act = trace.peak_activations * m.scale
-        return Ranks(held, [act] * N, [dict(send) for _ in range(N)])
+        return Ranks(held, [act] * N, comm)
 
 
 DESCRIPTIONS = (ShardedDescription(),)
