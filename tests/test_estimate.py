@@ -141,7 +141,7 @@ def test_the_magic_answers_without_a_pool(shell, capsys, no_pool):
     line = f"--instance {P4D} --engines 16 --strategy sharded --batch-size 64 --steps 10"
     shell.run_cell_magic("smp_plan", line, GPT_CELL)
     out = capsys.readouterr().out
-    assert "estimate: sharded on 16 engines = 2 x ml.p4d.24xlarge" in out
+    assert "estimate: sharded (ZeRO-3) on 16 engines = 2 x ml.p4d.24xlarge" in out
     assert "fits:" in out and "assumptions:" in out and "on-demand" in out
     assert isinstance(shell.user_ns["smp_estimate"], sagenb.Estimate)
     shell.run_cell_magic("smp_plan", "--strategy model --partitions 2 --batch-size 32", GPT_CELL)

@@ -196,7 +196,9 @@ def test_plan_magic_shows_the_cuts(pool, capsys):
     assert "bubble 20.0%" in out and "stage engine" in out
     plan = shell.user_ns["smp_plan_result"]
     assert len(plan.stages) == 2 and plan.starts[0] == 0
-    assert "estimate: model on 2 engines" in out  # the estimate comes first, without engines
+    assert (
+        "estimate: model: 2 partitions x 1 replica" in out
+    )  # the estimate comes first, without engines
     # a strategy without a pipeline gets the estimate alone (tests/test_estimate.py)
     shell.run_cell_magic("smp_plan", "--batch-size 32", GPT_CELL)
-    assert "estimate: data on 2 engines" in capsys.readouterr().out
+    assert "estimate: data parallel on 2 engines" in capsys.readouterr().out

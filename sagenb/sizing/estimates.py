@@ -176,7 +176,7 @@ class Estimate:
     def table(self) -> str:
         cfg = self.config
         lines = [
-            f"estimate: {cfg.strategy} on {self.engines} engines = {self.instances} x "
+            f"estimate: {describe(cfg.strategy).layout(cfg, self.engines)} = {self.instances} x "
             f"{cfg.instance} ({self.hardware.accelerators or 'no'} x {self.hardware.accelerator})"
             f", {cfg.precision}, {self.params / 1e6:,.1f} M parameters",
             self.verdict(),

@@ -14,7 +14,10 @@ collective runs at the accelerators' link (NVLink/NVSwitch, or PCIe); once a run
 instances, a ring collective is as slow as its inter-instance hops, where every rank of an
 instance shares the instance's network (inter Gbit/s / engines per instance). Pipeline
 point-to-point stays inside an instance when each pipeline does (ranks are replica-major:
-rank = replica x partitions + stage, engine/strategies/pipeline/strategy.py).
+rank = replica x partitions + stage, engine/strategies/pipeline/strategy.py). So do the
+collectives a strategy runs only within groups of consecutive ranks (its description's
+`inner_collectives`: hybrid sharding's gathers and reduce-scatters) when each instance holds
+whole groups; its all-reduce across the groups crosses the network.
 
 The range: low = compute at the high MFU, with communication hidden behind it (DDP's
 gradient buckets and FSDP's prefetch overlap backward); high = compute at the low MFU plus
@@ -28,6 +31,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from sagenb.config.options import describe
 from sagenb.metrics import keys
 from sagenb.sizing.hardware import Hardware
 
@@ -104,9 +108,12 @@ def step_time(fp: Any, hw: Hardware, config: Any, *, bubble: float = 0.0) -> Ste
     stretch = 1 / (1 - bubble) if bubble < 1 else math.inf
     compute = (per_rank / MFU_RANGE[1] * stretch, per_rank / MFU_RANGE[0] * stretch)
     collective, p2p = bandwidths(hw, config, fp.world_size)
+    group, kinds = describe(config.strategy).inner_collectives(config, fp.world_size)
+    inner = bandwidths(hw, config, group)[0] if hw.engines_per_instance % group == 0 else collective
+    speed = {k: (inner if k in kinds else collective) * GB for k in COLLECTIVES}
     comm = max(
         (
-            sum(b for k, b in sent.items() if k in COLLECTIVES) / (collective * GB)
+            sum(b / speed[k] for k, b in sent.items() if k in COLLECTIVES)
             + sent.get("p2p", 0.0) / (p2p * GB)
             for sent in fp.comm_bytes_per_step
         ),
