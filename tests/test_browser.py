@@ -111,7 +111,7 @@ STATIC = """() => {
   };
 }"""
 HEADER = re.compile(r"sagenb · (\w+) \| .*? \| step (\d+)/(\d+|\?)")
-SUMMARY = re.compile(r"data parallel: (\d+) steps on 2 engines \(cpu\) in [\d.]+ s, final loss ")
+SUMMARY = re.compile(r"data parallel on 2 engines: (\d+) steps \(cpu\) in [\d.]+ s, final loss ")
 
 
 def _watch_training(page) -> tuple[list[tuple[float, int, int]], list[str], str, int, tuple]:

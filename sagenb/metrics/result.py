@@ -11,7 +11,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from sagenb.config.options import TrainConfig
+from sagenb.config.options import TrainConfig, describe
 from sagenb.metrics import keys
 from sagenb.metrics.stream import StepMetrics
 
@@ -147,10 +147,10 @@ class TrainResult:
         status = "" if self.status == "done" else f"{self.status}: "
         if self.stopped_by:
             status = f"{self.status} by {self.stopped_by}: "
+        layout = describe(self.config.strategy).layout(self.config, self.engines)
         return (
-            f"{status}{self.config.strategy} parallel: {len(self.history)} steps on "
-            f"{self.engines} engines ({self.device}) in {self.wall_time_s:.1f} s, {loss}; "
-            f"{self.cost_label}"
+            f"{status}{layout}: {len(self.history)} steps ({self.device}) in "
+            f"{self.wall_time_s:.1f} s, {loss}; {self.cost_label}"
         )
 
     def __repr__(self) -> str:
