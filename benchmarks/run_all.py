@@ -82,6 +82,15 @@ def summary_md(res: dict) -> str:
         "",
         f"Machine: {res['machine']}",
         "",
+        *(
+            [
+                "Assembled by `run_all.py --summary-only` from each benchmark's latest results "
+                "file (each written by its own run of that benchmark, not one run of all).",
+                "",
+            ]
+            if res.get("assembled")
+            else []
+        ),
         "| what | figure | target |",
         "|---|---|---|",
         f"| sagenb / torchrun DDP throughput (median of per-round ratios), by loss | "
@@ -174,7 +183,7 @@ def main() -> None:
             run("dashboard_page.py", "--rounds", "1" if args.quick else "2")
         if cuda():
             run("one_gpu.py", "--rounds", "1" if args.quick else "3")
-    res = {"machine": machine()}
+    res = {"machine": machine(), "assembled": args.summary_only}
     for name in ("first_step", "against_peers", "pipeline", "memory_savers", "recovery"):
         res[name] = json.loads((OUT / f"{name}.json").read_text())
     if (OUT / "estimate_accuracy.json").exists():
