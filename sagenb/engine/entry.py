@@ -161,6 +161,8 @@ def train_rank(spec: RankSpec, publish: Publisher) -> RankResult:
     restore_cache = cache_off(ws.model)  # before a pipeline traces it (engine/model/kv_cache.py)
     try:
         strategy.setup(ws)
+        if spec.rank == 0:  # what the strategy left as the cell had it, and why
+            notes += getattr(strategy, "notes", [])
         steps, unsaved = train_loop(
             ws,
             strategy,

@@ -14,7 +14,11 @@ Where the plan comes from (`plan_for`), in order:
    `tp_plan = {"blocks.*.mlp.0": "colwise", "blocks.*.mlp.2": "rowwise"}`. Used as given.
 2. Shipped: a transformers model, or one held by the cell's model as a submodule, brings its
    own `_tp_plan` (hf_plan.py); its style names are translated to torch styles
-   (styles.py). Tied embedding/head entries are dropped (left whole).
+   (styles.py). Tied embedding/head entries are dropped (left whole). So are the entries of
+   a mixture-of-experts layer's packed experts (a module holding 3-D weights, one slice per
+   expert: transformers' `packed_colwise` and `moe_tp_experts` styles, and the `rowwise`
+   of their down projection), which torch's styles cannot split: those experts stay whole
+   on every engine, the run says so (`Plan.notes`), and the rest of the model is split.
 3. Derived, for the rest of the model (`derive_plan`): attention from names (below), then
    column/row groups from the dataflow of each module torch.fx traces (dataflow.py), then
    the groups of one recorded forward on the dataset's first sample (recorded.py), which
@@ -76,6 +80,8 @@ class Plan:
     def __init__(self, layers: dict[str, Any], source: str, shipped_roots: set[str]):
         self.layers, self.source, self.shipped_roots = layers, source, shipped_roots
         self.styles = layers
+        #: what the run is told: the shipped entries left out, and why
+        self.notes: list[str] = []
 
 
 def plan_for(
@@ -95,9 +101,19 @@ def plan_for(
     else:
         shipped, roots = shipped_plans(model, tp)
         shipped = {k: v for k, v in shipped.items() if not _holds_tied(model, k, tied)}
+        experts = {k: v for k, v in shipped.items() if _packed_experts(model, k)}
+        shipped = {k: v for k, v in shipped.items() if k not in experts}
         derived = derive_plan(model, tp, skip=roots, required=not shipped, example=example)
         styles = {**to_styles(shipped, "the model's own _tp_plan"), **to_styles(derived)}
         plan = Plan(styles, "derived", roots)
+        if experts:
+            entries = ", ".join(f"{k!r}: {v!r}" for k, v in experts.items())
+            plan.notes.append(
+                f"--strategy tensor: the model's own _tp_plan splits its mixture-of-experts "
+                f"experts ({entries}), packed 3-D weights torch's tensor-parallel styles cannot "
+                "split: the experts stay whole on every engine (each computes every expert's "
+                "tokens) and the rest is split; --strategy sharded shards the experts too"
+            )
     check_shapes(model, plan.layers, tp, tied)
     plan.styles = expand(model, plan.layers, matches)
     return plan
@@ -175,6 +191,17 @@ def _tied_ids(model: nn.Module) -> set[int]:
 
 def _holds_tied(model: nn.Module, key: str, tied: set[int]) -> bool:
     return any(id(p) in tied for _, m in matches(model, key) for p in m.parameters(recurse=False))
+
+
+def _packed_experts(model: nn.Module, key: str) -> bool:
+    """Whether plan entry `key` names a module holding packed expert weights (3-D: one
+    matrix per expert, as transformers' MoE experts keep them) or one of its weights."""
+    owner = key.rpartition(".")[0]
+    for path in (key, owner):
+        for _, module in matches(model, path) if path else []:
+            if any(p.dim() >= 3 for p in module.parameters(recurse=False)):
+                return True
+    return False
 
 
 def _under(path: str, roots: AbstractSet[str]) -> bool:

@@ -73,6 +73,7 @@ class TensorParallel(SplitParameters):
         # the layers' names and a shipped plan
         run = None if deferred else example(model, ws.dataset, ws.objective, self.device)
         plan = plan_for(model, self.T, ws.tp_plan, example=run)
+        self.notes = plan.notes
         split_heads(model, plan.layers, self.T, skip=plan.shipped_roots)
         try:
             self.module = parallelize_module(model, mesh["tp"], plan.styles)
