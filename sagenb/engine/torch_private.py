@@ -50,6 +50,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 # whose forward unflattens the same way, but runs the whole graph, not a pipeline's stage)
 from torch.utils._pytree import tree_leaves, tree_unflatten
 
+# no public equivalent in torch 2.13: the op transformers' mixture-of-experts layers compute
+# their packed experts with (torch._grouped_mm), which the estimate's fake step must run on
+# bf16 stand-ins (its fake kernel takes bf16 alone) and count FLOPs for (the counter has no
+# formula for it): sizing/footprint_trace.py
+GROUPED_MM = torch.ops.aten._grouped_mm
+
 if TYPE_CHECKING:
     from torch.distributed.checkpoint._traverse import set_element
     from torch.distributed.pipelining import Pipe
@@ -69,6 +75,7 @@ __all__ = [
     "DropoutBase",
     "FakeTensor",
     "FakeTensorMode",
+    "GROUPED_MM",
     "unset_fake_temporarily",
     "PipelineScheduleRuntime",
     "PrivateName",
@@ -318,9 +325,15 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
     PrivateName(
         "torch.utils._python_dispatch",
         "TorchDispatchMode",
-        "sizing.footprint_trace (the tensor-parallel marks of trace_step)",
+        "sizing.footprint_trace (the tensor-parallel marks of trace_step, grouped matmuls in "
+        "any dtype)",
     ),
     PrivateName("torch.utils._pytree", "tree_leaves", "sizing.footprint_trace.trace_step"),
+    PrivateName(
+        "torch",
+        "ops.aten._grouped_mm",
+        "sizing.footprint_trace (estimates of transformers' mixture-of-experts layers)",
+    ),
     PrivateName(
         "torch.utils._pytree",
         "tree_unflatten",

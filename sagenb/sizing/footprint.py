@@ -49,7 +49,7 @@ from sagenb.engine.strategies.attribution import (
 from sagenb.engine.torch_private import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from sagenb.engine.workspace import build_workspace
 from sagenb.metrics import keys
-from sagenb.sizing.footprint_trace import optimizer_state, trace_step
+from sagenb.sizing.footprint_trace import GroupedMatmulAnyDtype, optimizer_state, trace_step
 
 __all__ = ["Footprint", "footprint"]
 
@@ -93,7 +93,12 @@ def footprint(job: Any, config: EngineConfig, world_size: int) -> Footprint:
     config = _at(config.for_engines(), world_size)
     attribute = _attribution(config)
     # real tensors may meet fake ones: the example's indices are real (see _build)
-    with FakeTensorMode(allow_non_fake_inputs=True), _unchanged_conversions_pass(), _fake_copies():
+    with (
+        FakeTensorMode(allow_non_fake_inputs=True),
+        GroupedMatmulAnyDtype(),
+        _unchanged_conversions_pass(),
+        _fake_copies(),
+    ):
         m = _build(job, config, world_size)
         split, layout = attribute.prepare(m)
         trace = _trace(m, split)

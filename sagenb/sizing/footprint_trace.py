@@ -5,7 +5,10 @@ model, its dataset and the optimizer's state are tensors with shapes, dtypes and
 so a model of any size costs only its metadata. On one microbatch-shaped example:
 
 - FLOPs are counted by torch.utils.flop_counter.FlopCounterMode over forward and backward
-  (the recompute of --activation-checkpointing included, as it runs inside backward);
+  (the recompute of --activation-checkpointing included, as it runs inside backward), with a
+  formula of our own for torch._grouped_mm, which transformers' mixture-of-experts layers
+  compute their experts with and torch 2.13's counter does not know; its fake kernel accepts
+  bf16 alone, so `GroupedMatmulAnyDtype` hands it bf16 stand-ins of the inputs;
 - activations saved for backward are counted by engine/memory.py's MemoryMeter, the hooks the
   engines count with (deduplicated by storage, parameters left out), keyed by the identity of
   each fake storage instead of its data pointer (fake storages have none);
@@ -32,9 +35,35 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from sagenb.engine.memory import MemoryMeter
 from sagenb.engine.strategies.attribution import Trace
-from sagenb.engine.torch_private import TorchDispatchMode, tree_leaves
+from sagenb.engine.torch_private import GROUPED_MM, TorchDispatchMode, tree_leaves
 
-__all__ = ["Trace", "trace_step", "optimizer_state", "storage_key"]
+__all__ = ["GroupedMatmulAnyDtype", "Trace", "trace_step", "optimizer_state", "storage_key"]
+
+
+def _grouped_mm_flop(
+    a_shape: Any, b_shape: Any, *args: Any, out_shape: Any = None, **_: Any
+) -> int:
+    """FLOPs of torch._grouped_mm: 2 x M x K x N over the groups. 2-D x 2-D splits the inner
+    dimension K by the offsets (the weight gradient, one (M, N) block per group); otherwise
+    each output element is one dot product of length K."""
+    if len(a_shape) == 2 and len(b_shape) == 2:
+        return 2 * a_shape[0] * a_shape[1] * b_shape[1]
+    return 2 * int(torch.Size(out_shape).numel()) * a_shape[-1]
+
+
+class GroupedMatmulAnyDtype(TorchDispatchMode):
+    """torch._grouped_mm on fake tensors of any float dtype: torch 2.13's fake (meta) kernel
+    refuses all but bf16 ("Expected inputs of BF16 type"), though the CPU kernel takes fp32;
+    the shapes are what the estimate needs, so the call is made on bf16 copies and its output
+    given the inputs' dtype."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.overloadpacket is GROUPED_MM and args[0].dtype != torch.bfloat16:
+            dtype = kwargs.pop("out_dtype", None) or args[0].dtype
+            bf16 = [a.to(torch.bfloat16) for a in args[:2]]
+            return func(*bf16, *args[2:], **kwargs).to(dtype)
+        return func(*args, **kwargs)
 
 
 def storage_key(tensor: torch.Tensor) -> tuple[int, int]:
@@ -159,7 +188,8 @@ def trace_step(
     meter = _Meter(model, trace, tags)
     handles = _hooks(blocks, split, meter, trace, tags)
     try:
-        with FlopCounterMode(display=False) as flops, tags:
+        counter = FlopCounterMode(display=False, custom_mapping={GROUPED_MM: _grouped_mm_flop})
+        with counter as flops, tags:
             with meter.track():
                 with autocast:
                     loss = run()
