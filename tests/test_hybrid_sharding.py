@@ -1,7 +1,8 @@
 """Hybrid sharding (HSDP, issue 30 item 1): `--strategy sharded --replicas R` on a real pool of
 4 engines, as 2 groups of 2 that each shard the model, against the one-process reference; its
-checkpoint, written as 2 x 2, resumed as 1 x 4 and as 4 x 1 through DCP's resharding; its
-exported script under torchrun; its estimate; and bad degrees refused."""
+checkpoint, written as 2 x 2, resumed as 1 x 4 and as 4 x 1 through DCP's resharding; a
+pretrained Llama read shard by shard and a LoRA adapter; its exported script under torchrun;
+its estimate; and bad degrees refused."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from .helpers import TORCHRUN, assert_params_equal, check_equal, run
 from .lab import free_port
 from .models import SPLIT_GPT_CELL
 from .test_pretrained import LLAMA_CELL, _tied_llama
+from .test_tensor_models import lora
 
 
 def _last(result, key: str) -> dict[int, float]:
@@ -72,6 +74,14 @@ def test_a_pretrained_llama_each_group_reads_once(pool4, tmp_path):
     assert len(read) == 4
     for group in (read[:2], read[2:]):  # halves of each tensor, the whole file per group
         assert sum(group) == pytest.approx(total, rel=1e-6) and max(group) < 0.6 * total
+
+
+def test_a_lora_adapter_on_a_llama_trains_like_one_process(pool4):
+    """peft's LoRA: the frozen base sharded and gathered like the adapters, only the
+    adapters' gradients reduce-scattered and all-reduced."""
+    cell, options = lora(), dict(batch_size=16, steps=4, clip_grad_norm=1.0)
+    result = sagenb.train(cell, strategy="sharded", replicas=2, dashboard=False, **options)
+    check_equal(result, cell, **options)
 
 
 def test_the_exported_script_trains_what_the_pool_trains(pool4, tmp_path):
