@@ -39,7 +39,7 @@ from sagenb.config.spec import Option
 from sagenb.engine.strategies import declared_options, describe
 from sagenb.engine.strategies import names as strategy_names
 from sagenb.engine.strategies.description import DEFAULT_ENGINES
-from sagenb.engine.strategies.pipeline import PARTITION_METHODS, SCHEDULES
+from sagenb.engine.strategies.pipeline import MULTI_STAGE, PARTITION_METHODS, SCHEDULES
 
 #: what a run does when another run holds its pool (--if-busy; sagenb/pool/run_lock.py)
 IF_BUSY = ("wait", "fail")
@@ -177,11 +177,15 @@ class EngineConfig:
         "parallelism",
         "1f1b",
         "pipeline schedule: gpipe (all forwards, then all backwards), 1f1b (backwards as early "
-        "as possible), interleaved (1F1B over --virtual-stages chunks per engine)",
+        "as possible), interleaved (1F1B over --virtual-stages chunks per engine), looped-bfs "
+        "(every microbatch through an engine's first chunk, then its next), zero-bubble "
+        "(interleaved, each backward split in two: the weights' gradients fill the bubble)",
         choices=SCHEDULES,
     )
     virtual_stages: int = _opt(
-        "parallelism", 2, "model chunks per engine with --schedule interleaved"
+        "parallelism",
+        2,
+        "model chunks per engine with --schedule interleaved, looped-bfs or zero-bubble",
     )
     partition_by: str = _opt(
         "parallelism",
@@ -421,8 +425,9 @@ class EngineConfig:
 
     @property
     def stages(self) -> int:
-        """Pipeline stages in all (partitions x virtual stages when interleaved)."""
-        return self.partitions * (self.virtual_stages if self.schedule == "interleaved" else 1)
+        """Pipeline stages in all (partitions x virtual stages for the schedules that hold
+        several stages per engine: interleaved, looped-bfs, zero-bubble)."""
+        return self.partitions * (self.virtual_stages if self.schedule in MULTI_STAGE else 1)
 
     def replicas(self, engines: int) -> int:
         """Data-parallel replicas on `engines` engines: each a whole pipeline (model, hybrid)

@@ -55,7 +55,7 @@ __all__ = [
 
 MEMORY_COLOURS = ("#4C78A8", "#F58518", "#54A24B", "#B279A2")  # one per keys.MEMORY_KINDS
 REPLICA_COLOURS = ("#9ecae1", "#fdae6b", "#a1d99b", "#bcbddc", "#fdd0a2", "#c7e9c0", "#dadaeb")
-FORWARD, BACKWARD = "#4C78A8", "#F58518"
+FORWARD, BACKWARD, WEIGHT = "#4C78A8", "#F58518", "#54A24B"
 MAX_POINTS = 2000
 
 
@@ -196,9 +196,10 @@ class Snapshot:
 
     @cached_property
     def timeline(self) -> dict[str, dict[str, list]]:
-        """The last complete step's microbatches as Gantt bars, per kind (F, B)."""
+        """The last complete step's microbatches as Gantt bars, per kind (F, B; W where the
+        schedule splits the backward: B is then the input's gradient, W the weights')."""
         bars: dict[str, dict[str, list]] = {
-            k: {"x": [], "base": [], "y": [], "text": []} for k in "FB"
+            k: {"x": [], "base": [], "y": [], "text": []} for k in "FBW"
         }
         timelines = self.board.timelines
         t0 = min((t for t, _ in timelines.values()), default=0.0)
@@ -310,6 +311,11 @@ def _gantt(colour: str) -> dict[str, Any]:
             "insidetextanchor": "middle"}  # fmt: skip
 
 
+def _splits_backward(board: Board) -> bool:
+    """Whether the schedule runs the weights' gradients on their own (zero-bubble)."""
+    return board.config.schedule == "zero-bubble" and pipelined(board)
+
+
 def _cuda(board: Board) -> bool:
     """Whether the engines report CUDA memory (the device marks mean nothing on CPUs)."""
     return any(keys.MEMORY_DEVICE_CAPACITY in m for m in board.memory.values())
@@ -353,6 +359,8 @@ TRACES: tuple[Trace, ...] = (
           visible=pipelined),  # always zero without a pipeline: a red line along the top
     Trace("forward", SCHEDULE, lambda s: s.timeline["F"], _gantt(FORWARD), go.Bar),
     Trace("backward", SCHEDULE, lambda s: s.timeline["B"], _gantt(BACKWARD), go.Bar),
+    Trace("weight gradient", SCHEDULE, lambda s: s.timeline["W"], _gantt(WEIGHT), go.Bar,
+          visible=_splits_backward),
     Trace("learning rate", OPTIMIZER, partial(_row_value, key=keys.LR),
           {"mode": "lines", "line": {"color": "#9467bd"}}, label=_label("lr")),
     Trace("gradient norm", OPTIMIZER, partial(_row_value, key=keys.GRAD_NORM),

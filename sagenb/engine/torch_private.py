@@ -197,19 +197,23 @@ def clear_split_point(module: nn.Module) -> None:
 
 
 def interleaved_order(
-    ranks: int, chunks: int, microbatches: int, rank: int
+    ranks: int, chunks: int, microbatches: int, rank: int, *, zero_bubble: bool = False
 ) -> list[tuple[str, int, int]]:
     """("F" | "B", stage, microbatch) in the order torch's ScheduleInterleaved1F1B runs them on
-    `rank` of `ranks`, holding `chunks` stages each."""
+    `rank` of `ranks`, holding `chunks` stages each; with `zero_bubble`, the order of
+    ScheduleInterleavedZeroBubble, whose backwards are split into "I" (the input's gradient)
+    and "W" (the weights'), the W of a microbatch run later to fill the bubble."""
     # public: ScheduleInterleaved1F1B(stages, n).pipeline_order, which needs built
     # PipelineStages in a process group (the estimate has neither). Its per-rank calculation
     # (_calculate_single_rank_operations, torch 2.13) is these two module functions, wired
-    # with the stage of each step as below
+    # with the stage of each step as below (ScheduleInterleavedZeroBubble's: a warm-up one
+    # op per hop, `rank` 1F1B microbatches, enable_zero_bubble)
     from torch.distributed.pipelining import schedules
 
     rounds = max(1, microbatches // ranks)
     per_round = microbatches // rounds
-    warmup = schedules._get_warmup_ops(rank, chunks, per_round, ranks, microbatches)
+    factor = 1 if zero_bubble else 2
+    warmup = schedules._get_warmup_ops(rank, chunks, per_round, ranks, microbatches, factor)
     steady = chunks * microbatches - warmup
 
     def forward_stage(step: int) -> int:
@@ -218,11 +222,12 @@ def interleaved_order(
     def backward_stage(step: int) -> int:
         return (chunks - 1 - ((step - warmup) // per_round) % chunks) * ranks + rank
 
+    extra = dict(num_1f1b_microbatches=rank, enable_zero_bubble=True) if zero_bubble else {}
     ops = schedules._get_1f1b_rank_ops(
         chunks, ranks, warmup, steady, chunks * microbatches - steady, rank,
-        forward_stage, backward_stage,
+        forward_stage, backward_stage, **extra,
     )  # fmt: skip
-    kinds = {"FORWARD": "F", "FULL_BACKWARD": "B"}
+    kinds = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W"}
     return [
         (kinds[a.computation_type.name], a.stage_index, a.microbatch_index or 0)
         for a in ops

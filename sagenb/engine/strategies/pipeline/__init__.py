@@ -15,11 +15,12 @@ from .balance import BlockProfile, static_profile
 from .cuts import MEMORY_FACTOR, PARTITION_METHODS, choose_cuts
 from .partition import split_model
 from .planning import plan_on_engine
-from .strategy import DESCRIPTIONS, SCHEDULES, bubble_fraction
+from .strategy import DESCRIPTIONS, MULTI_STAGE, SCHEDULES, bubble_fraction
 
 __all__ = [
     "DESCRIPTIONS",
     "MEMORY_FACTOR",
+    "MULTI_STAGE",
     "PARTITION_METHODS",
     "SCHEDULES",
     "BlockProfile",

@@ -25,9 +25,8 @@ from sagenb.engine.strategies.attribution import (
 )
 from sagenb.engine.strategies.pipeline.balance import static_profile
 from sagenb.engine.strategies.pipeline.cuts import choose_cuts
+from sagenb.engine.strategies.pipeline.orders import rank_order
 from sagenb.engine.strategies.pipeline.partition import split_model
-from sagenb.engine.strategies.pipeline.prefetch_schedule import compute_order
-from sagenb.engine.torch_private import interleaved_order
 
 if TYPE_CHECKING:
     from sagenb.config.options import EngineConfig
@@ -120,18 +119,20 @@ def _held(cfg: EngineConfig, position: int, per_stage: list[float]) -> float:
     (GPipe all M, 1F1B P - position in its warm-up; Narayanan et al. 2021, arXiv:2104.04473,
     2.2). Interleaved: torch's ScheduleInterleaved1F1B order over the engine's chunks
     (torch_private.interleaved_order), whose warm-up holds (v - 1) P + 2 (P - 1 - position) + 1
-    chunk-microbatches at most; each counts its own chunk's bytes.
+    chunk-microbatches at most; each counts its own chunk's bytes. Looped BFS: all M of every
+    chunk. Zero bubble: a microbatch's bytes are freed at its W, not at the input's gradient
+    before it (an upper bound: the input's gradient frees what only it needed). All from
+    orders.rank_order.
 
     The engines once counted one microbatch more on the first stage, at the first step: the
     shape inference PipelineStage runs there (a forward with grad, then dropped) was kept
     alive by the memory meter's own hooks, a leak engine/memory.py no longer has (issue 31)."""
     M, P = cfg.microbatches, cfg.partitions
-    if cfg.schedule == "interleaved":
-        order = interleaved_order(P, cfg.stages // P, M, position)
-    else:
-        order = [(op, position, i) for op, i in compute_order(cfg.schedule, P, M, position)]
     held = most = 0.0
-    for op, stage, _ in order:
-        held += per_stage[stage] if op == "F" else -per_stage[stage]
+    for op, stage, _ in rank_order(cfg.schedule, P, cfg.stages // P, M, position):
+        if op == "F":
+            held += per_stage[stage]
+        elif op in "BW":  # zero bubble's I keeps what its W needs: all of it, here
+            held -= per_stage[stage]
         most = max(most, held)
     return most

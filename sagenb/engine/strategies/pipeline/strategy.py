@@ -30,6 +30,8 @@ from torch.distributed.pipelining import (
     Schedule1F1B,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleLoopedBFS,
 )
 
 from sagenb.config.errors import ConfigError
@@ -53,6 +55,7 @@ from sagenb.engine.strategies.pipeline.metadata_inference import (
     keep_buffers_through_inference,
     zero_indices_through_inference,
 )
+from sagenb.engine.strategies.pipeline.orders import ideal_bubble
 from sagenb.engine.strategies.pipeline.partition import split_model
 from sagenb.engine.strategies.pipeline.prefetch_schedule import PrefetchingSchedule
 from sagenb.engine.strategies.pipeline.tensor_messages import (
@@ -68,9 +71,19 @@ if TYPE_CHECKING:
 
 __all__ = ["DESCRIPTIONS", "Pipeline", "MEMORY_FACTOR", "SCHEDULES", "bubble_fraction"]
 
-#: --schedule: GPipe (all forwards, then all backwards), 1F1B, and interleaved 1F1B (virtual
-#: stages on each rank)
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+#: --schedule: GPipe (all forwards, then all backwards), 1F1B, and those that hold several
+#: stages (--virtual-stages) on each rank, round the ranks in a loop: interleaved 1F1B, looped
+#: breadth-first (Lamy-Poirier 2023, arXiv:2211.05953) and interleaved zero bubble (its
+#: backward split into the input's gradient and the weights', the latter filling the bubble:
+#: Qi et al. 2024, arXiv:2401.10241), each torch's own schedule
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "looped-bfs", "zero-bubble")
+#: the schedules whose ranks hold --virtual-stages stages each
+MULTI_STAGE = ("interleaved", "looped-bfs", "zero-bubble")
+_MULTI_STAGE_CLASSES = {
+    "interleaved": ScheduleInterleaved1F1B,
+    "looped-bfs": ScheduleLoopedBFS,
+    "zero-bubble": ScheduleInterleavedZeroBubble,
+}
 
 
 def bubble_fraction(stages: int, microbatches: int, virtual: int = 1) -> float:
@@ -227,8 +240,9 @@ class Pipeline:
             return loss * (count * self._scale)
 
         kind, M = self.config.schedule, self.config.microbatches
-        if kind == "interleaved":
-            return ScheduleInterleaved1F1B(list(stages), M, loss_fn=scaled, scale_grads=False)
+        if kind in MULTI_STAGE:
+            cls = _MULTI_STAGE_CLASSES[kind]
+            return cls(list(stages), M, loss_fn=scaled, scale_grads=False)
         if dist.get_backend(self.pp_group) == "gloo":  # receives posted ahead (see the module)
             return PrefetchingSchedule(stages[0], M, kind, loss_fn=scaled)
         cls = ScheduleGPipe if kind == "gpipe" else Schedule1F1B
@@ -250,9 +264,17 @@ class Pipeline:
             self.events.append(("B", stage.stage_index, chunk, t0, time.time()))
             return out
 
+        def timed_weights(chunk, *args, **kwargs):  # zero-bubble's W, after B's input gradient
+            t0 = time.time()
+            out = weights(chunk, *args, **kwargs)
+            self.events.append(("W", stage.stage_index, chunk, t0, time.time()))
+            return out
+
+        weights = stage.backward_weight_one_chunk
         # wrapped per instance, so the timeline records what the schedule runs
         stage.forward_one_chunk = timed_forward  # type: ignore[method-assign,assignment]
         stage.backward_one_chunk = timed_backward  # type: ignore[method-assign,assignment]
+        stage.backward_weight_one_chunk = timed_weights  # type: ignore[method-assign,assignment]
 
     # -- a step ----------------------------------------------------------------------------
     def parameters(self) -> Iterator[nn.Parameter]:
@@ -340,7 +362,7 @@ class Pipeline:
 
     def step_metrics(self) -> dict[str, Any]:
         """Busy and idle time of this engine's stages in the last step, and its timeline:
-        [F or B, stage, microbatch, start, end] in seconds after `timeline_t0(unix s)` (wall
+        [F, B or W, stage, microbatch, start, end] in seconds after `timeline_t0(unix s)` (wall
         clock, so the engines' timelines line up in one chart). The first step's also has
         the "cuts" the pipeline uses (the blocks where stages 1, 2, ... begin, as --cuts spells
         them), to compare with the planner's."""
@@ -351,7 +373,7 @@ class Pipeline:
             return first
         t0 = self._step_started
         busy_f = sum(e[4] - e[3] for e in events if e[0] == "F")
-        busy_b = sum(e[4] - e[3] for e in events if e[0] == "B")
+        busy_b = sum(e[4] - e[3] for e in events if e[0] in "BW")  # W: zero-bubble's weights
         span = max(e[4] for e in events) - t0
         return {
             keys.STAGES: self.stage_ids,
@@ -464,9 +486,10 @@ class PipelineDescription(Description):
         return PipelineAttribution()
 
     def bubble(self, config: EngineConfig) -> float:
-        return bubble_fraction(
-            config.partitions, config.microbatches, config.stages // config.partitions
-        )
+        chunks = config.stages // config.partitions
+        if config.schedule in ("looped-bfs", "zero-bubble"):  # no closed form: its own order
+            return ideal_bubble(config.schedule, config.partitions, chunks, config.microbatches)
+        return bubble_fraction(config.partitions, config.microbatches, chunks)
 
     def check(self, config: EngineConfig) -> None:
         P = config.partitions
@@ -479,8 +502,8 @@ class PipelineDescription(Description):
                 f"1f1b needs at least one microbatch per stage: must be >= --partitions ({P}); "
                 f"raise --microbatches or use --schedule gpipe",
             )
-        if config.schedule == "interleaved":
-            _check_interleaved(config)
+        if config.schedule in MULTI_STAGE:
+            _check_multi_stage(config)
         _check_cuts(config)
         self.check_engines(config)
 
@@ -551,16 +574,16 @@ class HybridDescription(PipelineDescription):
         return 2 * config.partitions
 
 
-def _check_interleaved(config: EngineConfig) -> None:
+def _check_multi_stage(config: EngineConfig) -> None:
+    kind = config.schedule
     if config.virtual_stages < 2:
-        raise ConfigError("virtual_stages", config.virtual_stages, "interleaved needs at least 2")
+        raise ConfigError("virtual_stages", config.virtual_stages, f"{kind} needs at least 2")
     rounds = max(1, config.microbatches // config.partitions)
-    if config.microbatches % rounds:
+    if kind != "looped-bfs" and config.microbatches % rounds:  # torch's own check, earlier
         raise ConfigError(
             "microbatches",
             config.microbatches,
-            f"interleaved needs a multiple of the rounds ({rounds}); try "
-            f"{rounds * config.partitions}",
+            f"{kind} needs a multiple of the rounds ({rounds}); try {rounds * config.partitions}",
         )
 
 
