@@ -86,28 +86,39 @@ def test_annotate_split_points_is_undone_by_clear_split_point():
     assert not {"forward", "_orig_forward"} & set(vars(model[1]))
 
 
+@pytest.mark.parametrize("zero_bubble", [False, True])
 @pytest.mark.parametrize(
     "ranks, chunks, microbatches", [(2, 2, 1), (2, 2, 8), (4, 2, 2), (4, 3, 8)]
 )
-def test_interleaved_order_is_torchs_own(ranks, chunks, microbatches):
-    """interleaved_order wires torch's two helpers as ScheduleInterleaved1F1B's own per-rank
-    calculation does: the same actions, in the same order, on every rank."""
-    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B
+def test_interleaved_order_is_torchs_own(ranks, chunks, microbatches, zero_bubble):
+    """interleaved_order wires torch's two helpers as ScheduleInterleaved1F1B's (and, with
+    zero_bubble, ScheduleInterleavedZeroBubble's) own per-rank calculation does: the same
+    actions, in the same order, on every rank (the input's gradient of a split backward "I",
+    the weights' "W")."""
+    from torch.distributed.pipelining import schedules
 
+    cls = (
+        schedules.ScheduleInterleavedZeroBubble
+        if zero_bubble
+        else schedules.ScheduleInterleaved1F1B
+    )
+    names = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W"}
     for rank in range(ranks):
-        schedule = object.__new__(ScheduleInterleaved1F1B)  # no stages, no process group
+        schedule = object.__new__(cls)  # no stages, no process group
         rounds = max(1, microbatches // ranks)
         vars(schedule).update(
             pp_group_size=ranks, n_local_stages=chunks, _n_microbatches=microbatches,
             number_of_rounds=rounds, microbatches_per_round=microbatches // rounds, rank=rank,
         )  # fmt: skip
         own = [
-            ("F" if a.computation_type.name == "FORWARD" else "B", a.stage_index,
-             a.microbatch_index)
+            (names[a.computation_type.name], a.stage_index, a.microbatch_index or 0)
             for a in schedule._calculate_single_rank_operations(rank)
             if a is not None
-        ]  # fmt: skip
-        assert torch_private.interleaved_order(ranks, chunks, microbatches, rank) == own
+        ]
+        order = torch_private.interleaved_order(
+            ranks, chunks, microbatches, rank, zero_bubble=zero_bubble
+        )
+        assert order == own
 
 
 def test_the_flight_recorder_dumps_json():

@@ -2,7 +2,8 @@
 equals one process on a real 2-engine pipeline, zero bubble records its weights' gradients (W)
 apart from the input's (B); the orders the estimate and the planner read are torch's own; the
 bubble each order implies on equal stages is the known formula where there is one, and zero
-bubble's below interleaved 1F1B's; bad values are refused with the numbers."""
+bubble's below interleaved 1F1B's (that zero bubble's order is torch's own:
+tests/test_private_apis.py); bad values are refused with the numbers."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import pytest
 
 import sagenb
 from sagenb.config import ConfigError
-from sagenb.engine import torch_private
 from sagenb.engine.strategies.pipeline import bubble_fraction
 from sagenb.engine.strategies.pipeline.orders import ideal_bubble
 from sagenb.metrics import keys
@@ -34,29 +34,6 @@ def test_a_schedule_of_torchs_trains_like_one_process(pool, schedule):
         assert kinds.count("W") == (2 * 4 if schedule == "zero-bubble" else 0)
         weights = sum(e[4] - e[3] for e in values["timeline"] if e[0] in "BW")
         assert values[keys.BUSY_BACKWARD] == pytest.approx(weights, abs=1e-4)  # timeline: µs
-
-
-@pytest.mark.parametrize("ranks, chunks, microbatches", [(2, 2, 4), (2, 2, 8), (4, 2, 8)])
-def test_the_zero_bubble_order_is_torchs_own(ranks, chunks, microbatches):
-    """As tests/test_private_apis.py checks interleaved 1F1B's: ScheduleInterleavedZeroBubble's
-    own per-rank calculation, without stages or a process group."""
-    from torch.distributed.pipelining.schedules import ScheduleInterleavedZeroBubble
-
-    names = {"FORWARD": "F", "BACKWARD_INPUT": "B", "BACKWARD_WEIGHT": "W"}
-    for rank in range(ranks):
-        schedule = object.__new__(ScheduleInterleavedZeroBubble)
-        rounds = max(1, microbatches // ranks)
-        vars(schedule).update(
-            pp_group_size=ranks, n_local_stages=chunks, _n_microbatches=microbatches,
-            number_of_rounds=rounds, microbatches_per_round=microbatches // rounds, rank=rank,
-        )  # fmt: skip
-        own = [
-            (names[a.computation_type.name], a.stage_index, a.microbatch_index)
-            for a in schedule._calculate_single_rank_operations(rank)
-            if a is not None
-        ]
-        order = torch_private.interleaved_order(ranks, chunks, microbatches, rank, zero_bubble=True)
-        assert [(k if k != "I" else "B", s, i) for k, s, i in order] == own
 
 
 @pytest.mark.parametrize("ranks, microbatches", [(2, 1), (2, 4), (2, 8), (4, 4), (4, 8)])

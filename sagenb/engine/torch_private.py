@@ -200,7 +200,8 @@ def interleaved_order(
     ranks: int, chunks: int, microbatches: int, rank: int, *, zero_bubble: bool = False
 ) -> list[tuple[str, int, int]]:
     """("F" | "B", stage, microbatch) in the order torch's ScheduleInterleaved1F1B runs them on
-    `rank` of `ranks`, holding `chunks` stages each; with `zero_bubble`, the order of
+    `rank` of `ranks`, holding `chunks` stages each; with `zero_bubble`, ("F" | "I" | "W", ...)
+    in the order of
     ScheduleInterleavedZeroBubble, whose backwards are split into "I" (the input's gradient)
     and "W" (the weights'), the W of a microbatch run later to fill the bubble."""
     # public: ScheduleInterleaved1F1B(stages, n).pipeline_order, which needs built

@@ -34,12 +34,21 @@ if TYPE_CHECKING:
     from sagenb.engine.strategies.attribution import Attribution
     from sagenb.engine.strategies.base import Strategy
 
-__all__ = ["DEFAULT_ENGINES", "Description", "plural"]
+__all__ = ["DEFAULT_ENGINES", "Description", "plural", "require_divides"]
 
 
 def plural(count: int, word: str) -> str:
     """'1 engine', '2 engines'."""
     return f"{count} {word}{'s' * (count != 1)}"
+
+
+def require_divides(option: str, size: int, engines: int | None, groups: str) -> None:
+    """ConfigError unless `size` (the value of `option`) divides --engines, when given:
+    `groups` says what the engines form (for the message)."""
+    from sagenb.config.errors import ConfigError
+
+    if engines is not None and engines % size:
+        raise ConfigError(option, size, f"must divide --engines ({engines}): {groups}")
 
 
 class Description:

@@ -47,7 +47,12 @@ from sagenb.engine.strategies.attribution import (
     param_bytes,
     ring,
 )
-from sagenb.engine.strategies.description import DEFAULT_ENGINES, Description, plural
+from sagenb.engine.strategies.description import (
+    DEFAULT_ENGINES,
+    Description,
+    plural,
+    require_divides,
+)
 from sagenb.engine.strategies.split_params import SplitParameters
 from sagenb.engine.workspace import Workspace
 
@@ -159,20 +164,14 @@ class ShardedDescription(Description):
         return ShardedAttribution()
 
     def check(self, config: EngineConfig) -> None:
-        replicas, engines = config.option("replicas"), config.engines
+        replicas = config.option("replicas")
         if replicas < 1:
             raise ConfigError("replicas", replicas, "must be an integer >= 1")
-        if engines is not None and engines % replicas:
-            raise ConfigError(
-                "replicas",
-                replicas,
-                f"must divide --engines ({engines}): the engines form --replicas groups of "
-                f"equal size, each sharding the model among its own engines",
-            )
+        groups = "the engines form --replicas groups of equal size, each sharding the model"
+        require_divides("replicas", replicas, config.engines, f"{groups} among its own engines")
 
     def engines_to_start(self, config: EngineConfig) -> int:
-        replicas = config.option("replicas")
-        return DEFAULT_ENGINES if replicas == 1 else DEFAULT_ENGINES * replicas
+        return DEFAULT_ENGINES * config.option("replicas")
 
     def inner_collectives(self, config: EngineConfig, engines: int) -> tuple[int, tuple[str, ...]]:
         replicas = config.option("replicas")

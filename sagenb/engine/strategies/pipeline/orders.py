@@ -5,8 +5,8 @@ schedule of that kind runs them: GPipe and 1F1B from prefetch_schedule.compute_o
 per engine), interleaved 1F1B and interleaved zero bubble from torch's own per-rank calculation
 (torch_private.interleaved_order), looped breadth-first as torch's ScheduleLoopedBFS lays it out
 (every microbatch through an engine's first stage, then its next; backwards in reverse). B is a
-whole backward, or under zero bubble the input's gradient only, whose W (the weights' gradient)
-the schedule runs later to fill the bubble (Qi et al. 2024, arXiv:2401.10241).
+whole backward; zero bubble splits it into I (the input's gradient) and W (the weights'), the
+W run later to fill the bubble (Qi et al. 2024, arXiv:2401.10241).
 
 `ideal_bubble` runs those orders on equal stages (forward 1, input gradient 1, weights'
 gradient 1; a whole backward 2, as the papers count) with each op waiting for the ops it needs
@@ -35,11 +35,8 @@ def rank_order(
     M = microbatches
     if schedule in ("gpipe", "1f1b"):
         return [(op, rank, i) for op, i in compute_order(schedule, ranks, M, rank)]
-    if schedule == "interleaved":
-        return interleaved_order(ranks, chunks, M, rank)
-    if schedule == "zero-bubble":
-        split = interleaved_order(ranks, chunks, M, rank, zero_bubble=True)
-        return [("I" if op == "B" else op, stage, i) for op, stage, i in split]
+    if schedule in ("interleaved", "zero-bubble"):
+        return interleaved_order(ranks, chunks, M, rank, zero_bubble=schedule == "zero-bubble")
     if schedule == "looped-bfs":
         stages = range(rank, ranks * chunks, ranks)
         forwards = [("F", s, i) for s in stages for i in range(M)]

@@ -29,7 +29,12 @@ from sagenb.engine.model.delayed import materialize
 from sagenb.engine.model.pretrained import load_local
 from sagenb.engine.objective import Objective, piece_loss
 from sagenb.engine.strategies import dtensors
-from sagenb.engine.strategies.description import DEFAULT_ENGINES, Description, plural
+from sagenb.engine.strategies.description import (
+    DEFAULT_ENGINES,
+    Description,
+    plural,
+    require_divides,
+)
 from sagenb.engine.strategies.split_params import SplitParameters
 from sagenb.engine.strategies.tensor.attribution import TensorAttribution
 from sagenb.engine.strategies.tensor.check import example, trial_forward
@@ -127,13 +132,10 @@ class TensorDescription(Description):
             return
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 2:
             raise ConfigError("tensor_parallel", tp, "must be an integer >= 2")
-        if config.engines is not None and config.engines % tp:
-            raise ConfigError(
-                "tensor_parallel",
-                tp,
-                f"must divide --engines ({config.engines}): the engines form groups of "
-                f"--tensor-parallel, with data parallel across the groups",
-            )
+        groups = (
+            "the engines form groups of --tensor-parallel, with data parallel across the groups"
+        )
+        require_divides("tensor_parallel", tp, config.engines, groups)
 
     def engines_to_start(self, config: EngineConfig) -> int:
         return config.tensor_parallel or DEFAULT_ENGINES
