@@ -179,13 +179,16 @@ class EngineConfig:
         "pipeline schedule: gpipe (all forwards, then all backwards), 1f1b (backwards as early "
         "as possible), interleaved (1F1B over --virtual-stages chunks per engine), looped-bfs "
         "(every microbatch through an engine's first chunk, then its next), zero-bubble "
-        "(interleaved, each backward split in two: the weights' gradients fill the bubble)",
+        "(interleaved, each backward split in two: the weights' gradients fill the bubble), zbv "
+        "and dualpipev (two chunks per engine in a V, engine 0 holding the first and the last; "
+        "zero bubble's ZB-V and DeepSeek's DualPipeV)",
         choices=SCHEDULES,
     )
     virtual_stages: int = _opt(
         "parallelism",
         2,
-        "model chunks per engine with --schedule interleaved, looped-bfs or zero-bubble",
+        "model chunks per engine with --schedule interleaved, looped-bfs or zero-bubble (2 with "
+        "zbv and dualpipev)",
     )
     partition_by: str = _opt(
         "parallelism",
@@ -426,7 +429,7 @@ class EngineConfig:
     @property
     def stages(self) -> int:
         """Pipeline stages in all (partitions x virtual stages for the schedules that hold
-        several stages per engine: interleaved, looped-bfs, zero-bubble)."""
+        several stages per engine: interleaved, looped-bfs, zero-bubble, zbv, dualpipev)."""
         return self.partitions * (self.virtual_stages if self.schedule in MULTI_STAGE else 1)
 
     def replicas(self, engines: int) -> int:

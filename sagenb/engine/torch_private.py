@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from functools import partial
 from importlib import import_module
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -97,6 +98,7 @@ __all__ = [
     "style_redistribution",
     "tree_leaves",
     "tree_unflatten",
+    "v_order",
     "view_base",
     "warm_dynamo",
 ]
@@ -228,12 +230,41 @@ def interleaved_order(
         chunks, ranks, warmup, steady, chunks * microbatches - steady, rank,
         forward_stage, backward_stage, **extra,
     )  # fmt: skip
-    kinds = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W"}
-    return [
-        (kinds[a.computation_type.name], a.stage_index, a.microbatch_index or 0)
-        for a in ops
-        if a is not None and a.computation_type.name in kinds
-    ]
+    return _compute_ops(ops)
+
+
+_KINDS = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W"}
+
+
+def _compute_ops(ops: list[Any]) -> list[tuple[str, int, int]]:
+    """torch's actions as ("F" | "B" | "I" | "W", stage, microbatch); an overlapped forward
+    and backward (DualPipeV's OVERLAP_F_B) as its two parts, forward first."""
+    out = []
+    for a in ops:
+        if a is None:
+            continue
+        for part in a.sub_actions or (a,):
+            kind = _KINDS.get(part.computation_type.name)
+            if kind is not None:
+                out.append((kind, part.stage_index, part.microbatch_index or 0))
+    return out
+
+
+def v_order(schedule: str, ranks: int, microbatches: int, rank: int) -> list[tuple[str, int, int]]:
+    """("F" | "B" | "I" | "W", stage, microbatch) in the order torch's ScheduleZBVZeroBubble
+    (`schedule` "zbv") or ScheduleDualPipeV ("dualpipev") runs them on `rank` of `ranks`, each
+    holding stages rank and 2 ranks - 1 - rank."""
+    # public: the schedule's pipeline_order, which needs built PipelineStages in a process
+    # group (the estimate has neither). Each class computes it in its method
+    # _calculate_single_rank_operations(rank) (torch 2.13), which reads only these attributes
+    from torch.distributed.pipelining import schedules
+
+    cls: dict[str, Any] = {
+        "zbv": schedules.ScheduleZBVZeroBubble,
+        "dualpipev": schedules.ScheduleDualPipeV,
+    }
+    state = SimpleNamespace(pp_group_size=ranks, num_stages=2 * ranks, _n_microbatches=microbatches)
+    return _compute_ops(cls[schedule]._calculate_single_rank_operations(state, rank))
 
 
 def load_actions(
@@ -379,6 +410,10 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
         "torch.distributed.pipelining.schedules",
         "_get_1f1b_rank_ops",
         "engine.strategies.pipeline.attribution (interleaved microbatches in flight)",
+    ),
+    *(
+        PrivateName(_SCHEDULES, f"{cls}._calculate_single_rank_operations", "pipeline v_order")
+        for cls in ("ScheduleZBVZeroBubble", "ScheduleDualPipeV")
     ),
     PrivateName(
         "torch.utils.data.dataloader",

@@ -15,7 +15,12 @@ from typing import Any
 from sagenb.config.errors import ConfigError
 from sagenb.config.job import Job, JobError
 from sagenb.config.options import TrainConfig, describe, strategy_names
-from sagenb.engine.strategies.pipeline import MEMORY_FACTOR, BlockProfile, plan_on_engine
+from sagenb.engine.strategies.pipeline import (
+    MEMORY_FACTOR,
+    BlockProfile,
+    engine_of,
+    plan_on_engine,
+)
 from sagenb.pool import cluster
 from sagenb.sizing.cost import check_price
 
@@ -176,7 +181,7 @@ def _assemble(config: TrainConfig, raw: dict[str, Any]) -> Plan:
     stages = tuple(
         StagePlan(
             stage=s,
-            engine=s % config.partitions,
+            engine=engine_of(config.schedule, config.partitions, s),
             blocks=tuple(raw["blocks"][bounds[s] : bounds[s + 1]]),
             params_mib=sums["param_bytes"][s] / MIB,
             training_state_mib=sums["param_bytes"][s] * MEMORY_FACTOR / MIB,

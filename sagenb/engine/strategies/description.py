@@ -119,6 +119,11 @@ class Description:
         for the estimate and the planner; 0: every engine works the whole step."""
         return 0.0
 
+    def splits_backward(self, config: EngineConfig) -> bool:
+        """Whether the schedule runs each backward as the input's gradient, then the weights'
+        later (a zero-bubble pipeline schedule): the schedule panel draws the two apart."""
+        return False
+
     def inner_collectives(self, config: EngineConfig, engines: int) -> tuple[int, tuple[str, ...]]:
         """The collective kinds that run only within groups of consecutive ranks, and the
         groups' size: on instances that each hold whole groups they go at the instance's own

@@ -1,8 +1,9 @@
 """Pipeline model parallel, and hybrid (data parallel across pipeline replicas): the strategy and
 every helper it needs. The model is split into stages at block boundaries (by torch.fx in
 `partition`, by torch.export in `export_split`), at cuts chosen from a profile (`balance`,
-`cuts`, shared with the planner through `planning`), and stepped by GPipe or 1F1B schedules
-(`prefetch_schedule` on gloo) whose messages carry tensors only (`tensor_messages`);
+`cuts`, shared with the planner through `planning`), placed on engines and ordered as torch's
+schedules do (`orders`), and stepped by those schedules (GPipe and 1F1B by `prefetch_schedule`
+on gloo) whose messages carry tensors only (`tensor_messages`);
 `metadata_inference` keeps the shape-finding pass PipelineStage makes at the first step from
 changing the model or raising.
 
@@ -13,6 +14,7 @@ cuts, the split and the profile the trainer itself would use.
 
 from .balance import BlockProfile, static_profile
 from .cuts import MEMORY_FACTOR, PARTITION_METHODS, choose_cuts
+from .orders import engine_of
 from .partition import split_model
 from .planning import plan_on_engine
 from .strategy import DESCRIPTIONS, MULTI_STAGE, SCHEDULES, bubble_fraction
@@ -26,6 +28,7 @@ __all__ = [
     "BlockProfile",
     "bubble_fraction",
     "choose_cuts",
+    "engine_of",
     "plan_on_engine",
     "split_model",
     "static_profile",

@@ -25,7 +25,7 @@ from sagenb.engine.strategies.attribution import (
 )
 from sagenb.engine.strategies.pipeline.balance import static_profile
 from sagenb.engine.strategies.pipeline.cuts import choose_cuts
-from sagenb.engine.strategies.pipeline.orders import rank_order
+from sagenb.engine.strategies.pipeline.orders import rank_order, stages_on
 from sagenb.engine.strategies.pipeline.partition import split_model
 
 if TYPE_CHECKING:
@@ -63,7 +63,7 @@ class PipelineAttribution(Attribution):
         held, acts, comm = [], [], []
         for r in range(N):
             position = r % P
-            mine = range(position, S, P)
+            mine = stages_on(cfg.schedule, P, S // P, position)
             params = {
                 by_name.get(name, p) for s in mine for name, p in stages[s].named_parameters()
             }

@@ -4,9 +4,15 @@
 schedule of that kind runs them: GPipe and 1F1B from prefetch_schedule.compute_order (one stage
 per engine), interleaved 1F1B and interleaved zero bubble from torch's own per-rank calculation
 (torch_private.interleaved_order), looped breadth-first as torch's ScheduleLoopedBFS lays it out
-(every microbatch through an engine's first stage, then its next; backwards in reverse). B is a
-whole backward; zero bubble splits it into I (the input's gradient) and W (the weights'), the
-W run later to fill the bubble (Qi et al. 2024, arXiv:2401.10241).
+(every microbatch through an engine's first stage, then its next; backwards in reverse), ZB-V
+and DualPipeV from torch's own per-rank calculation (torch_private.v_order). B is a whole
+backward; the zero-bubble schedules split it into I (the input's gradient) and W (the
+weights'), the W run later to fill the bubble (Qi et al. 2024, arXiv:2401.10241).
+
+`stages_on` and `engine_of` say where each stage runs: round the engines in a loop (engine r
+holds stages r, r + P, ...), or, for the V-shaped schedules, two stages per engine in a V
+(engine r holds stages r and 2P - 1 - r: the first and the last stage share engine 0, and the
+model turns round on the last engine, which hands its activations to itself).
 
 `ideal_bubble` runs those orders on equal stages (forward 1, input gradient 1, weights'
 gradient 1; a whole backward 2, as the papers count) with each op waiting for the ops it needs
@@ -19,12 +25,30 @@ when m is a multiple of p (Narayanan et al. 2021); tests/test_schedules.py check
 from __future__ import annotations
 
 from sagenb.engine.strategies.pipeline.prefetch_schedule import compute_order
-from sagenb.engine.torch_private import interleaved_order
+from sagenb.engine.torch_private import interleaved_order, v_order
 
-__all__ = ["rank_order", "ideal_bubble"]
+__all__ = ["V_SHAPED", "engine_of", "ideal_bubble", "rank_order", "stages_on"]
+
+#: the schedules that hold two stages per engine in a V: ZB-V (Qi et al. 2024, section 6) and
+#: DualPipeV (DeepSeek-V3, arXiv:2412.19437, in the V form torch ships)
+V_SHAPED = ("zbv", "dualpipev")
 
 #: the length of each kind of op on equal stages
 _COST = {"F": 1, "B": 2, "I": 1, "W": 1}
+
+
+def stages_on(schedule: str, ranks: int, chunks: int, rank: int) -> list[int]:
+    """The stages engine `rank` of a pipeline of `ranks` holds, in increasing order."""
+    if schedule in V_SHAPED:
+        return [rank, 2 * ranks - 1 - rank]
+    return list(range(rank, ranks * chunks, ranks))
+
+
+def engine_of(schedule: str, ranks: int, stage: int) -> int:
+    """The position in its pipeline of the engine that holds `stage`."""
+    if schedule in V_SHAPED and stage >= ranks:
+        return 2 * ranks - 1 - stage
+    return stage % ranks
 
 
 def rank_order(
@@ -37,8 +61,10 @@ def rank_order(
         return [(op, rank, i) for op, i in compute_order(schedule, ranks, M, rank)]
     if schedule in ("interleaved", "zero-bubble"):
         return interleaved_order(ranks, chunks, M, rank, zero_bubble=schedule == "zero-bubble")
+    if schedule in V_SHAPED:
+        return v_order(schedule, ranks, microbatches, rank)
     if schedule == "looped-bfs":
-        stages = range(rank, ranks * chunks, ranks)
+        stages = stages_on(schedule, ranks, chunks, rank)
         forwards = [("F", s, i) for s in stages for i in range(M)]
         return forwards + [("B", s, i) for s in reversed(stages) for i in reversed(range(M))]
     raise ValueError(f"schedule {schedule!r}: no order known")

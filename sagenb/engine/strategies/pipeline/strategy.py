@@ -1,9 +1,9 @@
 """Pipeline model parallel (and hybrid: data parallel across pipeline replicas).
 
 The model is split at block boundaries into `partitions x virtual stages` stages
-(partition.py); engine r holds stages r, r + P, ... of its replica and runs them with
-torch.distributed.pipelining's PipelineStage and schedules (GPipe, 1F1B, interleaved 1F1B); on
-gloo, GPipe and 1F1B run with every receive posted at the start of the step
+(partition.py); engine r holds stages r, r + P, ... of its replica (or r and 2P - 1 - r for the
+V-shaped schedules, orders.py) and runs them with torch.distributed.pipelining's PipelineStage
+and schedules; on gloo, GPipe and 1F1B run with every receive posted at the start of the step
 (prefetch_schedule.py).
 
 Why the gradients equal one process's: the schedule's loss for a microbatch is scaled by
@@ -28,10 +28,12 @@ from torch import nn
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
+    ScheduleDualPipeV,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
     ScheduleInterleavedZeroBubble,
     ScheduleLoopedBFS,
+    ScheduleZBVZeroBubble,
 )
 
 from sagenb.config.errors import ConfigError
@@ -55,7 +57,7 @@ from sagenb.engine.strategies.pipeline.metadata_inference import (
     keep_buffers_through_inference,
     zero_indices_through_inference,
 )
-from sagenb.engine.strategies.pipeline.orders import ideal_bubble
+from sagenb.engine.strategies.pipeline.orders import V_SHAPED, engine_of, ideal_bubble, stages_on
 from sagenb.engine.strategies.pipeline.partition import split_model
 from sagenb.engine.strategies.pipeline.prefetch_schedule import PrefetchingSchedule
 from sagenb.engine.strategies.pipeline.tensor_messages import (
@@ -71,18 +73,24 @@ if TYPE_CHECKING:
 
 __all__ = ["DESCRIPTIONS", "Pipeline", "MEMORY_FACTOR", "SCHEDULES", "bubble_fraction"]
 
-#: --schedule: GPipe (all forwards, then all backwards), 1F1B, and those that hold several
-#: stages (--virtual-stages) on each rank, round the ranks in a loop: interleaved 1F1B, looped
+#: --schedule: GPipe (all forwards, then all backwards), 1F1B; those that hold several stages
+#: (--virtual-stages) on each rank, round the ranks in a loop: interleaved 1F1B, looped
 #: breadth-first (Lamy-Poirier 2023, arXiv:2211.05953) and interleaved zero bubble (its
 #: backward split into the input's gradient and the weights', the latter filling the bubble:
-#: Qi et al. 2024, arXiv:2401.10241), each torch's own schedule
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "looped-bfs", "zero-bubble")
-#: the schedules whose ranks hold --virtual-stages stages each
-MULTI_STAGE = ("interleaved", "looped-bfs", "zero-bubble")
+#: Qi et al. 2024, arXiv:2401.10241); and those that hold two stages per rank in a V: ZB-V
+#: (the same paper, section 6) and DualPipeV (DeepSeek-V3, arXiv:2412.19437). Each is torch's
+#: own schedule
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "looped-bfs", "zero-bubble", "zbv", "dualpipev")
+#: the schedules whose ranks hold --virtual-stages stages each (exactly 2 for the V-shaped)
+MULTI_STAGE = ("interleaved", "looped-bfs", "zero-bubble", *V_SHAPED)
+#: the schedules that run the weights' gradients on their own, apart from the input's
+SPLIT_BACKWARD = ("zero-bubble", *V_SHAPED)
 _MULTI_STAGE_CLASSES = {
     "interleaved": ScheduleInterleaved1F1B,
     "looped-bfs": ScheduleLoopedBFS,
     "zero-bubble": ScheduleInterleavedZeroBubble,
+    "zbv": ScheduleZBVZeroBubble,
+    "dualpipev": ScheduleDualPipeV,
 }
 
 
@@ -101,7 +109,7 @@ class Pipeline:
         P = config.partitions
         self.P, self.S, self.D = P, config.stages, world_size // P
         self.replica, self.position = divmod(rank, P)
-        self.stage_ids = list(range(self.position, self.S, P))
+        self.stage_ids = stages_on(config.schedule, P, self.S // P, self.position)
         self.pp_group, self.dp_group = self._groups()
         self.events: list[tuple[str, int, int, float, float]] = []
         self._step_started = 0.0
@@ -121,7 +129,7 @@ class Pipeline:
         return pp, dp
 
     def _global(self, stage: int) -> int:
-        return self.replica * self.P + stage % self.P
+        return self.replica * self.P + engine_of(self.config.schedule, self.P, stage)
 
     # -- setup -----------------------------------------------------------------------------
     def setup(self, ws: Workspace) -> None:
@@ -202,8 +210,10 @@ class Pipeline:
 
         A stage holds a tied weight when it names it under any of its tied names (the fx
         front end keeps the model's Parameter; the export one gives each stage its own copy,
-        under the name or names that stage uses)."""
-        self.tied: list[tuple[nn.Parameter, Any, bool]] = []  # (param, group, owner)
+        under the name or names that stage uses). An engine may hold two such copies itself
+        (a V holds the first and the last stage): their gradients are summed here first."""
+        # (this engine's copies, the group of the engines that hold it or None, owner)
+        self.tied: list[tuple[list[nn.Parameter], Any, bool]] = []
         held = [{n for n, _ in st.named_parameters(remove_duplicate=False)} for st in stages]
         local = {}
         for st in self.modules:
@@ -212,16 +222,20 @@ class Pipeline:
         for names in tied_groups(model):
             holders = [s for s, have in enumerate(held) if have.intersection(names)]
             for d in range(self.D):
-                ranks = sorted({d * self.P + s % self.P for s in holders})
+                ranks = sorted({d * self.P + self._global(s) % self.P for s in holders})
                 group = dist.new_group(ranks) if len(ranks) > 1 else None
-                mine = [local[n] for n in names if n in local]
-                if d == self.replica and mine and group is not None:
-                    self.tied.append((mine[0], group, self.rank == ranks[0]))
+                mine = list({id(local[n]): local[n] for n in names if n in local}.values())
+                if d == self.replica and (group is not None or len(mine) > 1):
+                    self.tied.append((mine, group, self.rank == ranks[0]))
 
     def _schedule(self, objective: Objective):
+        def runnable(i: int, m: nn.Module) -> nn.Module:
+            m = _LaterStage(m) if i > 0 else m
+            return _LastStage(m, objective) if i == self.S - 1 else m
+
         stages = [
             PipelineStage(
-                _LastStage(m, objective) if i == self.S - 1 else m,
+                runnable(i, m),
                 i,
                 self.S,
                 self.device,
@@ -335,10 +349,16 @@ class Pipeline:
         return torch.stack(self._reported[-self.config.microbatches :]).sum()
 
     def _sync_grads(self) -> None:
-        for p, group, _ in self.tied:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            dist.all_reduce(p.grad, group=group)
+        for copies, group, _ in self.tied:
+            grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in copies]
+            for p, g in zip(copies, grads):
+                p.grad = g
+            for g in grads[1:]:
+                grads[0].add_(g)
+            if group is not None:
+                dist.all_reduce(grads[0], group=group)
+            for g in grads[1:]:
+                g.copy_(grads[0])
         if self.D > 1:
             for p in self.module.parameters():
                 if p.grad is not None:
@@ -347,7 +367,7 @@ class Pipeline:
 
     def clip_grad_norm(self, max_norm: float) -> float:
         # A tied weight's summed gradient lives on several ranks: count it once, on its owner.
-        shared = {id(p): owner for p, _, owner in self.tied}
+        shared = {id(p): owner and k == 0 for ps, _, owner in self.tied for k, p in enumerate(ps)}
         squares = torch.zeros((), dtype=torch.float64, device=self.device)
         grads = [p.grad for p in self.module.parameters() if p.grad is not None]
         for p in self.module.parameters():
@@ -425,14 +445,17 @@ class Pipeline:
         args, kwargs, target = objective.split(batch)
         value: Any = args
         for i in self.stage_ids:
-            if i > 0:  # tensors only on the wire (tensor_messages.py)
+            if i > 0 and i - 1 not in self.stage_ids:  # tensors only (tensor_messages.py)
                 value, kwargs = recv_tensors(self._global(i - 1), self.device), {}
+            elif i > 0:  # the turn of a V: the previous stage is this engine's own
+                kwargs = {}
             module = self.modules[self.stage_ids.index(i)]
             value = module(*value, **kwargs) if isinstance(value, tuple) else module(value)
             if i == self.S - 1:
                 count = objective.count(target)
                 return float(weighted(objective.loss(value, target), count)), float(count)
-            send_tensors(value, self._global(i + 1), self.device)
+            if i + 1 not in self.stage_ids:
+                send_tensors(value, self._global(i + 1), self.device)
         return 0.0, 0.0
 
 
@@ -450,6 +473,21 @@ def _eval_chunks(idx: torch.Tensor, size: int) -> list[tuple[torch.Tensor, float
         return [(idx, 1.0)]
     filled = torch.cat([idx, idx[-1:].expand(size - real)])
     return [(filled, 1.0), (idx[-1:].expand(size), -(size - real) / size)]
+
+
+class _LaterStage(nn.Module):
+    """A stage after the first as the schedule runs it: torch hands the step's keyword inputs
+    to every stage of an engine ("kwargs can be passed to all stages", PipelineStage's
+    forward_one_chunk), while only the first takes the model's; the others take what the stage
+    before them made (the split passes on whatever later stages need, an attention mask too).
+    An engine that holds the first stage and others (interleaved, a V) drops them here."""
+
+    def __init__(self, stage: nn.Module) -> None:
+        super().__init__()
+        self.stage = stage
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.stage(*args)
 
 
 class _LastStage(nn.Module):
@@ -487,9 +525,12 @@ class PipelineDescription(Description):
 
     def bubble(self, config: EngineConfig) -> float:
         chunks = config.stages // config.partitions
-        if config.schedule in ("looped-bfs", "zero-bubble"):  # no closed form: its own order
+        if config.schedule not in ("gpipe", "1f1b", "interleaved"):  # no closed form: its order
             return ideal_bubble(config.schedule, config.partitions, chunks, config.microbatches)
         return bubble_fraction(config.partitions, config.microbatches, chunks)
+
+    def splits_backward(self, config: EngineConfig) -> bool:
+        return config.schedule in SPLIT_BACKWARD
 
     def check(self, config: EngineConfig) -> None:
         P = config.partitions
@@ -576,6 +617,9 @@ class HybridDescription(PipelineDescription):
 
 def _check_multi_stage(config: EngineConfig) -> None:
     kind = config.schedule
+    if kind in V_SHAPED:
+        _check_v_shaped(config)
+        return
     if config.virtual_stages < 2:
         raise ConfigError("virtual_stages", config.virtual_stages, f"{kind} needs at least 2")
     rounds = max(1, config.microbatches // config.partitions)
@@ -584,6 +628,25 @@ def _check_multi_stage(config: EngineConfig) -> None:
             "microbatches",
             config.microbatches,
             f"{kind} needs a multiple of the rounds ({rounds}); try {rounds * config.partitions}",
+        )
+
+
+def _check_v_shaped(config: EngineConfig) -> None:
+    """torch's own checks (ScheduleZBVZeroBubble, ScheduleDualPipeV), before any engine starts."""
+    kind = config.schedule
+    if config.virtual_stages != 2:
+        raise ConfigError(
+            "virtual_stages",
+            config.virtual_stages,
+            f"{kind} holds exactly 2 stages per engine, in a V: must be 2",
+        )
+    stages = config.stages
+    if kind == "dualpipev" and config.microbatches < stages:
+        raise ConfigError(
+            "microbatches",
+            config.microbatches,
+            f"dualpipev needs at least one microbatch per stage: must be >= {stages} "
+            f"(2 stages x --partitions {config.partitions})",
         )
 
 
