@@ -278,3 +278,23 @@ def test_the_smoothed_loss_follows_a_short_run_and_smooths_a_long_one():
     tail = charts.smoothed(noisy, smoothing_for(1000))[100:]
     assert max(tail) - min(tail) < 0.11 * (max(noisy) - min(noisy))
     assert not any(math.isnan(v) for v in tail)
+
+
+def test_the_schedule_rows_run_stage_by_stage_where_engines_hold_several():
+    """In a V engine 0 holds stages 0 and 3, engine 1 stages 1 and 2: the rows still run
+    stage 0, 1, 2, 3 down, and ZB-V's weight gradients are drawn on their own."""
+    config = TrainConfig(
+        engines=2, batch_size=8, strategy="model", partitions=2, schedule="zbv", microbatches=4
+    )
+    board = new_board(config)
+    for rank, stages in enumerate([(0, 3), (1, 2)]):
+        metrics = step_metrics(1, rank, rank == 0, pipeline=True)
+        events = [
+            [k, s, 0, 0.001 * i, 0.001 * i + 0.0005] for i, s in enumerate(stages) for k in "FBW"
+        ]
+        metrics[keys.TIMELINE] = events
+        board.log(metrics, 1, rank)
+    drawn = {t.meta: t for t in board.to_figure().data}
+    rows = list(dict.fromkeys(drawn["forward"].y))
+    assert rows == [f"stage {s}" for s in range(4)]
+    assert sorted(drawn["weight gradient"].y) == rows

@@ -203,13 +203,19 @@ class Snapshot:
         }
         timelines = self.board.timelines
         t0 = min((t for t, _ in timelines.values()), default=0.0)
-        for start, events in timelines.values():
-            for kind, stage, micro, a, b in events:
-                bar = bars[kind]
-                bar["base"].append((start - t0 + a) * 1e3)
-                bar["x"].append((b - a) * 1e3)
-                bar["y"].append(f"stage {stage}")
-                bar["text"].append(str(micro))
+        # by stage: the rows (categories, in order of first appearance) run stage 0, 1, ...
+        # down, where engines holding several stages (interleaved, a V) report theirs together
+        events = sorted(
+            (event[1], start - t0 + event[3], event)
+            for start, mine in timelines.values()
+            for event in mine
+        )
+        for stage, at, (kind, _, micro, a, b) in events:
+            bar = bars[kind]
+            bar["base"].append(at * 1e3)
+            bar["x"].append((b - a) * 1e3)
+            bar["y"].append(f"stage {stage}")
+            bar["text"].append(str(micro))
         return bars
 
     @cached_property
@@ -312,8 +318,8 @@ def _gantt(colour: str) -> dict[str, Any]:
 
 
 def _splits_backward(board: Board) -> bool:
-    """Whether the schedule runs the weights' gradients on their own (zero-bubble)."""
-    return board.config.schedule == "zero-bubble" and pipelined(board)
+    """Whether the schedule runs the weights' gradients on their own (the zero-bubble ones)."""
+    return describe(board.config.strategy).splits_backward(board.config)
 
 
 def _cuda(board: Board) -> bool:
