@@ -27,13 +27,21 @@ from typing import Any
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from sagenb.engine.strategies.pipeline import SCHEDULES, bubble_fraction
+from sagenb.engine.strategies.pipeline import SCHEDULES, schedule_bubble
 from sagenb.metrics import keys
 from sagenb.metrics.stream import StepMetrics
 
 __all__ = ["LabPoint", "measure", "span_idle_share", "table", "figure", "smallest_m"]
 
-COLOURS = {"gpipe": "#4C78A8", "1f1b": "#E45756", "interleaved": "#54A24B"}
+COLOURS = {
+    "gpipe": "#4C78A8",
+    "1f1b": "#E45756",
+    "interleaved": "#54A24B",
+    "looped-bfs": "#B279A2",
+    "zero-bubble": "#F58518",
+    "zbv": "#72B7B2",
+    "dualpipev": "#9D755D",
+}
 
 
 @dataclass(frozen=True)
@@ -43,7 +51,7 @@ class LabPoint:
     partitions: int
     schedule: str
     microbatches: int
-    virtual: int  # model chunks per engine: --virtual-stages when interleaved, else 1
+    virtual: int  # model chunks per engine: --virtual-stages where the schedule holds several
     #: mean over the ranks of idle / span, the span from the first forward to the last
     #: backward of any rank, summed over the measured steps
     idle_share: float
@@ -52,8 +60,9 @@ class LabPoint:
 
     @property
     def formula(self) -> float:
-        """(p - 1) / (v m + p - 1)."""
-        return bubble_fraction(self.partitions, self.microbatches, self.virtual)
+        """The schedule's bubble on equal stages: (p - 1) / (v m + p - 1) for GPipe, 1F1B and
+        interleaved; the others' own orders, run on equal stages (schedule_bubble)."""
+        return schedule_bubble(self.schedule, self.partitions, self.microbatches, self.virtual)
 
 
 def span_idle_share(metrics: Iterable[StepMetrics], *, skip: int = 1) -> dict[int, float]:

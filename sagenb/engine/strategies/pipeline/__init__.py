@@ -17,7 +17,7 @@ from .cuts import MEMORY_FACTOR, PARTITION_METHODS, choose_cuts
 from .orders import engine_of
 from .partition import split_model
 from .planning import plan_on_engine
-from .strategy import DESCRIPTIONS, MULTI_STAGE, SCHEDULES, bubble_fraction
+from .strategy import DESCRIPTIONS, MULTI_STAGE, SCHEDULES, bubble_fraction, schedule_bubble
 
 __all__ = [
     "DESCRIPTIONS",
@@ -30,6 +30,7 @@ __all__ = [
     "choose_cuts",
     "engine_of",
     "plan_on_engine",
+    "schedule_bubble",
     "split_model",
     "static_profile",
 ]

@@ -71,7 +71,14 @@ from sagenb.metrics import keys
 if TYPE_CHECKING:
     from sagenb.config.options import EngineConfig
 
-__all__ = ["DESCRIPTIONS", "Pipeline", "MEMORY_FACTOR", "SCHEDULES", "bubble_fraction"]
+__all__ = [
+    "DESCRIPTIONS",
+    "Pipeline",
+    "MEMORY_FACTOR",
+    "SCHEDULES",
+    "bubble_fraction",
+    "schedule_bubble",
+]
 
 #: --schedule: GPipe (all forwards, then all backwards), 1F1B; those that hold several stages
 #: (--virtual-stages) on each rank, round the ranks in a loop: interleaved 1F1B, looped
@@ -99,6 +106,15 @@ def bubble_fraction(stages: int, microbatches: int, virtual: int = 1) -> float:
     microbatches (Huang et al. 2019, GPipe, section 2.2); interleaving v chunks per engine
     shrinks it to (p - 1) / (v m + p - 1) (Narayanan et al. 2021, section 2.2)."""
     return (stages - 1) / (virtual * microbatches + stages - 1)
+
+
+def schedule_bubble(schedule: str, partitions: int, microbatches: int, virtual: int = 1) -> float:
+    """The idle fraction of a step of `schedule` on equal stages: the closed form where there
+    is one (bubble_fraction), else the schedule's own order run on equal stages
+    (orders.ideal_bubble: looped BFS and the zero-bubble ones)."""
+    if schedule in ("gpipe", "1f1b", "interleaved"):
+        return bubble_fraction(partitions, microbatches, virtual)
+    return ideal_bubble(schedule, partitions, virtual, microbatches)
 
 
 class Pipeline:
@@ -225,7 +241,7 @@ class Pipeline:
                 ranks = sorted({d * self.P + self._global(s) % self.P for s in holders})
                 group = dist.new_group(ranks) if len(ranks) > 1 else None
                 mine = list({id(local[n]): local[n] for n in names if n in local}.values())
-                if d == self.replica and (group is not None or len(mine) > 1):
+                if d == self.replica and mine and (group is not None or len(mine) > 1):
                     self.tied.append((mine, group, self.rank == ranks[0]))
 
     def _schedule(self, objective: Objective):
@@ -525,9 +541,7 @@ class PipelineDescription(Description):
 
     def bubble(self, config: EngineConfig) -> float:
         chunks = config.stages // config.partitions
-        if config.schedule not in ("gpipe", "1f1b", "interleaved"):  # no closed form: its order
-            return ideal_bubble(config.schedule, config.partitions, chunks, config.microbatches)
-        return bubble_fraction(config.partitions, config.microbatches, chunks)
+        return schedule_bubble(config.schedule, config.partitions, config.microbatches, chunks)
 
     def splits_backward(self, config: EngineConfig) -> bool:
         return config.schedule in SPLIT_BACKWARD
