@@ -32,6 +32,7 @@ from pathlib import Path
 from IPython.core.interactiveshell import InteractiveShell
 
 from sagenb.pool import cluster
+from sagenb.pool.prewarm import PREWARM_ENV
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE / "peers"))
@@ -80,7 +81,7 @@ def first_step(shell: InteractiveShell) -> float:
 
 def load_ext(shell: InteractiveShell) -> float:
     """`%load_ext sagenb` afresh (it starts the pool in the background); its own seconds."""
-    os.environ[cluster.PREWARM_ENV] = "1"
+    os.environ[PREWARM_ENV] = "1"
     shell.extension_manager.loaded.discard("sagenb")
     started = time.perf_counter()
     shell.run_line_magic("load_ext", "sagenb")
@@ -158,7 +159,7 @@ def main() -> None:
     parser.add_argument("--write-s", type=float, default=10.0, help="seconds of writing")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
-    os.environ[cluster.PREWARM_ENV] = "0"  # the cold case starts its own pool
+    os.environ[PREWARM_ENV] = "0"  # the cold case starts its own pool
     shell = InteractiveShell.instance()
     shell.run_line_magic("load_ext", "sagenb")
     try:

@@ -22,7 +22,6 @@ import os
 import signal
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
@@ -60,21 +59,25 @@ FAULTS = {
 
 
 class LastArrival:
-    """A metric sink that remembers when the last step's metrics arrived."""
+    """A metric sink that remembers when the last step's metrics arrived; with `then`, calls
+    it once when step FAULT_STEP's arrive."""
 
-    def __init__(self) -> None:
+    def __init__(self, then=None) -> None:
         self.at = time.perf_counter()
         self.step = 0
+        self.then = then
 
     def log(self, metrics, step, rank) -> None:
         self.at, self.step = time.perf_counter(), step
+        if self.then is not None and step >= FAULT_STEP:
+            then, self.then = self.then, None
+            then()
 
     def close(self) -> None:
         pass
 
 
 def one(name: str, action: str, directory: str) -> dict:
-    arrival = LastArrival()
     noticed: list[float] = []
 
     def notice(kind: str) -> None:  # when the notebook noticed, before containing
@@ -83,6 +86,7 @@ def one(name: str, action: str, directory: str) -> dict:
 
     fault_at = Path(directory) / "fault_at"
     cell = _cell(action, fault_at)
+    arrival = LastArrival()
     if name == "kernel interrupt":
         cell = _cell("pass", fault_at).replace(f"calls[0] == {FAULT_STEP}", "False")
 
@@ -90,12 +94,16 @@ def one(name: str, action: str, directory: str) -> dict:
             noticed.append(time.time())  # the interrupt itself is the notice
             os.kill(os.getpid(), signal.SIGINT)
 
-        threading.Timer(1.5, interrupt).start()
+        # once step 30 has arrived: a timer, started before the call, could strike before the
+        # run began (the call first settles the pool) or after it had ended
+        arrival = LastArrival(then=interrupt)
     try:
         sagenb.train(
             cell,
             batch_size=16,
-            epochs=2,
+            # 1,024 steps of this cell take about a second here: the interrupt's run is made
+            # long enough that it still trains when step 30's metrics arrive
+            epochs=40 if name == "kernel interrupt" else 2,
             checkpoint_dir=directory,
             checkpoint_every=25,
             timeout=5 if "stuck" in name else 300,
@@ -140,6 +148,10 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
+    # a script started in the background by a non-interactive shell (`cmd &`, nohup) inherits
+    # SIGINT ignored (POSIX), so the interrupt case would interrupt nothing; a kernel has
+    # Python's own handler, as here
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     sagenb.start_pool(2)
     rows = []
     try:
