@@ -107,6 +107,11 @@ def main() -> None:
                 runs.setdefault(f"plain {precision}", []).append(plain(precision))
                 runs.setdefault(f"sagenb {precision}", []).append(with_sagenb(precision))
         runs["sagenb bf16 + AC"] = [with_sagenb("bf16", activation_checkpointing=True)]
+        if CUDA:  # activations in pinned host memory until backward: the device peak drops
+            runs["sagenb bf16 + offload"] = [with_sagenb("bf16", offload_activations=True)]
+            runs["sagenb bf16 + AC + offload"] = [
+                with_sagenb("bf16", activation_checkpointing=True, offload_activations=True)
+            ]
     finally:
         sagenb.stop_pool()
     summary = summarise(runs)

@@ -289,6 +289,12 @@ class EngineConfig:
         "recompute each repeated block's activations in backward instead of keeping them "
         "(less memory, about a third more compute)",
     )
+    offload_activations: bool = _opt(
+        "memory",
+        False,
+        "CUDA engines: keep the activations saved for backward in pinned host memory until "
+        "backward needs them (less device memory, more host transfers); refused on CPU engines",
+    )
     delay_init: bool = _opt(
         "memory",
         False,

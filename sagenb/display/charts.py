@@ -263,7 +263,7 @@ def _memory_headroom(snap: Snapshot) -> dict[str, list]:
     marks = [
         board.memory.get(r, {}).get(key, 0.0)
         for r in range(board.engines)
-        for key in (keys.MEMORY_DEVICE_PEAK, keys.MEMORY_DEVICE_CAPACITY)
+        for key in (keys.MEMORY_DEVICE_PEAK, keys.MEMORY_DEVICE_CAPACITY, keys.MEMORY_OFFLOADED)
     ]
     top = max([*totals, *marks, 0.0])
     return {"x": [f"engine {r}" for r in range(board.engines)], "y": [1.25 * top] * board.engines}
@@ -327,6 +327,12 @@ def _cuda(board: Board) -> bool:
     return any(keys.MEMORY_DEVICE_CAPACITY in m for m in board.memory.values())
 
 
+def _offloads(board: Board) -> bool:
+    """Whether activations wait for backward in host memory (--offload-activations): marked
+    beside the bars, which count what stays on the device."""
+    return board.config.offload_activations
+
+
 def _label(text: str) -> Callable[[Board], str]:
     return lambda board: text
 
@@ -355,6 +361,8 @@ TRACES: tuple[Trace, ...] = (
     Trace("device capacity (CUDA)", MEMORY,
           partial(_per_engine, key=keys.MEMORY_DEVICE_CAPACITY), _marks("#d62728"),
           label=_label("capacity"), visible=_cuda),
+    Trace("offloaded activations", MEMORY, partial(_per_engine, key=keys.MEMORY_OFFLOADED),
+          _marks("#b279a2"), label=_label("activations on host"), visible=_offloads),
     Trace("memory headroom", MEMORY, _memory_headroom, INVISIBLE),
     Trace("compute (s)", STEP_TIME, lambda s: s.per_step(s.columns.busy),
           {"mode": "lines", "stackgroup": "t", "line": {"color": "#4C78A8"}},

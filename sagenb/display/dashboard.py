@@ -71,6 +71,8 @@ def layout_text(config: TrainConfig) -> str:
         text += f", {config.precision}"
     if config.activation_checkpointing:
         text += ", activation checkpointing"
+    if config.offload_activations:
+        text += ", activations offloaded to the host"
     return text
 
 

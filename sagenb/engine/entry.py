@@ -24,6 +24,7 @@ from sagenb.config.errors import ConfigError
 from sagenb.config.job import Job, JobError
 from sagenb.engine import clean_slate
 from sagenb.engine.loop import train_loop
+from sagenb.engine.memory import check_offload
 from sagenb.engine.model.equivalence import EquivalenceWarning, equivalence_warnings
 from sagenb.engine.model.kv_cache import cache_off
 from sagenb.engine.model.recompute import checkpoint_blocks
@@ -148,6 +149,7 @@ def train_rank(spec: RankSpec, publish: Publisher) -> RankResult:
     device = process_group.pick_device(spec.local_rank, spec.local_size)
     _join(spec, device)
     check_supported(spec.config.precision, device)
+    check_offload(spec.config.offload_activations, device.type)
     ws = build_workspace(spec.job, spec.config.seed, delay_init=spec.config.delay_init)
     # what keeps this run from training as one process would, from the model as the cell built it
     notes = (

@@ -75,7 +75,7 @@ def train_loop(
         publish = _first_step_with_warnings(notes, publish)
     base_lr = None if ws.make_optimizer is not None else _base_lr(optimizer)
     options = resume.record(config, world_size=_world_size(), lr=base_lr)
-    meter = MemoryMeter(strategy.module, optimizer, device)
+    meter = MemoryMeter(strategy.module, optimizer, device, offload=config.offload_activations)
     scaler = LossScaler(device=device) if config.precision == "fp16" else None
     plan = _plan(ws, config, start)
     last, unsaved = start, None

@@ -5,6 +5,11 @@ themselves; the peak of activations saved for backward is tracked with saved-ten
 deduplicated by storage and leaving parameters out.
 On CUDA the allocator's own peak is reported beside it.
 
+With --offload-activations the same hooks also move each saved activation (not a parameter,
+nor a view of one) from the CUDA device to pinned host memory, and back when backward needs
+it, as torch.autograd.graph.save_on_cpu(pin_memory=True) does (SageMaker's activation
+offloading); those count apart, as offloaded. The hooks then run every step.
+
 The hooks cost about 1% of a small model's step, so activations are counted on the first three
 steps of a run (resumed or not), every COUNT_EVERY-th and the last; in between the last count
 stands (a job's shapes, and so its activations, are the same every step). Parameters,
@@ -23,11 +28,12 @@ from contextlib import AbstractContextManager, nullcontext
 import torch
 from torch import nn
 
+from sagenb.config.errors import ConfigError
 from sagenb.engine.strategies.dtensors import local
 from sagenb.engine.torch_private import view_base
 from sagenb.metrics import keys
 
-__all__ = ["MemoryMeter"]
+__all__ = ["MemoryMeter", "check_offload"]
 
 MIB = 1024 * 1024
 COUNT_EVERY = 10
@@ -56,7 +62,7 @@ class _Saved:
     then drops that graph unused, which a count kept only by unpacking took for one more
     microbatch held all step (issue 31)."""
 
-    __slots__ = ("tensor", "key", "meter", "generation")
+    __slots__ = ("tensor", "key", "meter", "generation", "device")
 
     def __init__(
         self,
@@ -64,12 +70,37 @@ class _Saved:
         key: int | None,
         meter: MemoryMeter | None = None,
         generation: int = 0,
+        device: torch.device | None = None,
     ) -> None:
         self.tensor, self.key, self.meter, self.generation = tensor, key, meter, generation
+        self.device = device  # where an offloaded tensor goes back to for backward
 
     def __del__(self) -> None:
         if self.key is not None and self.meter is not None:
             self.meter._release(self)
+
+
+def check_offload(offload: bool, device_type: str) -> None:
+    """--offload-activations moves activations from CUDA memory to the host's: refused on
+    engines of any other kind, where there is no device memory to save."""
+    if offload and device_type != "cuda":
+        raise ConfigError(
+            "offload_activations",
+            True,
+            f"the engines run on {device_type}: offloading moves the activations saved for "
+            f"backward from a CUDA device's memory to the host's, and on {device_type} there is "
+            f"no device memory to save; leave it off (--activation-checkpointing saves memory "
+            f"on any device)",
+        )
+
+
+def _to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of a CUDA tensor in pinned host memory (save_on_cpu's pack, torch 2.13)."""
+    packed = torch.empty(
+        tensor.size(), dtype=tensor.dtype, layout=tensor.layout, pin_memory=not tensor.is_sparse
+    )
+    packed.copy_(tensor)
+    return packed
 
 
 class MemoryMeter:
@@ -81,12 +112,22 @@ class MemoryMeter:
     #: (a key identifying a tensor's memory, its bytes); key 0 is memory that is not counted
     _storage_of = staticmethod(_storage_of)
 
-    def __init__(self, module: nn.Module, optimizer: torch.optim.Optimizer, device: torch.device):
+    def __init__(
+        self,
+        module: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        device: torch.device,
+        *,
+        offload: bool = False,
+    ):
         self.module, self.optimizer, self.device = module, optimizer, device
+        self.offload = offload  # --offload-activations
         self._params = list(module.parameters())  # final: the strategy has wrapped the model
         self._param_storages = {self._storage_of(p)[0] for p in self._params}
-        self._live: dict[int, list[int]] = {}  # storage ptr -> [bytes, references]
+        self._live: dict[int, list[int]] = {}  # storage ptr -> [bytes, references, offloaded]
         self._current = 0
+        self._offloaded = 0  # of _current, the bytes held on the host
+        self.peak_offloaded = 0
         self._generation = 0  # the count a saved tensor was packed in (start_step begins one)
         self.peak_activations = 0
         self.counting = True
@@ -108,20 +149,29 @@ class MemoryMeter:
         key, nbytes = self._storage_of(tensor)
         if key in self._param_storages or key == 0:
             return _Saved(tensor, None)
-        entry = self._live.get(key)
-        if entry is None:
-            self._live[key] = [nbytes, 1]
-            self._current += nbytes
-            self.peak_activations = max(self.peak_activations, self._current)
-        else:
-            entry[1] += 1
         # detached: the live tensor of a saved output refers to its grad_fn, which owns this
         # object, a cycle no collector breaks when backward never runs (torch's docs on saved
         # tensor hooks, pytorch/pytorch#189025); autograd restores the grad_fn on unpack
-        return _Saved(tensor.detach(), key, self, self._generation)
+        kept, device = tensor.detach(), None
+        if self.offload and tensor.device.type == "cuda":
+            kept, device = _to_host(kept), tensor.device
+        if not self.counting:
+            return _Saved(kept, None, device=device)
+        entry = self._live.get(key)
+        if entry is None:
+            self._live[key] = [nbytes, 1, device is not None]
+            self._current += nbytes
+            self._offloaded += nbytes if device is not None else 0
+            self.peak_activations = max(self.peak_activations, self._current - self._offloaded)
+            self.peak_offloaded = max(self.peak_offloaded, self._offloaded)
+        else:
+            entry[1] += 1
+        return _Saved(kept, key, self, self._generation, device)
 
     def _unpack(self, saved: _Saved) -> torch.Tensor:
         self._release(saved)
+        if saved.device is not None:  # back from the host, for backward
+            return saved.tensor.to(saved.device, non_blocking=True)
         return saved.tensor
 
     def _release(self, saved: _Saved) -> None:
@@ -134,11 +184,13 @@ class MemoryMeter:
             entry[1] -= 1
             if entry[1] == 0:
                 self._current -= entry[0]
+                self._offloaded -= entry[0] if entry[2] else 0
                 del self._live[key]
 
     def track(self) -> AbstractContextManager:
-        """Wraps each forward+backward of the step; counts saved activations when counting."""
-        if not self.counting:
+        """Wraps each forward+backward of the step; counts saved activations when counting,
+        and offloads them with --offload-activations."""
+        if not (self.counting or self.offload):
             return nullcontext()
         return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
@@ -149,8 +201,8 @@ class MemoryMeter:
         if self.counting:
             self._generation += 1
             self._live.clear()
-            self._current = 0
-            self.peak_activations = 0
+            self._current = self._offloaded = 0
+            self.peak_activations = self.peak_offloaded = 0
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
 
@@ -166,6 +218,8 @@ class MemoryMeter:
                 keys.MEMORY_OPTIMIZER: _tensor_bytes(state) / MIB,
             }
         out = {**self._held, keys.MEMORY_ACTIVATIONS: self.peak_activations / MIB}
+        if self.offload:
+            out[keys.MEMORY_OFFLOADED] = self.peak_offloaded / MIB
         if self._process is not None:
             now = time.monotonic()
             if now - self._rss_read >= RSS_EVERY_S:

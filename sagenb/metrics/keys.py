@@ -58,6 +58,9 @@ MEMORY_ACTIVATIONS: Final = memory("activations")
 MEMORY_RSS: Final = memory("rss")  # the process's resident set, read every few seconds
 MEMORY_DEVICE_PEAK: Final = memory("device_peak")  # CUDA only
 MEMORY_DEVICE_CAPACITY: Final = memory("device_capacity")  # CUDA only
+#: --offload-activations: the peak of saved activations held in host memory until backward
+#: (those in MEMORY_ACTIVATIONS stay on the device)
+MEMORY_OFFLOADED: Final = memory("offloaded_activations")
 
 # -- pipelines (engine/strategies/pipeline/) ---------------------------------------------------
 STAGES: Final = "stages"  # the pipeline stages this rank holds

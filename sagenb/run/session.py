@@ -16,6 +16,7 @@ from sagenb.config.errors import ConfigError
 from sagenb.config.job import Job
 from sagenb.config.options import TrainConfig, describe
 from sagenb.display import event_log
+from sagenb.engine.memory import check_offload
 from sagenb.metrics.result import TrainResult
 from sagenb.metrics.stream import MetricSink
 from sagenb.pool import clean_slate, cluster, orphans, run_lock
@@ -58,6 +59,7 @@ def train(
         config = dataclasses.replace(config, **options)
     check_price(config)  # reads the price table: not the config's validation, yet before engines
     event_log.check_available(config)  # --log-dir without tensorboard: before any engine
+    _check_offload(config, pool or cluster.current_pool())
     prepared = Job.of(job)
     if pool is None:
         pool = cluster.ensure_pool(config.engines_to_start())
@@ -87,6 +89,16 @@ def train(
             run.warnings.append(note)
             warnings.warn_explicit(note, RuntimeWarning, "sagenb", 0, module="sagenb")
         return run.execute()
+
+
+def _check_offload(config: TrainConfig, pool: cluster.EnginePool | None) -> None:
+    """--offload-activations on a pool of this machine's engines (the one a run starts, or a
+    running one on this host), refused before any engine starts where this machine has no
+    CUDA device; other hosts' engines check their own device (engine/entry.py)."""
+    if config.offload_activations and (pool is None or not pool.multi_host):
+        import torch
+
+        check_offload(True, "cuda" if torch.cuda.is_available() else "cpu")
 
 
 def _first_line(job: Job) -> str:

@@ -200,6 +200,11 @@ def _build(job: Job, config: EngineConfig, world: int) -> FakeModel:
         return ws.make_optimizer(ps) if ws.make_optimizer else torch.optim.AdamW(ps, lr=config.lr)
 
     notes: list[str] = []
+    if config.offload_activations:
+        notes.append(
+            "activations are counted on the device: --offload-activations holds them in host "
+            "memory until backward, so the device figure is an upper bound"
+        )
     try:
         state = optimizer_state(params, make)
     except Exception as exc:  # noqa: BLE001 - a cell's optimizer may need real values
