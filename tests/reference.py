@@ -209,3 +209,12 @@ def global_batches(dataset, *, batch_size: int, epochs: int, seed: int) -> Itera
             if len(pending) == batch_size:
                 yield pending
                 pending = []
+
+
+def one_process_eval(cell: str, model) -> float:
+    """The model's own loss over the whole eval set in one forward: the mean over its tokens."""
+    ns = namespace(cell, 0)
+    data = batch(ns["eval_dataset"], torch.arange(len(ns["eval_dataset"])))
+    model.eval()
+    with torch.no_grad():
+        return float(model(**data).loss)

@@ -8,13 +8,12 @@ transformers issue #34242)."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 import sagenb
 
 from .helpers import check_equal
 from .models import llama_cell
-from .reference import batch, namespace
+from .reference import one_process_eval
 
 TOL = 1e-5
 
@@ -52,15 +51,6 @@ def test_transformers_model_as_it_is_in_tensor_and_pipeline(pool, strategy):
     # evaluated in microbatch-sized chunks on the pipeline (export fixes the shapes; the last
     # chunk of 20 samples is filled up), as one forward over the whole eval set in one process
     assert result.history[-1]["eval_loss"] == pytest.approx(one_process_eval(cell, model), abs=TOL)
-
-
-def one_process_eval(cell: str, model) -> float:
-    """The model's own loss over the whole eval set in one forward: the mean over its tokens."""
-    ns = namespace(cell, 0)
-    data = batch(ns["eval_dataset"], torch.arange(len(ns["eval_dataset"])))
-    model.eval()
-    with torch.no_grad():
-        return float(model(**data).loss)
 
 
 def test_eval_loss_is_the_mean_over_counted_tokens(pool):

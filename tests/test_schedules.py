@@ -3,8 +3,9 @@ item 4): each equals one process on a real 2-engine pipeline (the V-shaped ones 
 holding the first and the last stage), the zero-bubble ones record their weights' gradients (W)
 apart from the input's (B); the orders the estimate and the planner read are torch's own; the
 bubble each order implies on equal stages is the known formula where there is one, and the
-zero-bubble ones' below interleaved 1F1B's (that their orders are torch's own:
-tests/test_private_apis.py); bad values are refused with the numbers."""
+zero-bubble ones' below interleaved 1F1B's; bad values are refused with the numbers. That the
+orders are torch's own: each engine's recorded timeline is the order computed for it here
+(interleaved ones also in tests/test_private_apis.py)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from sagenb.metrics import keys
 
 from .helpers import check_equal
 from .models import GPT_CELL, llama_cell
-from .test_dict_batches import one_process_eval
+from .reference import one_process_eval
 
 OPTIONS = dict(batch_size=32, steps=4)
 PIPELINE = dict(strategy="model", partitions=2, virtual_stages=2, microbatches=4)

@@ -12,7 +12,10 @@ weights'), the W run later to fill the bubble (Qi et al. 2024, arXiv:2401.10241)
 `stages_on` and `engine_of` say where each stage runs: round the engines in a loop (engine r
 holds stages r, r + P, ...), or, for the V-shaped schedules, two stages per engine in a V
 (engine r holds stages r and 2P - 1 - r: the first and the last stage share engine 0, and the
-model turns round on the last engine, which hands its activations to itself).
+model turns round on the last engine, which hands its activations to itself). They are
+torch's own placements (the "loop" and "v" styles its schedules take from
+torch.distributed.pipelining._utils.generate_stage_to_rank_mapping, a private module), written
+here in two lines each; tests/test_schedules.py checks the stages each engine reports.
 
 `ideal_bubble` runs those orders on equal stages (forward 1, input gradient 1, weights'
 gradient 1; a whole backward 2, as the papers count) with each op waiting for the ops it needs

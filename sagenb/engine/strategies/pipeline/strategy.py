@@ -238,7 +238,9 @@ class Pipeline:
         for names in tied_groups(model):
             holders = [s for s, have in enumerate(held) if have.intersection(names)]
             for d in range(self.D):
-                ranks = sorted({d * self.P + self._global(s) % self.P for s in holders})
+                ranks = sorted(
+                    {d * self.P + engine_of(self.config.schedule, self.P, s) for s in holders}
+                )
                 group = dist.new_group(ranks) if len(ranks) > 1 else None
                 mine = list({id(local[n]): local[n] for n in names if n in local}.values())
                 if d == self.replica and mine and (group is not None or len(mine) > 1):
@@ -461,10 +463,10 @@ class Pipeline:
         args, kwargs, target = objective.split(batch)
         value: Any = args
         for i in self.stage_ids:
-            if i > 0 and i - 1 not in self.stage_ids:  # tensors only (tensor_messages.py)
-                value, kwargs = recv_tensors(self._global(i - 1), self.device), {}
-            elif i > 0:  # the turn of a V: the previous stage is this engine's own
+            if i > 0:  # the model's keyword inputs are the first stage's only
                 kwargs = {}
+            if i > 0 and i - 1 not in self.stage_ids:  # else the turn of a V, on this engine
+                value = recv_tensors(self._global(i - 1), self.device)  # tensors only
             module = self.modules[self.stage_ids.index(i)]
             value = module(*value, **kwargs) if isinstance(value, tuple) else module(value)
             if i == self.S - 1:
