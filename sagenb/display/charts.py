@@ -144,6 +144,16 @@ OPTIMIZER = Panel(
 )  # ".0e": a log axis spanning less than a decade otherwise labels its ticks "2", "5"
 
 
+def spreads_experts(board: Board) -> bool:
+    """Whether the run spreads mixture-of-experts layers over engines (--expert-parallel)."""
+    return int(board.config.option("expert_parallel")) > 1
+
+
+#: in the schedule's place with --expert-parallel: how evenly the router spread the tokens,
+#: which decides how busy each engine's experts are (imbalance is what MoE users watch)
+EXPERTS = Panel(3, 1, "Tokens per expert, last step", "expert", "(token, choice) pairs")
+
+
 def _cost_title(meter: CostMeter) -> str:
     """The cost panel says what its dollars are: this run billed as the instance only when the
     engines run on its kind of hardware; else this run's seconds at the instance's price, a
@@ -172,8 +182,10 @@ PANELS = (LOSS, THROUGHPUT, MEMORY, STEP_TIME, SCHEDULE, COST)  # row by row, as
 
 def panels(board: Board) -> tuple[Panel, ...]:
     """This run's panels: the schedule timeline only for pipelines (elsewhere it stayed
-    empty: issue 17), the optimizer's learning rate (and gradient norm, when clipped) otherwise."""
-    return tuple(OPTIMIZER if p is SCHEDULE and not pipelined(board) else p for p in PANELS)
+    empty: issue 17), the tokens per expert where experts are spread over engines, the
+    optimizer's learning rate (and gradient norm, when clipped) otherwise."""
+    instead = EXPERTS if spreads_experts(board) else OPTIMIZER
+    return tuple(instead if p is SCHEDULE and not pipelined(board) else p for p in PANELS)
 
 
 def _line(x: Sequence[float], y: Sequence[float]) -> dict[str, np.ndarray]:
@@ -267,6 +279,18 @@ def _memory_headroom(snap: Snapshot) -> dict[str, list]:
     ]
     top = max([*totals, *marks, 0.0])
     return {"x": [f"engine {r}" for r in range(board.engines)], "y": [1.25 * top] * board.engines}
+
+
+def _expert_counts(snap: Snapshot, even: bool = False) -> dict[str, list]:
+    """The last step's (token, choice) pairs routed to each expert, over the global batch and
+    every MoE layer; `even`: the share each would get from a router that spread them evenly."""
+    last = next((r for r in reversed(snap.rows) if keys.EXPERT_TOKENS in r), None)
+    counts = last[keys.EXPERT_TOKENS] if last is not None else []
+    share = sum(counts) / len(counts) if counts else 0.0
+    return {
+        "x": [str(e) for e in range(len(counts))],
+        "y": [share] * len(counts) if even else counts,
+    }
 
 
 def _per_engine(snap: Snapshot, key: str, missing: float | None = None) -> dict[str, list]:
@@ -375,6 +399,10 @@ TRACES: tuple[Trace, ...] = (
     Trace("backward", SCHEDULE, lambda s: s.timeline["B"], _gantt(BACKWARD), go.Bar),
     Trace("weight gradient", SCHEDULE, lambda s: s.timeline["W"], _gantt(WEIGHT), go.Bar,
           visible=_splits_backward),
+    Trace("tokens per expert", EXPERTS, _expert_counts, {"marker_color": "#4C78A8"}, go.Bar,
+          label=_label("routed")),
+    Trace("even share", EXPERTS, partial(_expert_counts, even=True),
+          {"mode": "lines", "line": {"color": "#d62728", "dash": "dash"}}, label=_label("even")),
     Trace("learning rate", OPTIMIZER, partial(_row_value, key=keys.LR),
           {"mode": "lines", "line": {"color": "#9467bd"}}, label=_label("lr")),
     Trace("gradient norm", OPTIMIZER, partial(_row_value, key=keys.GRAD_NORM),

@@ -88,6 +88,7 @@ __all__ = [
     "direct_buffers",
     "direct_parameters",
     "dump_flight_recorder_json",
+    "exchange",
     "forget_failed_init",
     "interleaved_order",
     "load_actions",
@@ -329,6 +330,16 @@ def forget_failed_init() -> None:
         distributed_c10d._world.group_count = 0
 
 
+def exchange(tensor: torch.Tensor, receive: list[int], send: list[int], group: Any) -> torch.Tensor:
+    """all_to_all_single with uneven splits and autograd: rows `send[i]` of `tensor` go to
+    rank i of `group`, `receive[i]` rows come from it; backward sends the gradients back."""
+    # public: torch.distributed.nn.functional.all_to_all_single, deprecated in torch 2.13 (a
+    # FutureWarning on every call) for this one
+    from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
+
+    return wait_tensor(all_to_all_single_autograd(tensor, receive, send, group))
+
+
 def warm_dynamo() -> None:
     """Import torch._dynamo, which DDP's constructor would otherwise import on the first run."""
     # no public equivalent in torch 2.13: torch.compile imports it on its first call too
@@ -414,6 +425,16 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
     *(
         PrivateName(_SCHEDULES, f"{cls}._calculate_single_rank_operations", "pipeline v_order")
         for cls in ("ScheduleZBVZeroBubble", "ScheduleDualPipeV")
+    ),
+    PrivateName(
+        "torch.distributed._functional_collectives",
+        "all_to_all_single_autograd",
+        "engine.strategies.experts.dispatch (expert parallel's token exchange)",
+    ),
+    PrivateName(
+        "torch.distributed._functional_collectives",
+        "wait_tensor",
+        "engine.strategies.experts.dispatch (expert parallel's token exchange)",
     ),
     PrivateName(
         "torch.utils.data.dataloader",

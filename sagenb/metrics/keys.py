@@ -71,6 +71,11 @@ TIMELINE: Final = "timeline"  # [kind "F"/"B", stage, microbatch, start, end] of
 TIMELINE_T0: Final = "timeline_t0(unix s)"
 CUTS: Final = "cuts"  # the first step's: the blocks where stages 1, 2, ... begin
 
+# -- mixture-of-experts models (engine/strategies/experts/) -----------------------------------
+#: the (token, choice) pairs this rank's samples routed to each expert in the step, summed over
+#: the MoE layers (a list, one count per expert); history rows: summed over the ranks
+EXPERT_TOKENS: Final = "expert_tokens"
+
 # -- history rows only (metrics.History: the ranks of one step combined) ----------------------
 RANK_LOSSES: Final = "rank_losses"  # each reporting rank's loss, in rank order
 BUSY: Final = "busy(s)"  # mean over the engines of forward + backward

@@ -136,6 +136,9 @@ class History:
                 m[keys.BUSY_FORWARD] + m[keys.BUSY_BACKWARD] for m in ranks.values()
             ) / len(ranks)
             row[keys.IDLE] = sum(m[keys.IDLE] for m in ranks.values()) / len(ranks)
+        if keys.EXPERT_TOKENS in first:  # each expert's pairs over the whole global batch
+            counts = [m[keys.EXPERT_TOKENS] for m in ranks.values() if keys.EXPERT_TOKENS in m]
+            row[keys.EXPERT_TOKENS] = [sum(c) for c in zip(*counts, strict=True)]
         if missing:
             row[keys.LOST_RANKS] = list(missing)
         return row

@@ -56,7 +56,7 @@ MEMORY_OVERHEAD_GIB = 1.0
 MEMORY_USABLE_FRACTION = 0.9
 GB = 1e9
 MIB = 2**20
-COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")
+COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 
 
 def memory_limit_mib(hw: Hardware) -> float:

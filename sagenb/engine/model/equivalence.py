@@ -2,7 +2,8 @@
 
 Every strategy trains as one process would (docs/contract.md), with exceptions that come
 from the model itself: BatchNorm normalises whatever batch reaches it, and dropout draws its
-masks from each engine's own generator. `equivalence_warnings` names each exception a run will
+masks from each engine's own generator; a mixture-of-experts model's own load-balancing loss
+is computed over the tokens of each forward. `equivalence_warnings` names each exception a run will
 hit, from the built model and the config, with what to do about it; rank 0 sends them to the
 notebook with the first step's metrics (entry.py), which shows each once (run/training_run.py).
 
@@ -78,7 +79,24 @@ def equivalence_warnings(
             "process; for an exact comparison draw nothing in collate_fn (e.g. mlm=False, or "
             "masks fixed in the dataset)"
         )
+    routed = getattr(getattr(model, "config", None), "output_router_logits", False)
+    if routed is True and _forwards_in_pieces(config):
+        out.append(
+            "the model's auxiliary load-balancing loss (its config's output_router_logits) "
+            "is a product of two means over the tokens of one forward (the share of tokens "
+            "each expert received, its mean routing probability): each engine computes it "
+            "over its own piece of the global batch, so this run trains correctly but not "
+            "bit-for-bit like one process, which computes it over the whole batch; set "
+            "output_router_logits=False (or --engines 1 --grad-accum 1) for an exact comparison"
+        )
     return out
+
+
+def _forwards_in_pieces(config: EngineConfig) -> bool:
+    """Whether a global batch goes through the model in more than one forward."""
+    engines = config.engines if config.engines is not None else 2  # unknown: assume several
+    pieces = describe(config.strategy).split(config, engines)[0]
+    return pieces > 1 or (describe(config.strategy).pipelined and config.microbatches > 1)
 
 
 def _collated_in_pieces(config: EngineConfig) -> bool:

@@ -3,6 +3,11 @@
 DistributedDataParallel averages gradients across engines after each backward. Each engine
 takes an equal, contiguous share of every slice of the global batch, so the averaged gradient
 of equal-sized means is exactly the gradient of the mean over the whole batch.
+
+With --expert-parallel E, every engine still takes its own share of the batch, but each group
+of E engines spreads the experts of every mixture-of-experts layer among its own and sends
+each token to its experts' engine (experts/): the gradients are then averaged by
+experts/groups.py instead of DDP, which would average the different experts of a group.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from sagenb.config.errors import ConfigError
+from sagenb.config.spec import Option
 from sagenb.engine.data.order import eval_batches, fetch, to_device
 from sagenb.engine.model.delayed import materialize
 from sagenb.engine.model.sync_batchnorm import sync_batchnorm
@@ -28,8 +35,16 @@ from sagenb.engine.strategies.attribution import (
     grad_bytes,
     ring,
 )
-from sagenb.engine.strategies.description import Description
+from sagenb.engine.strategies.description import (
+    DEFAULT_ENGINES,
+    Description,
+    plural,
+    require_divides,
+)
+from sagenb.engine.strategies.experts import ExpertGroups, RoutingCounts, count_routing, find_packed
+from sagenb.engine.strategies.experts.attribution import expert_ranks, watch_experts
 from sagenb.engine.workspace import Workspace
+from sagenb.metrics import keys
 
 if TYPE_CHECKING:
     from sagenb.config.options import EngineConfig
@@ -41,10 +56,25 @@ class DataParallel:
     #: DDP's reduced gradients are whole tensors on every rank (engine/loop.py _GlobalCount)
     counts_in_flight = True
 
-    def __init__(self, *, rank: int, world_size: int, device: torch.device, seed: int = 0):
+    def __init__(
+        self,
+        *,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        seed: int = 0,
+        expert_parallel: int = 1,
+    ):
         self.rank, self.world_size, self.device, self.seed = rank, world_size, device, seed
         self.module: nn.Module
-        self._ddp: DistributedDataParallel
+        self._ddp: DistributedDataParallel | None = None
+        self.experts: ExpertGroups | None = None
+        self.routing: RoutingCounts | None = None
+        if expert_parallel > 1:  # its all-reduces and exchanges run on groups of their own
+            self.counts_in_flight = False
+            self.experts = ExpertGroups(
+                rank=rank, world_size=world_size, degree=expert_parallel, device=device
+            )
 
     def setup(self, ws: Workspace) -> None:
         self.key_order = list(ws.model.state_dict().keys())
@@ -54,6 +84,12 @@ class DataParallel:
             )
         # More than one replica: BatchNorm over the global batch, as one process would see it
         model = sync_batchnorm(ws.model, device=self.device) if self.world_size > 1 else ws.model
+        if self.experts is not None:
+            self.experts.spread(model)
+            self.routing = self.experts.counts
+            self.module = model.to(self.device)
+            return
+        self.routing = count_routing(find_packed(model))
         self.module = model.to(self.device)
         device_ids = [self.device.index] if self.device.type == "cuda" else None
         self._ddp = DistributedDataParallel(self.module, device_ids=device_ids)
@@ -76,16 +112,23 @@ class DataParallel:
     def forward_backward(
         self, batch: Any, objective: Objective, *, scale: float, sync: bool
     ) -> torch.Tensor | None:
+        if self._ddp is None:  # expert parallel: reduced here after the last backward
+            loss = piece_loss(objective, self.module, batch, scale)
+            if sync and self.experts is not None:
+                self.experts.reduce(self.module)
+            return loss
         with nullcontext() if sync else self._ddp.no_sync():
             return piece_loss(objective, self._ddp, batch, scale)
 
     def clip_grad_norm(self, max_norm: float) -> float:
+        if self.experts is not None:
+            return self.experts.clip(self.module, max_norm)
         # After DDP's all-reduce every engine holds the same full gradient, so the local norm
         # is the global norm one process would compute.
         return float(torch.nn.utils.clip_grad_norm_(self.module.parameters(), max_norm))
 
     def step_metrics(self) -> dict[str, Any]:
-        return {}
+        return {keys.EXPERT_TOKENS: self.routing.take()} if self.routing is not None else {}
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         return self.module.named_parameters()
@@ -97,6 +140,9 @@ class DataParallel:
         self.module.load_state_dict(state)
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        if self.experts is not None:  # every engine takes part in gathering the experts
+            state = self.experts.full_state(self.module)
+            return state if self.rank == 0 else None
         if self.rank != 0:
             return None
         return {k: v.detach().to("cpu", copy=True) for k, v in self.module.state_dict().items()}
@@ -104,7 +150,12 @@ class DataParallel:
     @torch.no_grad()
     def evaluate(self, dataset: Any, objective: Objective, batch_size: int) -> float:
         mine = eval_batches(len(dataset), batch_size, parts=self.world_size, part=self.rank)
-        total = eval_sums(self.module, dataset, objective, mine, self.device)
+        uncounted: list[torch.Tensor] = []
+        if self.experts is not None:  # every engine of a group in each of its exchanges
+            count = -(-len(range(self.rank, len(dataset), self.world_size)) // batch_size)
+            filler = torch.arange(min(batch_size, len(dataset)))
+            uncounted = [filler] * (self.experts.most(count) - count)
+        total = eval_sums(self.module, dataset, objective, mine, self.device, uncounted)
         dist.all_reduce(total)
         return float(total[0] / total[1])
 
@@ -115,11 +166,14 @@ def eval_sums(
     objective: Objective,
     batches: Iterable[torch.Tensor],
     device: torch.device,
+    uncounted: Iterable[torch.Tensor] = (),
 ) -> torch.Tensor:
     """[sum of loss x counted targets, counted targets] over the dataset's samples at
     `batches` (tensors of indices, from data.eval_batches; each batch collated on its own, by
     the cell's collate_fn when it has one), in eval mode: the eval loss is their ratio, the mean
-    over every counted target."""
+    over every counted target. The `uncounted` batches are run after them and not counted: an
+    engine with fewer batches than its expert-parallel group still takes part in each of the
+    group's token exchanges."""
     was_training = module.training
     module.eval()
     total = torch.zeros(2, dtype=torch.float64, device=device)
@@ -129,6 +183,11 @@ def eval_sums(
         count = objective.count(target, batch)
         total[0] += weighted(objective.loss(module(*args, **kwargs), target), count).double()
         total[1] += count
+    for indices in uncounted:
+        args, kwargs, _ = objective.split(
+            to_device(fetch(dataset, indices, objective.collate_fn), device)
+        )
+        module(*args, **kwargs)
     module.train(was_training)
     return total
 
@@ -139,6 +198,44 @@ class DataParallelDescription(Description):
     menu_order = 0
     syncs_norm = True
     whole_model_per_rank = True
+    options = (
+        Option(
+            "expert_parallel",
+            "parallelism",
+            1,
+            "engines in each group that spreads every mixture-of-experts layer's experts among "
+            "its own, tokens sent to their experts by all_to_all (expert parallel); data "
+            "parallel across the groups (1: every engine holds every expert)",
+        ),
+    )
+
+    def check(self, config: EngineConfig) -> None:
+        degree = config.option("expert_parallel")
+        if degree < 1:
+            raise ConfigError("expert_parallel", degree, "must be an integer >= 1")
+        groups = "the engines form groups of --expert-parallel engines, each spreading the experts"
+        require_divides("expert_parallel", degree, config.engines, groups)
+        if degree > 1 and config.checkpoint_dir:
+            raise ConfigError(
+                "expert_parallel",
+                degree,
+                "does not write checkpoints yet (each engine holds only its own experts): "
+                "must be 1 with --checkpoint-dir, or train without --checkpoint-dir",
+            )
+
+    def engines_to_start(self, config: EngineConfig) -> int:
+        return max(DEFAULT_ENGINES, config.option("expert_parallel"))
+
+    def layout(self, config: EngineConfig, engines: int) -> str:
+        degree = config.option("expert_parallel")
+        plain = f"data parallel on {plural(engines, 'engine')}"
+        if degree == 1:
+            return plain
+        return f"{plain}, experts spread over groups of {degree} (expert parallel)"
+
+    def inner_collectives(self, config: EngineConfig, engines: int) -> tuple[int, tuple[str, ...]]:
+        degree = config.option("expert_parallel")
+        return (engines, ()) if degree == 1 else (degree, ("all_to_all",))
 
     def attribution(self) -> Attribution:
         return ReplicatedAttribution()
@@ -146,15 +243,26 @@ class DataParallelDescription(Description):
     def build(
         self, config: EngineConfig, *, rank: int, world_size: int, device: torch.device
     ) -> DataParallel:
-        return DataParallel(rank=rank, world_size=world_size, device=device, seed=config.seed)
+        return DataParallel(
+            rank=rank,
+            world_size=world_size,
+            device=device,
+            seed=config.seed,
+            expert_parallel=config.option("expert_parallel"),
+        )
 
 
 class ReplicatedAttribution(Attribution):
     """Every rank holds every parameter, gradient and optimizer state, and the activations of
     its share of the batch; DDP all-reduces the gradients once per step (grad-accum's
-    no_sync): 2(N-1)/N x gradient bytes."""
+    no_sync): 2(N-1)/N x gradient bytes. With --expert-parallel, experts/attribution.py."""
+
+    def prepare(self, m: FakeModel) -> tuple[dict[nn.Module, str], Any]:
+        return {}, watch_experts(m)
 
     def ranks(self, m: FakeModel, trace: Trace, layout: Any) -> Ranks:
+        if layout is not None:
+            return expert_ranks(m, trace, layout)
         held = {p: p.numel() for p in m.params}
         act = trace.peak_activations * m.scale
         send = {"all_reduce": ring("all_reduce", grad_bytes(held), m.world)}

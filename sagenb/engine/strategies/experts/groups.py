@@ -1,0 +1,137 @@
+"""Expert parallel with data parallel across the groups: what one engine does besides the
+dispatch (dispatch.py).
+
+N engines form N / E groups of E consecutive ranks (a 2-D mesh, replicate x expert, laid out
+row by row as init_device_mesh does). Within a group, every MoE layer's experts are spread,
+E-th by E-th; every other weight is whole on every engine. After the last backward of a step:
+
+- a weight that every engine holds is averaged over all N engines, as DDP would;
+- an expert's weight already holds, from the exchange's backward, the gradient of the tokens
+  every engine of its group sent it: it is summed across the N / E groups (the engines that
+  hold the same experts) and divided by N, the same average.
+
+So each engine updates its own experts with the gradient of the whole global batch, as one
+process would.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+
+from .dispatch import RoutingCounts, spread
+from .layers import PackedExperts, packed_experts
+
+__all__ = ["ExpertGroups"]
+
+
+class ExpertGroups:
+    """The expert-parallel part of one engine of `world_size`, in groups of `degree`."""
+
+    def __init__(self, *, rank: int, world_size: int, degree: int, device: torch.device) -> None:
+        self.rank, self.world_size, self.degree = rank, world_size, degree
+        shape = (world_size // degree, degree)
+        mesh = init_device_mesh(device.type, shape, mesh_dim_names=("replicate", "expert"))
+        self.group = mesh.get_group("expert")
+        self.across = mesh.get_group("replicate") if shape[0] > 1 else None
+        self.layers: list[PackedExperts] = []
+        self.counts: RoutingCounts | None = None
+
+    def spread(self, model: nn.Module) -> None:
+        """Keep this engine's experts of every MoE layer of `model` and make them dispatch."""
+        self.layers = packed_experts(model, self.degree)
+        sizes = {layer.count for layer in self.layers}
+        self.counts = RoutingCounts(sizes.pop()) if len(sizes) == 1 else None
+        for layer in self.layers:
+            spread(
+                layer,
+                group=self.group,
+                index=self.rank % self.degree,
+                degree=self.degree,
+                counts=self.counts,
+            )
+        self._experts = {id(p) for layer in self.layers for p in _own(layer.module)}
+
+    def split(self, module: nn.Module) -> tuple[list[nn.Parameter], list[nn.Parameter]]:
+        """The trained parameters of `module`: those every engine holds, this engine's experts."""
+        trained = [p for p in module.parameters() if p.requires_grad]
+        return (
+            [p for p in trained if id(p) not in self._experts],
+            [p for p in trained if id(p) in self._experts],
+        )
+
+    def reduce(self, module: nn.Module) -> None:
+        """Average the step's gradients over the global batch (the module's docstring)."""
+        whole, experts = self.split(module)
+        _sum(whole, None)
+        if self.across is not None:
+            _sum(experts, self.across)
+        for p in (*whole, *experts):
+            p.grad.div_(self.world_size)  # type: ignore[union-attr]
+
+    def clip(self, module: nn.Module, max_norm: float) -> float:
+        """Clip to `max_norm` the norm over every gradient of the whole model, as
+        torch.nn.utils.clip_grad_norm_ on one process: the whole weights' (equal on every
+        engine) and each group's experts (summed over the group)."""
+        whole, experts = self.split(module)
+        squares = torch.stack([_squares(whole), _squares(experts)])  # float64
+        dist.all_reduce(squares[1:], group=self.group)
+        total = math.sqrt(float(squares.sum()))
+        scale = min(max_norm / (total + 1e-6), 1.0)
+        for p in (*whole, *experts):
+            if p.grad is not None:
+                p.grad.mul_(scale)
+        return total
+
+    def full_state(self, module: nn.Module) -> dict[str, torch.Tensor]:
+        """The unsplit model's state_dict (every engine takes part): each layer's experts
+        gathered from the engines of this engine's group, in expert order."""
+        state = {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()}
+        names = {id(p): n for n, p in module.named_parameters()}
+        for layer in self.layers:
+            for weight in layer.weights:
+                local = getattr(layer.module, weight).detach().contiguous()
+                parts = [torch.empty_like(local) for _ in range(self.degree)]
+                dist.all_gather(parts, local, group=self.group)
+                key = names.get(id(getattr(layer.module, weight)))
+                if key is not None:
+                    state[key] = torch.cat(parts).to("cpu")
+        return state
+
+    def most(self, batches: int) -> int:
+        """The most eval batches any engine of this engine's group has (all take part in each
+        batch's exchanges: an engine with fewer runs extra, uncounted ones)."""
+        count = torch.tensor([batches])
+        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.group)
+        return int(count)
+
+
+def _own(module: nn.Module) -> list[nn.Parameter]:
+    return list(module.parameters(recurse=False))
+
+
+def _sum(params: list[nn.Parameter], group: Any) -> None:
+    """All-reduce (sum) the gradients of `params` as one flat tensor; a parameter no token
+    reached this step counts as a zero gradient, as DDP counts it."""
+    if not params:
+        return
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    flat = torch.cat([p.grad.reshape(-1) for p in params])  # type: ignore[union-attr]
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for p in params:
+        n = p.numel()
+        p.grad.copy_(flat[offset : offset + n].view_as(p))  # type: ignore[union-attr]
+        offset += n
+
+
+def _squares(params: list[nn.Parameter]) -> torch.Tensor:
+    grads = [p.grad.double().pow(2).sum() for p in params if p.grad is not None]
+    return torch.stack(grads).sum() if grads else torch.zeros((), dtype=torch.float64)
