@@ -11,7 +11,7 @@ import pytest
 import sagenb
 from sagenb.config import ConfigError, JobError, TrainConfig
 
-from .helpers import TOL, check_equal
+from .helpers import TOL, assert_params_equal, check_equal
 from .reference import one_process_eval
 from .test_moe import LIMITS, MOE_CELL
 
@@ -106,6 +106,26 @@ dataset = torch.utils.data.TensorDataset(torch.randn(64, 5, 8, generator=g),
                                          torch.randint(0, 3, (64, 5), generator=g))
 loss_fn = lambda out, y: nn.functional.cross_entropy(out.reshape(-1, 3), y.reshape(-1))
 """
+
+
+@pytest.mark.parametrize("resumed_with", [4, 1])
+def test_a_checkpoint_of_spread_experts_resumes_on_another_degree(pool4, tmp_path, resumed_with):
+    """Each group writes its experts' rows of the whole (DCP, as FSDP's shards): saved with 2
+    groups of 2, resumed with the experts over all 4 engines, and with every engine holding
+    all of them (plain data parallel); the optimizer's moments travel the same way."""
+    options = dict(batch_size=16, epochs=2, dashboard=False)
+    whole = sagenb.train(MIXTRAL_CELL, steps=6, expert_parallel=2, **options)
+    ckpt = str(tmp_path / "ckpt")
+    sagenb.train(MIXTRAL_CELL, steps=3, expert_parallel=2, checkpoint_dir=ckpt, **options)
+    resumed = sagenb.train(
+        MIXTRAL_CELL, steps=6, expert_parallel=resumed_with, checkpoint_dir=ckpt, resume=True,
+        **options,
+    )  # fmt: skip
+    assert resumed.history[0]["step"] == 4
+    # other groups sum the gradients in another order: equal to rounding (bound as
+    # test_hybrid_sharding's resumed mesh)
+    assert_params_equal(resumed.state_dict(), whole.state_dict(), tol=1e-5)
+    assert_params_equal(sagenb.load_checkpoint(ckpt), whole.state_dict(), tol=1e-5)
 
 
 def test_a_cells_own_moe_layer_is_found_by_its_structure(pool):

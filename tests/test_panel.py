@@ -106,9 +106,7 @@ def test_every_option_the_panel_is_given_comes_back(tmp_path):
         dict(strategy="model", partitions=2, memory_budget=2.5),
         dict(strategy="tensor", engines=4, tensor_parallel=2),
         dict(strategy="sharded", engines=4, reshard_after_forward=False, replicas=2),
-        # expert parallel writes no checkpoints yet
-        dict(engines=4, expert_parallel=2, checkpoint_dir=None, checkpoint_every=0,
-             resume=False),  # fmt: skip
+        dict(engines=4, expert_parallel=2),
     ]
     changed = set()
     for options in own:

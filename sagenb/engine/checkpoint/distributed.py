@@ -34,6 +34,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.tensor import DTensor
 
 from sagenb.engine.checkpoint.reader import (
     CheckpointError,
@@ -174,13 +175,14 @@ def _none_readable(
 
 
 def _state(strategy: Any, optimizer: torch.optim.Optimizer, rank: int) -> dict[str, Any]:
-    state: dict[str, Any] = {f"model/{k}": v for k, v in strategy.checkpoint_state().items()}
+    model = strategy.checkpoint_state()
+    state: dict[str, Any] = {f"model/{k}": v for k, v in model.items()}
     names = [name for name, _ in strategy.named_parameters()]
     packed = optimizer.state_dict()
     for index, entries in packed["state"].items():
         for key, value in entries.items():
             if torch.is_tensor(value):
-                state[f"optim/{names[index]}/{key}"] = value
+                state[f"optim/{names[index]}/{key}"] = _saved_as(value, model.get(names[index]))
     state["optim_groups"] = [
         {k: v for k, v in group.items() if k != "params"} for group in packed["param_groups"]
     ]
@@ -362,9 +364,10 @@ def _load_from(
     names = list(params)
     state_metadata = metadata.state_dict_metadata
     for name, param in params.items():  # optimizer state that does not exist yet (no step taken)
+        like = target[f"model/{name}"] if f"model/{name}" in target else param
         for key, meta in state_metadata.items():
             if key.startswith(f"optim/{name}/") and key not in target:
-                target[key] = _empty(meta, like=param)
+                target[key] = _empty(meta, like=like)
     target.update(step=0, key_order=None, scheduler=None)
     dcp.load(target, storage_reader=SafeReader(path), planner=SafePlanner())
     strategy.load_checkpoint_state(
@@ -377,9 +380,25 @@ def _load_from(
     return int(target["step"])
 
 
+def _saved_as(value: torch.Tensor, entry: torch.Tensor | None) -> torch.Tensor:
+    """An optimizer state saved as its parameter is: where the strategy saves a plain local
+    parameter as a DTensor view of the whole (expert parallel's experts), a state shaped like
+    that local parameter (momentum, Adam's moments) is saved as the same view, so that DCP
+    writes each engine's rows of the whole and reads them back on another layout."""
+    if not isinstance(entry, DTensor) or isinstance(value, DTensor):
+        return value
+    if value.shape != entry.to_local().shape:
+        return value  # Adam's step: one number, the same on every engine
+    return DTensor.from_local(
+        value, entry.device_mesh, entry.placements, run_check=False,
+        shape=entry.shape, stride=entry.stride(),
+    )  # fmt: skip
+
+
 def _empty(meta: Any, *, like: torch.Tensor) -> torch.Tensor:
     """Room for one saved optimizer entry: shaped like its parameter (momentum, Adam's
-    moments; a DTensor shard when the parameter is sharded), else as saved (Adam's step)."""
+    moments; a DTensor shard when the parameter is sharded, or saved as one), else as saved
+    (Adam's step). `like`: the parameter's own entry in the checkpoint."""
     if not isinstance(meta, TensorStorageMetadata):
         raise TypeError(f"expected a tensor in the checkpoint, found {meta}")
     if tuple(meta.size) == tuple(like.shape) and meta.properties.dtype == like.dtype:
@@ -395,6 +414,12 @@ def _load_optimizer(optimizer: torch.optim.Optimizer, names: list[str], state: d
         found = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
         if found:
             entries[index] = found
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for index, found in entries.items():  # saved as a view of the whole (_saved_as): its rows
+        if not isinstance(params[index], DTensor):
+            entries[index] = {
+                k: v.to_local() if isinstance(v, DTensor) else v for k, v in found.items()
+            }
     groups = [
         {**saved, "params": current["params"]}
         for saved, current in zip(state["optim_groups"], packed["param_groups"])

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from sagenb.config.errors import ConfigError
@@ -134,9 +135,13 @@ class DataParallel:
         return self.module.named_parameters()
 
     def checkpoint_state(self) -> dict[str, torch.Tensor]:
+        if self.experts is not None:
+            return self.experts.checkpoint_state(self.module)
         return self.module.state_dict()
 
     def load_checkpoint_state(self, state: dict[str, torch.Tensor]) -> None:
+        if self.experts is not None:  # this engine's experts: the rows of their views
+            state = {k: v.to_local() if isinstance(v, DTensor) else v for k, v in state.items()}
         self.module.load_state_dict(state)
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
@@ -215,13 +220,6 @@ class DataParallelDescription(Description):
             raise ConfigError("expert_parallel", degree, "must be an integer >= 1")
         groups = "the engines form groups of --expert-parallel engines, each spreading the experts"
         require_divides("expert_parallel", degree, config.engines, groups)
-        if degree > 1 and config.checkpoint_dir:
-            raise ConfigError(
-                "expert_parallel",
-                degree,
-                "does not write checkpoints yet (each engine holds only its own experts): "
-                "must be 1 with --checkpoint-dir, or train without --checkpoint-dir",
-            )
 
     def engines_to_start(self, config: EngineConfig) -> int:
         return max(DEFAULT_ENGINES, config.option("expert_parallel"))

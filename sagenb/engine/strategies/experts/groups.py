@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from .dispatch import RoutingCounts, spread
 from .layers import PackedExperts, packed_experts
@@ -37,6 +38,7 @@ class ExpertGroups:
         self.rank, self.world_size, self.degree = rank, world_size, degree
         shape = (world_size // degree, degree)
         mesh = init_device_mesh(device.type, shape, mesh_dim_names=("replicate", "expert"))
+        self.mesh = mesh
         self.group = mesh.get_group("expert")
         self.across = mesh.get_group("replicate") if shape[0] > 1 else None
         self.layers: list[PackedExperts] = []
@@ -101,6 +103,27 @@ class ExpertGroups:
                 key = names.get(id(getattr(layer.module, weight)))
                 if key is not None:
                     state[key] = torch.cat(parts).to("cpu")
+        return state
+
+    def checkpoint_state(self, module: nn.Module) -> dict[str, torch.Tensor]:
+        """The module's state_dict with each layer's experts as a DTensor view of the whole
+        (sharded by expert over the group, replicated across the groups), sharing this engine's
+        storage: DCP writes each group's rows once, loads them in place, and reads them back
+        on another --expert-parallel (or none) as it reshards FSDP's."""
+        state = module.state_dict()
+        names = {id(p): n for n, p in module.named_parameters()}
+        for layer in self.layers:
+            for weight in layer.weights:
+                param = getattr(layer.module, weight)
+                key = names.get(id(param))
+                if key is None:
+                    continue
+                rows = param.detach()
+                shape = torch.Size((layer.count, *rows.shape[1:]))
+                state[key] = DTensor.from_local(
+                    rows, self.mesh, (Replicate(), Shard(0)), run_check=False, shape=shape,
+                    stride=torch.empty(shape, device="meta").stride(),
+                )  # fmt: skip
         return state
 
     def most(self, batches: int) -> int:
