@@ -52,6 +52,7 @@ def test_a_transformers_moe_trains_like_one_process(pool, strategy):
         return
     assert len(kept) == 1 and "'model.layers.*.mlp.experts': 'moe_tp_experts'" in kept[0]
     assert "packed_colwise" in kept[0] and "stay whole on every engine" in kept[0]
+    assert "--strategy data --expert-parallel E spreads the experts" in kept[0]
     # attention and the shared expert split: each engine holds less than the whole model
     whole = sagenb.train(MOE_CELL, strategy="data", dashboard=False, **OPTIONS)
     key, last = "memory/params(MiB)", OPTIONS["steps"]

@@ -112,7 +112,9 @@ def plan_for(
                 f"--strategy tensor: the model's own _tp_plan splits its mixture-of-experts "
                 f"experts ({entries}), packed 3-D weights torch's tensor-parallel styles cannot "
                 "split: the experts stay whole on every engine (each computes every expert's "
-                "tokens) and the rest is split; --strategy sharded shards the experts too"
+                "tokens) and the rest is split; --strategy data --expert-parallel E spreads the "
+                "experts over groups of E engines (their tokens sent to them), --strategy "
+                "sharded shards them"
             )
     check_shapes(model, plan.layers, tp, tied)
     plan.styles = expand(model, plan.layers, matches)
