@@ -124,3 +124,52 @@ def test_bad_values_are_refused(options, message):
     config = {**PIPELINE, **options}
     with pytest.raises(ConfigError, match=message):
         sagenb.train(GPT_CELL, dashboard=False, batch_size=40, **config)
+
+
+BLOCK_MASK_CELL = """
+import torch
+from torch import nn
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+class Attend(nn.Module):
+    def __init__(self, dim=16):
+        super().__init__()
+        self.qkv, self.out = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+
+    def forward(self, x, block_mask):
+        q, k, v = self.qkv(x).unsqueeze(1).chunk(3, dim=-1)
+        return x + self.out(flex_attention(q, k, v, block_mask=block_mask).squeeze(1))
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(32, 16)
+        self.blocks = nn.ModuleList([Attend(), Attend()])
+        self.head = nn.Linear(16, 32)
+
+    def forward(self, input_ids, block_mask):
+        x = self.embed(input_ids)
+        for block in self.blocks:
+            x = block(x, block_mask)
+        return self.head(x)
+
+model = Model()
+dataset = list(torch.randint(0, 32, (32, 8), generator=torch.Generator().manual_seed(0)))
+
+def collate_fn(samples):  # the mask built per batch, as torchtitan's loader builds it
+    ids = torch.stack(samples)
+    causal = create_block_mask(lambda b, h, q, k: q >= k, None, None, 8, 8, device="cpu")
+    return {"input_ids": ids, "block_mask": causal, "labels": ids}
+
+loss_fn = lambda out, y: nn.functional.cross_entropy(out.reshape(-1, 32), y.reshape(-1))
+"""
+
+
+def test_a_block_mask_stage_input_is_refused_by_the_zero_bubble_schedules(pool):
+    with pytest.raises(sagenb.JobError, match=(
+        r"--schedule zbv: the batch's 'block_mask' is a FlexAttention BlockMask "
+        r"\(torch.nn.attention.flex_attention.BlockMask\), which the zero-bubble schedules "
+        r"cannot take as a stage input"
+    )):  # fmt: skip
+        sagenb.train(BLOCK_MASK_CELL, strategy="model", partitions=2, schedule="zbv",
+                     microbatches=4, batch_size=8, steps=1, dashboard=False)  # fmt: skip

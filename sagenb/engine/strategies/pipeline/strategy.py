@@ -152,6 +152,7 @@ class Pipeline:
         model = ws.model
         self.key_order = list(model.state_dict().keys())
         example = self._example(ws)
+        _refuse_block_masks(self.config, example)
         self._fix_shapes(ws, example)
         starts = self._choose_starts(ws, example)
         # without a loss_fn the labels are inputs too: the last stage computes the model's loss
@@ -629,6 +630,34 @@ class HybridDescription(PipelineDescription):
 
     def engines_to_start(self, config: EngineConfig) -> int:
         return 2 * config.partitions
+
+
+def _refuse_block_masks(config: EngineConfig, example: Any) -> None:
+    """A JobError before the first step where a zero-bubble schedule would take a FlexAttention
+    BlockMask as a stage input: the schedules that split each backward in two compute the
+    input's gradient for every tensor a stage takes, and a BlockMask is a bundle of index
+    tensors, not an activation; torchtitan refuses the pair too (its pipeline parallel turns
+    zero-bubble schedules away for FlexAttention models)."""
+    if config.schedule not in SPLIT_BACKWARD:
+        return
+    from torch.nn.attention.flex_attention import BlockMask
+
+    items = example.items() if isinstance(example, dict) else enumerate(_as_tuple(example))
+    for key, value in items:
+        if isinstance(value, BlockMask):
+            where = f"{key!r}" if isinstance(key, str) else f"item {key}"
+            raise JobError(
+                f"--schedule {config.schedule}: the batch's {where} is a FlexAttention "
+                "BlockMask (torch.nn.attention.flex_attention.BlockMask), which the "
+                "zero-bubble schedules cannot take as a stage input (they split each "
+                "backward into the input's gradient and the weights'; torchtitan refuses "
+                "the pair too): use --schedule 1f1b, interleaved or gpipe, or build the mask "
+                "inside the model"
+            )
+
+
+def _as_tuple(example: Any) -> tuple[Any, ...]:
+    return tuple(example) if isinstance(example, list | tuple) else (example,)
 
 
 def _check_multi_stage(config: EngineConfig) -> None:
