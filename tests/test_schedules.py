@@ -156,7 +156,7 @@ class Model(nn.Module):
 model = Model()
 dataset = list(torch.randint(0, 32, (32, 8), generator=torch.Generator().manual_seed(0)))
 
-def collate_fn(samples):  # the mask built per batch, as torchtitan's loader builds it
+def collate_fn(samples):  # the mask built per batch, a stage input
     ids = torch.stack(samples)
     causal = create_block_mask(lambda b, h, q, k: q >= k, None, None, 8, 8, device="cpu")
     return {"input_ids": ids, "block_mask": causal, "labels": ids}
@@ -166,6 +166,8 @@ loss_fn = lambda out, y: nn.functional.cross_entropy(out.reshape(-1, 32), y.resh
 
 
 def test_a_block_mask_stage_input_is_refused_by_the_zero_bubble_schedules(pool):
+    """Only the refusal: FlexAttention has no backward on CPU in torch 2.13, so the cell
+    cannot train here under any schedule."""
     with pytest.raises(sagenb.JobError, match=(
         r"--schedule zbv: the batch's 'block_mask' is a FlexAttention BlockMask "
         r"\(torch.nn.attention.flex_attention.BlockMask\), which the zero-bubble schedules "

@@ -651,8 +651,8 @@ def _refuse_block_masks(config: EngineConfig, example: Any) -> None:
                 "BlockMask (torch.nn.attention.flex_attention.BlockMask), which the "
                 "zero-bubble schedules cannot take as a stage input (they split each "
                 "backward into the input's gradient and the weights'; torchtitan refuses "
-                "the pair too): use --schedule 1f1b, interleaved or gpipe, or build the mask "
-                "inside the model"
+                "the pair too): use a schedule that keeps each backward whole (gpipe, 1f1b, "
+                "interleaved, looped-bfs), or build the mask inside the model"
             )
 
 
