@@ -108,18 +108,38 @@ loss_fn = lambda out, y: nn.functional.cross_entropy(out.reshape(-1, 3), y.resha
 """
 
 
-@pytest.mark.parametrize("resumed_with", [4, 1])
-def test_a_checkpoint_of_spread_experts_resumes_on_another_degree(pool4, tmp_path, resumed_with):
+def test_experts_spread_with_the_other_weights_sharded(pool4):
+    """--strategy sharded --expert-parallel 2 on 4 engines: FSDP shards attention, the router
+    and the embeddings over all 4 and leaves the experts to their groups of 2."""
+    options = dict(batch_size=16, steps=3, grad_accum=2, clip_grad_norm=0.5)
+    result = sagenb.train(
+        MIXTRAL_CELL, strategy="sharded", expert_parallel=2, dashboard=False, **options
+    )
+    check_equal(result, MIXTRAL_CELL, **options)
+    assert "sharded (ZeRO-3) on 4 engines, experts spread over groups of 2" in repr(result)
+    est = sagenb.estimate(MIXTRAL_CELL, strategy="sharded", expert_parallel=2, engines=4,
+                          **options)  # fmt: skip
+    for rank, values in enumerate(est.ranks):
+        for kind in ("params", "grads", "optimizer"):
+            key = f"memory/{kind}(MiB)"
+            assert values[key] == pytest.approx(_last(result, key)[rank], rel=0.02), kind
+
+
+@pytest.mark.parametrize("strategy, degree", [("data", 4), ("data", 1), ("sharded", 2)])
+def test_a_checkpoint_of_spread_experts_resumes_on_another_layout(
+    pool4, tmp_path, strategy, degree
+):
     """Each group writes its experts' rows of the whole (DCP, as FSDP's shards): saved with 2
-    groups of 2, resumed with the experts over all 4 engines, and with every engine holding
-    all of them (plain data parallel); the optimizer's moments travel the same way."""
+    groups of 2, resumed with the experts over all 4 engines, with every engine holding all of
+    them (plain data parallel), and with the other weights sharded; the optimizer's moments
+    travel the same way."""
     options = dict(batch_size=16, epochs=2, dashboard=False)
     whole = sagenb.train(MIXTRAL_CELL, steps=6, expert_parallel=2, **options)
     ckpt = str(tmp_path / "ckpt")
     sagenb.train(MIXTRAL_CELL, steps=3, expert_parallel=2, checkpoint_dir=ckpt, **options)
     resumed = sagenb.train(
-        MIXTRAL_CELL, steps=6, expert_parallel=resumed_with, checkpoint_dir=ckpt, resume=True,
-        **options,
+        MIXTRAL_CELL, steps=6, strategy=strategy, expert_parallel=degree, checkpoint_dir=ckpt,
+        resume=True, **options,
     )  # fmt: skip
     assert resumed.history[0]["step"] == 4
     # other groups sum the gradients in another order: equal to rounding (bound as
@@ -171,7 +191,10 @@ def test_a_model_without_packed_experts_is_refused(pool):
 def test_bad_degrees_are_refused_before_any_engine_starts():
     with pytest.raises(ConfigError, match="--expert-parallel 3: must divide --engines \\(4\\)"):
         TrainConfig(expert_parallel=3, engines=4)
-    with pytest.raises(ConfigError, match="--expert-parallel 2: needs --strategy data"):
-        TrainConfig(expert_parallel=2, strategy="sharded")
     with pytest.raises(ConfigError, match="--expert-parallel 0: must be an integer >= 1"):
         TrainConfig(expert_parallel=0)
+    with pytest.raises(ConfigError, match="--expert-parallel 2: cannot be combined with "
+                       "--delay-init under --strategy sharded"):  # fmt: skip
+        TrainConfig(expert_parallel=2, strategy="sharded", delay_init=True)
+    with pytest.raises(ConfigError, match="--expert-parallel 2: needs --strategy data or sharded"):
+        TrainConfig(expert_parallel=2, strategy="tensor")

@@ -22,8 +22,6 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from sagenb.config.errors import ConfigError
-from sagenb.config.spec import Option
 from sagenb.engine.data.order import eval_batches, fetch, to_device
 from sagenb.engine.model.delayed import materialize
 from sagenb.engine.model.sync_batchnorm import sync_batchnorm
@@ -40,10 +38,14 @@ from sagenb.engine.strategies.description import (
     DEFAULT_ENGINES,
     Description,
     plural,
-    require_divides,
 )
 from sagenb.engine.strategies.experts import ExpertGroups, RoutingCounts, count_routing, find_packed
 from sagenb.engine.strategies.experts.attribution import expert_ranks, watch_experts
+from sagenb.engine.strategies.experts.option import (
+    EXPERT_PARALLEL,
+    check_expert_parallel,
+    experts_layout,
+)
 from sagenb.engine.workspace import Workspace
 from sagenb.metrics import keys
 
@@ -141,7 +143,11 @@ class DataParallel:
 
     def load_checkpoint_state(self, state: dict[str, torch.Tensor]) -> None:
         if self.experts is not None:  # this engine's experts: the rows of their views
-            state = {k: v.to_local() if isinstance(v, DTensor) else v for k, v in state.items()}
+            mine = self.experts.keys(self.module)
+            state = {
+                k: v.to_local() if k in mine and isinstance(v, DTensor) else v
+                for k, v in state.items()
+            }
         self.module.load_state_dict(state)
 
     def full_state_dict(self) -> dict[str, torch.Tensor] | None:
@@ -203,33 +209,16 @@ class DataParallelDescription(Description):
     menu_order = 0
     syncs_norm = True
     whole_model_per_rank = True
-    options = (
-        Option(
-            "expert_parallel",
-            "parallelism",
-            1,
-            "engines in each group that spreads every mixture-of-experts layer's experts among "
-            "its own, tokens sent to their experts by all_to_all (expert parallel); data "
-            "parallel across the groups (1: every engine holds every expert)",
-        ),
-    )
+    options = (EXPERT_PARALLEL,)
 
     def check(self, config: EngineConfig) -> None:
-        degree = config.option("expert_parallel")
-        if degree < 1:
-            raise ConfigError("expert_parallel", degree, "must be an integer >= 1")
-        groups = "the engines form groups of --expert-parallel engines, each spreading the experts"
-        require_divides("expert_parallel", degree, config.engines, groups)
+        check_expert_parallel(config)
 
     def engines_to_start(self, config: EngineConfig) -> int:
         return max(DEFAULT_ENGINES, config.option("expert_parallel"))
 
     def layout(self, config: EngineConfig, engines: int) -> str:
-        degree = config.option("expert_parallel")
-        plain = f"data parallel on {plural(engines, 'engine')}"
-        if degree == 1:
-            return plain
-        return f"{plain}, experts spread over groups of {degree} (expert parallel)"
+        return f"data parallel on {plural(engines, 'engine')}{experts_layout(config)}"
 
     def inner_collectives(self, config: EngineConfig, engines: int) -> tuple[int, tuple[str, ...]]:
         degree = config.option("expert_parallel")

@@ -15,7 +15,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-__all__ = ["local", "is_sharded", "full_state_dict", "clip_grad_norm"]
+__all__ = [
+    "clip_grad_norm",
+    "full_state_dict",
+    "is_sharded",
+    "local",
+    "scale_grads",
+    "squared_norm",
+]
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
@@ -40,18 +47,15 @@ def full_state_dict(module: torch.nn.Module, *, keep: bool) -> dict[str, torch.T
     return out if keep else None
 
 
-def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float) -> float:
-    """Clip to `max_norm` the norm over every gradient of the whole model, as one process
-    would compute it: squares of sharded gradients are summed over the ranks holding the
-    shards; replicated ones (identical on every rank) are counted once. Same formula as
-    torch.nn.utils.clip_grad_norm_ (coefficient max_norm / (norm + 1e-6), at most 1)."""
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
-        return 0.0
-    device = local(grads[0]).device  # sums stay on the device: one host sync, at the end
+def squared_norm(grads: Iterable[torch.Tensor]) -> torch.Tensor:
+    """The sum of the squares of every element of the whole model's `grads`, as one process
+    would compute it (float64, on their device): squares of sharded gradients are summed over
+    the ranks holding the shards; replicated ones (identical on every rank) are counted once."""
+    grads = list(grads)
+    device = local(grads[0]).device if grads else torch.device("cpu")
     zero = torch.zeros((), dtype=torch.float64, device=device)
     squares: dict[dist.ProcessGroup, torch.Tensor] = {}  # the shards' group -> sum of squares
-    replicated = zero.clone()
+    total = zero.clone()
     for g in grads:
         part = local(g).detach().double().pow(2).sum()
         if is_sharded(g):
@@ -60,14 +64,29 @@ def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float) -> flo
                 group = g.device_mesh.get_group(dim)
                 squares[group] = squares.get(group, zero) + part
         else:
-            replicated += part
-    total = replicated
+            total += part
     for group, part in squares.items():
         dist.all_reduce(part, group=group)
         total = total + part
+    return total
+
+
+def scale_grads(grads: Iterable[torch.Tensor], total: torch.Tensor, max_norm: float) -> float:
+    """Clip `grads` whose whole-model sum of squares is `total` to `max_norm`, with the formula
+    of torch.nn.utils.clip_grad_norm_ (coefficient max_norm / (norm + 1e-6), at most 1);
+    returns the norm."""
     norm = float(total.sqrt())
     coef = min(1.0, max_norm / (norm + 1e-6))
     if coef < 1.0:
         for g in grads:
             local(g).mul_(coef)
     return norm
+
+
+def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float) -> float:
+    """Clip to `max_norm` the norm over every gradient of the whole model, as one process
+    would compute it (squared_norm); returns the norm."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return 0.0
+    return scale_grads(grads, squared_norm(grads), max_norm)

@@ -20,6 +20,7 @@ model parallel v2's `hybrid_shard_degree`).
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -53,6 +54,16 @@ from sagenb.engine.strategies.description import (
     plural,
     require_divides,
 )
+from sagenb.engine.strategies.experts.attribution import (
+    expert_held,
+    expert_sends,
+    watch_experts,
+)
+from sagenb.engine.strategies.experts.option import (
+    EXPERT_PARALLEL,
+    check_expert_parallel,
+    experts_layout,
+)
 from sagenb.engine.strategies.split_params import SplitParameters
 from sagenb.engine.workspace import Workspace
 
@@ -76,8 +87,15 @@ class Sharded(SplitParameters):
         seed: int = 0,
         reshard_after_forward: bool = True,
         replicas: int = 1,
+        expert_parallel: int = 1,
     ):
-        super().__init__(rank=rank, world_size=world_size, device=device, seed=seed)
+        super().__init__(
+            rank=rank,
+            world_size=world_size,
+            device=device,
+            seed=seed,
+            expert_parallel=expert_parallel,
+        )
         self.reshard_after_forward = reshard_after_forward
         self.groups = replicas  # --replicas (`replicas`, data_parallel.py, counts the batch split)
 
@@ -87,13 +105,18 @@ class Sharded(SplitParameters):
         model = sync_batchnorm(ws.model, device=self.device) if self.world_size > 1 else ws.model
         mesh = _mesh(self.device, self.world_size, self.groups)
         delayed = any(p.is_meta for p in model.parameters())
+        options = self._options()
+        if self.experts is not None:  # spread over their groups, not sharded (experts/)
+            self.experts.spread(model)
+            self.routing = self.experts.counts
+            options["ignored_params"] = set(self.experts.split(model)[1])
         for block in _blocks(model):
             if delayed:  # materialise one block at a time: no engine ever holds the whole
                 self._materialize(model, block, ws.checkpoint)
-            fully_shard(_to(block, self.device), mesh=mesh, **self._options())
+            fully_shard(_to(block, self.device), mesh=mesh, **options)
         if delayed:
             self._materialize(model, model, ws.checkpoint)
-        root = fully_shard(_to(model, self.device), mesh=mesh, **self._options())
+        root = fully_shard(_to(model, self.device), mesh=mesh, **options)
         assert isinstance(root, nn.Module)  # fully_shard returns the module it was given
         if delayed and ws.checkpoint is not None:  # each engine reads the rows of its shards
             load_local(root, ws.checkpoint, device=self.device)
@@ -112,7 +135,21 @@ class Sharded(SplitParameters):
     ) -> torch.Tensor:
         root: FSDPModule = self.module  # type: ignore[assignment]
         root.set_requires_gradient_sync(sync)  # accumulate locally until the last slice
-        return piece_loss(objective, self.module, batch, scale)
+        loss = piece_loss(objective, self.module, batch, scale)
+        if sync and self.experts is not None:
+            self.experts.reduce(self.module, whole=False)
+        return loss
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        if self.experts is not None:
+            return self.experts.clip(self.module, max_norm)
+        return super().clip_grad_norm(max_norm)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        if self.experts is not None:  # every engine takes part in gathering
+            state = self.experts.full_state(self.module)
+            return state if self.rank == 0 else None
+        return super().full_state_dict()
 
 
 def _mesh(device: torch.device, world_size: int, replicas: int) -> DeviceMesh:
@@ -150,6 +187,7 @@ class ShardedDescription(Description):
     syncs_norm = True
     own_options = ("reshard_after_forward",)
     options = (
+        EXPERT_PARALLEL,
         Option(
             "replicas",
             "parallelism",
@@ -169,9 +207,12 @@ class ShardedDescription(Description):
             raise ConfigError("replicas", replicas, "must be an integer >= 1")
         groups = "the engines form --replicas groups of equal size, each sharding the model"
         require_divides("replicas", replicas, config.engines, f"{groups} among its own engines")
+        check_expert_parallel(config, delayed_ok=False)
 
     def engines_to_start(self, config: EngineConfig) -> int:
-        return DEFAULT_ENGINES * config.option("replicas")
+        groups = DEFAULT_ENGINES * config.option("replicas")
+        degree = config.option("expert_parallel")
+        return groups * degree // math.gcd(groups, degree)  # both must divide it
 
     def inner_collectives(self, config: EngineConfig, engines: int) -> tuple[int, tuple[str, ...]]:
         replicas = config.option("replicas")
@@ -183,10 +224,10 @@ class ShardedDescription(Description):
         zero = "ZeRO-3" if config.reshard_after_forward else "ZeRO-2"
         replicas = config.option("replicas")
         if replicas == 1:
-            return f"sharded ({zero}) on {plural(engines, 'engine')}"
+            return f"sharded ({zero}) on {plural(engines, 'engine')}{experts_layout(config)}"
         return (
             f"hybrid sharded ({zero}): {engines // replicas}-way shards x "
-            f"{plural(replicas, 'replica')}"
+            f"{plural(replicas, 'replica')}{experts_layout(config)}"
         )
 
     def build(
@@ -199,6 +240,7 @@ class ShardedDescription(Description):
             seed=config.seed,
             reshard_after_forward=config.reshard_after_forward,
             replicas=config.option("replicas"),
+            expert_parallel=config.option("expert_parallel"),
         )
 
 
@@ -212,16 +254,21 @@ class ShardedAttribution(Attribution):
     the R groups (2 (R-1)/R x its bytes). The transiently gathered block is not in the figures
     (the engines' accounting counts the local shards too); its size is in the notes."""
 
+    def prepare(self, m: FakeModel) -> tuple[dict[nn.Module, str], Any]:
+        return {}, watch_experts(m)
+
     def ranks(self, m: FakeModel, trace: Trace, layout: Any) -> Ranks:
         N, cfg = m.world, m.config
         R = cfg.option("replicas")
         S = N // R  # the engines of one group; rank r holds shard r % S
+        experts = layout.weights if layout is not None else set()  # --expert-parallel's
+        sharded = [p for p in m.params if id(p) not in experts]
         held: list[dict[nn.Parameter, int]] = [{} for _ in range(N)]
-        for p in m.params:
+        for p in sharded:
             rows = chunk_sizes(p.shape[0], S) if p.dim() else [1] + [0] * (S - 1)
             for r in range(N):
                 held[r][p] = rows[r % S] * (p.numel() // max(p.shape[0], 1) if p.dim() else 1)
-        whole = {p: p.numel() for p in m.params}
+        whole = {p: p.numel() for p in sharded}
         gathers = (2 if cfg.reshard_after_forward else 1) * cfg.grad_accum
         send = {  # frozen parameters are gathered too, only gradients are reduce-scattered
             "all_gather": gathers * ring("all_gather", param_bytes(whole), S),
@@ -231,6 +278,12 @@ class ShardedAttribution(Attribution):
         if R > 1:  # each group's reduced shards, averaged across the replicas
             for r in range(N):
                 comm[r]["all_reduce"] = ring("all_reduce", grad_bytes(held[r]), R)
+        if layout is not None:  # the experts as data parallel spreads them (experts/)
+            mine, sends = expert_held(m, layout), expert_sends(m, layout)
+            for r in range(N):
+                held[r].update(mine)
+                for kind, nbytes in sends.items():
+                    comm[r][kind] = comm[r].get(kind, 0.0) + nbytes
         biggest = max((module_bytes(b) for b in m.blocks), default=0)
         m.notes.append(
             f"sharded: params/grads/optimizer are each rank's shards; while a block computes "

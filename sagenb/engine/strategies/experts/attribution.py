@@ -18,7 +18,7 @@ from sagenb.engine.strategies.attribution import FakeModel, Ranks, Trace, grad_b
 
 from .layers import packed_experts
 
-__all__ = ["ExpertTokens", "expert_ranks", "watch_experts"]
+__all__ = ["ExpertTokens", "expert_held", "expert_ranks", "expert_sends", "watch_experts"]
 
 
 class ExpertTokens:
@@ -50,20 +50,33 @@ def watch_experts(m: FakeModel) -> ExpertTokens | None:
     return tokens
 
 
-def expert_ranks(m: FakeModel, trace: Trace, tokens: ExpertTokens) -> Ranks:
-    degree, world = m.config.option("expert_parallel"), m.world
-    held = {p: p.numel() // degree if id(p) in tokens.weights else p.numel() for p in m.params}
-    whole = {p: n for p, n in held.items() if id(p) not in tokens.weights}
-    experts = {p: n for p, n in held.items() if id(p) in tokens.weights}
+def expert_held(m: FakeModel, tokens: ExpertTokens) -> dict[nn.Parameter, int]:
+    """Each engine's elements of the experts' weights: 1/E of each."""
+    degree = m.config.option("expert_parallel")
+    return {p: p.numel() // degree for p in m.params if id(p) in tokens.weights}
+
+
+def expert_sends(m: FakeModel, tokens: ExpertTokens) -> dict[str, float]:
+    """What each engine sends for its experts per step: their gradients all-reduced across
+    the N / E groups, and the pairs' hidden states exchanged within its group."""
+    degree = m.config.option("expert_parallel")
     pairs = tokens.pair_bytes * m.scale * m.config.grad_accum
-    send = {
-        "all_reduce": ring("all_reduce", grad_bytes(whole), world)
-        + ring("all_reduce", grad_bytes(experts), world // degree),
+    return {
+        "all_reduce": ring("all_reduce", grad_bytes(expert_held(m, tokens)), m.world // degree),
         "all_to_all": 4 * (degree - 1) / degree * pairs,
     }
+
+
+def expert_ranks(m: FakeModel, trace: Trace, tokens: ExpertTokens) -> Ranks:
+    """Data parallel's ranks with --expert-parallel (the module's docstring)."""
+    degree, world = m.config.option("expert_parallel"), m.world
+    whole = {p: p.numel() for p in m.params if id(p) not in tokens.weights}
+    send = expert_sends(m, tokens)
+    send["all_reduce"] += ring("all_reduce", grad_bytes(whole), world)
     m.notes.append(
         f"expert parallel: each engine holds 1/{degree} of every MoE layer's experts; "
         "all_to_all assumes the router spreads the tokens evenly"
     )
     act = trace.peak_activations * m.scale
+    held = {**whole, **expert_held(m, tokens)}
     return Ranks([held] * world, [act] * world, [send] * world)

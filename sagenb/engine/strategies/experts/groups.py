@@ -16,7 +16,6 @@ process would.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -24,6 +23,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from sagenb.engine.strategies.dtensors import scale_grads, squared_norm
 
 from .dispatch import RoutingCounts, spread
 from .layers import PackedExperts, packed_experts
@@ -67,34 +68,40 @@ class ExpertGroups:
             [p for p in trained if id(p) in self._experts],
         )
 
-    def reduce(self, module: nn.Module) -> None:
-        """Average the step's gradients over the global batch (the module's docstring)."""
-        whole, experts = self.split(module)
-        _sum(whole, None)
+    def reduce(self, module: nn.Module, *, whole: bool = True) -> None:
+        """Average the step's gradients over the global batch (the module's docstring);
+        `whole=False`: the experts' alone (FSDP reduces the other weights' itself)."""
+        shared, experts = self.split(module)
+        if whole:
+            _sum(shared, None)
         if self.across is not None:
             _sum(experts, self.across)
-        for p in (*whole, *experts):
+        for p in (*shared, *experts) if whole else experts:
             p.grad.div_(self.world_size)  # type: ignore[union-attr]
 
     def clip(self, module: nn.Module, max_norm: float) -> float:
         """Clip to `max_norm` the norm over every gradient of the whole model, as
-        torch.nn.utils.clip_grad_norm_ on one process: the whole weights' (equal on every
-        engine) and each group's experts (summed over the group)."""
-        whole, experts = self.split(module)
-        squares = torch.stack([_squares(whole), _squares(experts)])  # float64
-        dist.all_reduce(squares[1:], group=self.group)
-        total = math.sqrt(float(squares.sum()))
-        scale = min(max_norm / (total + 1e-6), 1.0)
-        for p in (*whole, *experts):
+        torch.nn.utils.clip_grad_norm_ on one process: the other weights' (replicated, or
+        FSDP's shards) and each group's experts (summed over the group)."""
+        shared, experts = self.split(module)
+        grads = [p.grad for p in (*shared, *experts) if p.grad is not None]
+        total = squared_norm([p.grad for p in shared if p.grad is not None])
+        mine = torch.zeros((), dtype=torch.float64, device=total.device)
+        for p in experts:
             if p.grad is not None:
-                p.grad.mul_(scale)
-        return total
+                mine += p.grad.detach().double().pow(2).sum()
+        dist.all_reduce(mine, group=self.group)
+        return scale_grads(grads, total + mine, max_norm)
 
     def full_state(self, module: nn.Module) -> dict[str, torch.Tensor]:
         """The unsplit model's state_dict (every engine takes part): each layer's experts
-        gathered from the engines of this engine's group, in expert order."""
-        state = {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()}
-        names = {id(p): n for n, p in module.named_parameters()}
+        gathered from the engines of this engine's group, in expert order; FSDP's shards
+        gathered whole."""
+        state = {
+            k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().to("cpu", copy=True)
+            for k, v in module.state_dict().items()
+        }
+        names = self.names(module)
         for layer in self.layers:
             for weight in layer.weights:
                 local = getattr(layer.module, weight).detach().contiguous()
@@ -105,13 +112,22 @@ class ExpertGroups:
                     state[key] = torch.cat(parts).to("cpu")
         return state
 
+    def names(self, module: nn.Module) -> dict[int, str]:
+        """The state_dict key of each parameter of `module`, by the parameter's id."""
+        return {id(p): n for n, p in module.named_parameters()}
+
+    def keys(self, module: nn.Module) -> set[str]:
+        """The state_dict keys of this engine's experts."""
+        names = self.names(module)
+        return {names[id(p)] for p in module.parameters() if id(p) in self._experts}
+
     def checkpoint_state(self, module: nn.Module) -> dict[str, torch.Tensor]:
         """The module's state_dict with each layer's experts as a DTensor view of the whole
         (sharded by expert over the group, replicated across the groups), sharing this engine's
         storage: DCP writes each group's rows once, loads them in place, and reads them back
         on another --expert-parallel (or none) as it reshards FSDP's."""
         state = module.state_dict()
-        names = {id(p): n for n, p in module.named_parameters()}
+        names = self.names(module)
         for layer in self.layers:
             for weight in layer.weights:
                 param = getattr(layer.module, weight)
@@ -153,8 +169,3 @@ def _sum(params: list[nn.Parameter], group: Any) -> None:
         n = p.numel()
         p.grad.copy_(flat[offset : offset + n].view_as(p))  # type: ignore[union-attr]
         offset += n
-
-
-def _squares(params: list[nn.Parameter]) -> torch.Tensor:
-    grads = [p.grad.double().pow(2).sum() for p in params if p.grad is not None]
-    return torch.stack(grads).sum() if grads else torch.zeros((), dtype=torch.float64)
