@@ -5,9 +5,10 @@ In each layer, after the model's own router chose the experts of every token (so
 the model's own, and the run equals one process), each engine of the group:
 
 1. sorts its (token, choice) pairs by expert, and tells every engine of the group how many it
-   sends it (`all_to_all_single` of the counts);
+   sends it for each of its experts (`all_to_all_single` of the counts);
 2. sends each pair's hidden state to the engine holding its expert (`all_to_all_single`, uneven
-   splits, with autograd: torch's functional collectives), with the expert's number;
+   splits, with autograd: torch's functional collectives), in expert order, so the counts say
+   which expert each is for;
 3. computes the pairs it received with its own experts, by the layer's own forward (its own
    kernel: eager, grouped_mm, ...) on its slice of the weights, each pair weighted 1;
 4. sends the results back the same way, and adds each, times its routing weight, to its
@@ -121,19 +122,20 @@ class _Dispatch:
         flat = top_k_index.reshape(-1)
         order = torch.argsort(flat, stable=True)  # pairs by expert, then token: the own order
         tokens = order // choices
-        experts = flat[order]
-        per_engine = torch.bincount(experts // self.local, minlength=self.degree)
-        incoming = torch.empty_like(per_engine)
-        dist.all_to_all_single(incoming, per_engine, group=self.group)
-        send, receive = per_engine.tolist(), incoming.tolist()
+        # the pairs of each expert, engine j's experts in row j: each engine learns how many
+        # pairs of each of its own experts arrive from each sender, in expert order, so the
+        # experts' numbers need no exchange of their own
+        per_expert = torch.bincount(flat, minlength=self.total)[: self.total]
+        mine = torch.empty_like(per_expert)
+        dist.all_to_all_single(mine, per_expert, group=self.group)
+        send = per_expert.view(self.degree, self.local).sum(1).tolist()
+        receive = mine.view(self.degree, self.local).sum(1).tolist()
 
-        states = hidden_states[tokens]
-        arrived = exchange(states, receive, send, self.group)
-        which = experts.new_empty(sum(receive))
-        dist.all_to_all_single(which, experts, receive, send, group=self.group)
-        first = self.local * dist.get_group_rank(self.group, dist.get_rank())
+        arrived = exchange(hidden_states[tokens], receive, send, self.group)
+        local = torch.arange(self.local, device=flat.device).repeat(self.degree)
+        which = torch.repeat_interleave(local, mine).unsqueeze(-1)  # sender by sender
         ones = torch.ones(len(which), 1, dtype=top_k_weights.dtype, device=which.device)
-        done = self.own_forward(arrived, (which - first).unsqueeze(-1), ones)
+        done = self.own_forward(arrived, which, ones)
         if torch.is_grad_enabled() and not done.requires_grad:
             # none of this engine's experts computed (nothing arrived): its weights still take
             # part in backward, with zero gradients, so that every engine runs the exchange's
