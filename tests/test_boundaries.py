@@ -29,7 +29,11 @@ SAGENB = Path(__file__).resolve().parent.parent / "sagenb"
 #: the notebook's roles, which the engine side never imports
 NOTEBOOK_SIDE = ("notebook", "display", "pool", "run", "sizing")
 #: strategies kept as folders: others reach them only through the folder's face (__init__.py)
-STRATEGY_FOLDERS = ("sagenb.engine.strategies.pipeline", "sagenb.engine.strategies.tensor")
+STRATEGY_FOLDERS = (
+    "sagenb.engine.strategies.pipeline",
+    "sagenb.engine.strategies.tensor",
+    "sagenb.engine.strategies.experts",
+)
 MAX_MODULES = 12  # in one folder, __init__.py not counted
 
 

@@ -39,12 +39,16 @@ from sagenb.engine.strategies.description import (
     Description,
     plural,
 )
-from sagenb.engine.strategies.experts import ExpertGroups, RoutingCounts, count_routing, find_packed
-from sagenb.engine.strategies.experts.attribution import expert_ranks, watch_experts
-from sagenb.engine.strategies.experts.option import (
+from sagenb.engine.strategies.experts import (
     EXPERT_PARALLEL,
+    ExpertGroups,
+    RoutingCounts,
     check_expert_parallel,
+    count_routing,
+    expert_ranks,
     experts_layout,
+    find_packed,
+    watch_experts,
 )
 from sagenb.engine.workspace import Workspace
 from sagenb.metrics import keys

@@ -54,15 +54,13 @@ from sagenb.engine.strategies.description import (
     plural,
     require_divides,
 )
-from sagenb.engine.strategies.experts.attribution import (
-    expert_held,
-    expert_sends,
-    watch_experts,
-)
-from sagenb.engine.strategies.experts.option import (
+from sagenb.engine.strategies.experts import (
     EXPERT_PARALLEL,
     check_expert_parallel,
+    expert_held,
+    expert_sends,
     experts_layout,
+    watch_experts,
 )
 from sagenb.engine.strategies.split_params import SplitParameters
 from sagenb.engine.workspace import Workspace
