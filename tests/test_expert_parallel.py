@@ -11,12 +11,16 @@ sharded 1.1e-6: 9x room at the closest."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
+import torch
 
 import sagenb
 from sagenb.config import ConfigError, JobError, TrainConfig
 
-from .helpers import TOL, assert_params_equal, check_equal
+from .helpers import TOL, TORCHRUN, assert_params_equal, check_equal, run
+from .lab import free_port
 from .reference import one_process_eval
 from .test_moe import LIMITS, MOE_CELL
 
@@ -203,3 +207,17 @@ def test_bad_degrees_are_refused_before_any_engine_starts():
         TrainConfig(expert_parallel=2, strategy="sharded", delay_init=True)
     with pytest.raises(ConfigError, match="--expert-parallel 2: needs --strategy data or sharded"):
         TrainConfig(expert_parallel=2, strategy="tensor")
+
+
+def test_an_exported_script_spreads_the_experts_as_the_pool_does(pool, tmp_path):
+    """%%smp_export's torchrun script carries --expert-parallel: the same engine code on
+    torchrun's ranks trains what the pool trained (threads=1 on both: the same kernels)."""
+    options = dict(expert_parallel=2, batch_size=16, steps=3, threads=1, dashboard=False)
+    result = sagenb.train(MOE_CELL, **options)
+    sagenb.export(MOE_CELL, tmp_path / "train.py", **options)
+    command = [str(TORCHRUN), "--nproc-per-node", "2", "--master-port", str(free_port())]
+    run([*command, "train.py", "--metrics-file", "metrics.jsonl"], cwd=tmp_path)
+    state = torch.load(tmp_path / "train_state.pt", weights_only=True)
+    assert_params_equal(state, result.state_dict(), tol=1e-6)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["expert_tokens"] for r in rows] == [r["expert_tokens"] for r in result.history]
