@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 
 import pytest
 from IPython.core.error import UsageError
@@ -20,7 +21,7 @@ from sagenb.notebook.examples import gpt_cell
 from sagenb.pool import cluster
 from sagenb.sizing.cost import CostMeter, instance_price
 from sagenb.sizing.hardware import hardware_table
-from sagenb.sizing.projection import Projection
+from sagenb.sizing.projection import DEFERRED, Projection, saturates
 from sagenb.sizing.step_model import MFU_RANGE, memory_limit_mib
 
 from .conftest import REGRESSION_CELL
@@ -212,6 +213,28 @@ def test_a_run_makes_its_own_projection_off_the_notebooks_process():
     assert "AssertionError: the cell runs on engines only" in failing.why, failing.why
     meter = CostMeter(instance_price(P4D), 2, runs_on="cpu", projection=failing)
     assert meter.projected_on(4).startswith(f"projected on 1 x {P4D}: no estimate (AssertionError")
+
+
+def test_where_the_engines_fill_the_cores_the_estimate_waits_for_the_runs_end():
+    """sizing/projection.py: a child estimating beside engines that keep every core busy
+    takes its CPU from their steps (20-25% of a 300-step run on 2 cores), so there it starts
+    when the run ends; the header says so meanwhile."""
+    cores = len(os.sched_getaffinity(0))
+    assert saturates(cores) and not saturates(cores - 1)
+    # a batch no other test estimates: no figure kept from before (for_run)
+    config = TrainConfig(engines=2, batch_size=12, steps=4).with_engines(2)
+    deferred = Projection.start(Job.of(REGRESSION_CELL), config, defer=True)
+    assert deferred.pending and deferred._child is None and deferred.why == DEFERRED
+    meter = CostMeter(instance_price(P4D), 2, runs_on="cpu", projection=deferred)
+    assert meter.projected_on(4) == f"projected on 1 x {P4D}: {DEFERRED}"
+    # a run of the same cell meanwhile does not follow an estimate that has not started
+    again = Projection.for_run(None, Job.of(REGRESSION_CELL), config, defer=True)
+    assert not deferred.pending and again.pending and again._child is None
+    again.release()
+    assert again._child is not None and again.why.startswith("estimating (in the background)")
+    assert again.wait(120) and again.step_time_s is not None, again.why
+    again.release()  # once only: the figure stays
+    assert again.step_time_s is not None
 
 
 def test_a_cell_run_again_is_projected_at_once_without_a_second_child():

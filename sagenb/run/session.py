@@ -23,7 +23,7 @@ from sagenb.pool import clean_slate, cluster, orphans, run_lock
 from sagenb.run.failures import TrainingError, TrainingInterrupted
 from sagenb.run.training_run import TrainingRun
 from sagenb.sizing.cost import check_price
-from sagenb.sizing.projection import Projection
+from sagenb.sizing.projection import Projection, saturates
 
 if TYPE_CHECKING:
     from sagenb.sizing.estimates import Estimate
@@ -51,7 +51,8 @@ def train(
     "controller died", "interrupted"), before it stops the ranks. `estimate` (from
     `sagenb.estimate` or `%%smp_plan`) projects the run on --instance ("projected on I") when it
     estimated this job with these options; otherwise the run estimates itself in a child
-    process while the engines train (sagenb/sizing/projection.py).
+    process while the engines train, or once they end where they fill this machine's cores
+    (sagenb/sizing/projection.py).
     """
     if config is None:
         config = TrainConfig(**options)
@@ -83,7 +84,10 @@ def train(
             list(sinks),
             live=live,
             on_failure=on_failure,
-            projection=Projection.for_run(estimate, prepared, config),
+            # on a machine whose cores the engines fill, the estimate waits for the run's end
+            projection=Projection.for_run(
+                estimate, prepared, config, defer=not pool.multi_host and saturates(engines)
+            ),
         )
         for note in found + replaced:
             run.warnings.append(note)

@@ -558,6 +558,8 @@ class TrainingRun:
         self._mark_end()
         assert self.ended is not None  # _mark_end just set it
         self.wall_s = self.ended - self.started
+        if self.projection is not None:  # a deferred estimate (projection.saturates) starts
+            self.projection.release()
         self.output.drain(final=True)  # its output has arrived (_collect, _last_metrics)
         if self.dashboard is not None:
             self.dashboard.finish(self.wall_s, status=status)

@@ -16,7 +16,9 @@ again before its figure came, it takes the figure of the child already at work. 
 not free, SCHED_IDLE or not: on 2 cores, the seconds it takes to start Python, import torch
 and trace the cell took 20-25% of the steps of a 300-step data-parallel run
 (benchmarks/against_peers.py, issue 31), the engines' caches and the wake-ups of their
-collectives being what it shares.
+collectives being what it shares. So where the run's engines are as many as this machine's
+cores (`saturates`), the child starts when the run ends (`release`), not beside it: the
+header says "estimating once the run ends" meanwhile, and the figure follows within seconds.
 
     python -m sagenb.sizing.projection   # reads a pickled (Job, TrainConfig) on stdin
 """
@@ -38,7 +40,7 @@ from typing import Any
 
 from sagenb.sizing.cost import NO_ESTIMATE
 
-__all__ = ["Projection"]
+__all__ = ["DEFERRED", "Projection", "saturates"]
 
 #: most seconds the child may take; past them it is ended and the header says so
 ESTIMATE_TIMEOUT_S = 600.0
@@ -60,15 +62,17 @@ class Projection:
         self._listeners: list[Callable[[], None]] = []
         self._child: subprocess.Popen[bytes] | None = None
         self._key: bytes | None = None  # what it estimates, where its figure is to be kept
+        self._later: tuple[Any, Any] | None = None  # (job, config) of a deferred estimate
         if step_time_s is not None:
             self._ended = True
             self._done.set()
 
     @classmethod
-    def for_run(cls, estimate: Any, job: Any, config: Any) -> Projection:
+    def for_run(cls, estimate: Any, job: Any, config: Any, *, defer: bool = False) -> Projection:
         """Seconds per step on --instance: from `estimate` (a sizing.estimates.Estimate, or
         None) when it estimated this job with these options (engines resolved), else from the
-        run's own estimate, made in a child process while the engines train."""
+        run's own estimate, made in a child process while the engines train; with `defer`
+        (`saturates`), once the run ends and calls `release`."""
         if estimate is not None and estimate.describes(job, config):
             return cls(estimate.step_time_s)
         key = _what(job, config)
@@ -80,25 +84,44 @@ class Projection:
             return cls(made)
         with _starting:
             pending = _latest
-        if pending is not None and pending.pending and pending._key == key:
+        if pending is not None and pending.pending and pending._key == key and not pending._later:
             # the same cell run again before its figure came (a short run, then the long
             # one): this run takes that child's figure; a second child would compete too
             follower = cls(why=pending.why)
             pending.on_end(lambda: follower._end(pending.step_time_s, pending.why))
             return follower
-        return cls.start(job, config, keep_as=key)
+        return cls.start(job, config, keep_as=key, defer=defer)
 
     @classmethod
-    def start(cls, job: Any, config: Any, *, keep_as: bytes | None = None) -> Projection:
-        """Estimate `job` with `config` (engines resolved) in a child process, now; the figure
-        is kept under `keep_as` (for_run) once made."""
-        projection = cls(why="estimating (in the background)")
+    def start(
+        cls, job: Any, config: Any, *, keep_as: bytes | None = None, defer: bool = False
+    ) -> Projection:
+        """Estimate `job` with `config` (engines resolved) in a child process, now (or, with
+        `defer`, when `release` is called); the figure is kept under `keep_as` (for_run) once
+        made."""
+        why = DEFERRED if defer else "estimating (in the background)"
+        projection = cls(why=why)
         projection._key = keep_as
         global _latest
         with _starting:  # one estimate at a time: a run's own is moot once the next starts
             if _latest is not None:
                 _latest.cancel("no estimate (a later run started before it was made)")
             _latest = projection
+        if defer:
+            projection._later = (job, config)
+        else:
+            projection._launch(job, config)
+        return projection
+
+    def release(self) -> None:
+        """Start the child of a deferred estimate (the run has ended); nothing otherwise."""
+        later, self._later = self._later, None
+        if later is not None and not self._ended:
+            self.why = "estimating (in the background)"
+            self._launch(*later)
+
+    def _launch(self, job: Any, config: Any) -> None:
+        projection = self
         try:
             projection._child = subprocess.Popen(
                 [sys.executable, "-m", __name__],
@@ -109,12 +132,11 @@ class Projection:
             )
         except OSError as err:
             projection._end(None, f"no estimate (its process did not start: {err})")
-            return projection
+            return
         payload = pickle.dumps((job, config))
         threading.Thread(
             target=projection._follow, args=(payload,), name="sagenb-projection", daemon=True
         ).start()
-        return projection
 
     @property
     def pending(self) -> bool:
@@ -169,6 +191,20 @@ class Projection:
         for listener in listeners:
             _tell(listener)
         self._done.set()
+
+
+#: what the header says of a run's own estimate until its run ends (`saturates`)
+DEFERRED = "estimating once the run ends (its engines keep every core of this machine busy)"
+
+
+def saturates(engines_here: int) -> bool:
+    """Whether `engines_here` engines on this machine keep all of its cores busy, so that a
+    child estimating beside them would take its CPU from their steps."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return engines_here >= cores
 
 
 #: the latest run's own estimate, and the lock its replacement takes
