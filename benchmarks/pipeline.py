@@ -76,22 +76,50 @@ def stage_times(result) -> tuple[list[float], list[float]]:
 
 
 def ideal_bubble(forward: list[float], backward: list[float], m: int) -> float:
-    """Idle share of a GPipe step with these per-microbatch stage times and nothing else:
-    each forward starts when its input and its stage are ready, each backward when its
-    gradient and its stage are (after the stage's last forward); averaged over stages."""
-    p = len(forward)
+    """Idle share of a GPipe step with these per-microbatch stage times and nothing else
+    (every microbatch of a stage taking the stage's median time)."""
+    return replayed_bubble([[f] * m for f in forward], [[b] * m for b in backward])
+
+
+def replayed_bubble(forward: list[list[float]], backward: list[list[float]]) -> float:
+    """Idle share of a GPipe step whose microbatch i takes forward[s][i] and backward[s][i] on
+    stage s, with no transfer or bookkeeping time: each forward starts when its input and its
+    stage are ready, each backward when its gradient and its stage are (after the stage's last
+    forward); averaged over stages."""
+    p, m = len(forward), len(forward[0])
     end_f = [[0.0] * m for _ in range(p)]
     end_b = [[0.0] * m for _ in range(p)]
     for s in range(p):
         for i in range(m):
             ready = max(end_f[s - 1][i] if s else 0.0, end_f[s][i - 1] if i else 0.0)
-            end_f[s][i] = ready + forward[s]
+            end_f[s][i] = ready + forward[s][i]
     for s in reversed(range(p)):
         for i in range(m):
             ready = max(end_b[s + 1][i] if s < p - 1 else 0.0, end_b[s][i - 1] if i else 0.0)
-            end_b[s][i] = max(ready, end_f[s][m - 1]) + backward[s]
+            end_b[s][i] = max(ready, end_f[s][m - 1]) + backward[s][i]
     span = max(end_b[s][m - 1] for s in range(p))
-    return statistics.mean((span - m * (forward[s] + backward[s])) / span for s in range(p))
+    return statistics.mean((span - sum(forward[s]) - sum(backward[s])) / span for s in range(p))
+
+
+def replayed_ideal(result, m: int) -> float:
+    """The ideal of each measured step replayed with its own microbatches' times (a slow
+    microbatch, the machine's doing, is then compute and not the runtime's), averaged over the
+    steps both engines recorded."""
+    by_step: dict[int, dict[int, dict]] = {}
+    for rank, steps in _steps(result).items():
+        for v in steps:
+            by_step.setdefault(v["step"], {})[rank] = v
+    shares = []
+    for ranks in by_step.values():
+        if len(ranks) < 2:
+            continue
+        forward = [[0.0] * m for _ in ranks]
+        backward = [[0.0] * m for _ in ranks]
+        for rank, v in ranks.items():
+            for kind, _, chunk, start, end in v["timeline"]:
+                (forward if kind == "F" else backward)[rank][chunk] = end - start
+        shares.append(replayed_bubble(forward, backward))
+    return statistics.mean(shares)
 
 
 def stage_busy(result) -> list[float]:
@@ -122,13 +150,15 @@ def bubble_rows(steps: int) -> list[dict]:
     rows = []
     for m in (1, 2, 4, 8):
         # a short run first: the run's own projection on --instance is made (in a child
-        # process, sizing/projection.py) and kept, so the measured run, the same cell and
-        # options, starts none; its seconds of CPU would fall in the bubble being measured
-        train_even("gpipe", m, 3)
+        # process, sizing/projection.py, once the run ends where its engines fill the cores)
+        # and kept, so the measured run, the same cell and options, starts none; its seconds
+        # of CPU would fall in the bubble being measured
+        train_even("gpipe", m, 3).wait_for_projection(120)
         result = train_even("gpipe", m, steps)
         formula = bubble_fraction(2, m)
         measured = measured_bubble(result)
         ideal = ideal_bubble(*stage_times(result), m)
+        replayed = replayed_ideal(result, m)
         rows.append(
             {
                 "microbatches": m,
@@ -137,6 +167,8 @@ def bubble_rows(steps: int) -> list[dict]:
                 "measured": measured,
                 "measured/formula": measured / formula,
                 "measured/ideal": measured / ideal,
+                "replayed ideal": replayed,
+                "measured/replayed": measured / replayed,
             }
         )
     return rows
@@ -205,6 +237,7 @@ PEER_MICROBATCHES = 4
 def run_sagenb_pipeline(schedule: str, steps: int) -> float:
     m = PEER_MICROBATCHES
     result = train_even(schedule, m, steps)
+    result.wait_for_projection(120)  # made after the run here: not in the peer's run
     stamps = [r.values["time(unix s)"] for r in result.metrics if r.rank == 0]
     return rate(stamps, batch=128 * m)
 
@@ -245,15 +278,20 @@ def markdown(results: dict) -> str:
         "",
         "## Bubble: measured idle share against (p-1)/(m+p-1), p = 2, GPipe",
         "",
-        "ideal: the bubble of these stages' measured microbatch times with no transfer or "
-        "bookkeeping time (the formula assumes equal stages)",
+        "ideal: the bubble of these stages' median microbatch times with no transfer or "
+        "bookkeeping time (the formula assumes equal stages). replayed: the same, each "
+        "measured step replayed with its own microbatches' times, so that a microbatch the "
+        "machine slowed counts as compute; measured/replayed is what the runtime adds "
+        "(transfers, bookkeeping, the loss).",
         "",
-        "| microbatches | formula | ideal | measured | measured/formula | measured/ideal |",
-        "|---|---|---|---|---|---|",
+        "| microbatches | formula | ideal | replayed | measured | measured/formula "
+        "| measured/ideal | measured/replayed |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     out += [
-        f"| {r['microbatches']} | {r['formula']:.3f} | {r['ideal']:.3f} | {r['measured']:.3f} | "
-        f"{r['measured/formula']:.2f} | {r['measured/ideal']:.2f} |"
+        f"| {r['microbatches']} | {r['formula']:.3f} | {r['ideal']:.3f} "
+        f"| {r['replayed ideal']:.3f} | {r['measured']:.3f} | {r['measured/formula']:.2f} "
+        f"| {r['measured/ideal']:.2f} | {r['measured/replayed']:.2f} |"
         for r in results["bubble"]
     ]
     out += [
