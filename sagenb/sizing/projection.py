@@ -18,7 +18,7 @@ and trace the cell took 20-25% of the steps of a 300-step data-parallel run
 (benchmarks/against_peers.py, issue 31), the engines' caches and the wake-ups of their
 collectives being what it shares. So where the run's engines are as many as this machine's
 cores (`saturates`), the child starts when the run ends (`release`), not beside it: the
-header says "estimating once the run ends" meanwhile, and the figure follows within seconds.
+header says "estimating after the run" meanwhile, and the figure follows within seconds.
 
     python -m sagenb.sizing.projection   # reads a pickled (Job, TrainConfig) on stdin
 """
@@ -194,7 +194,7 @@ class Projection:
 
 
 #: what the header says of a run's own estimate until its run ends (`saturates`)
-DEFERRED = "estimating once the run ends (its engines keep every core of this machine busy)"
+DEFERRED = "estimating after the run (its engines fill every core here)"
 
 
 def saturates(engines_here: int) -> bool:
