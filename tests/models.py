@@ -1,5 +1,6 @@
 """Model cells shared by the tests: an nn.Sequential, two small GPTs, a ResNet, a map-style
-dataset, a model with nowhere to cut, and transformers' Llama, GPT-2 and BERT from tiny configs."""
+dataset, a model with nowhere to cut, transformers' Llama, GPT-2, BERT and Qwen2-MoE from tiny
+configs, LoRA on the Llama, and a tied Llama saved to a folder and loaded back."""
 
 from sagenb.notebook.examples import gpt_cell
 
@@ -307,3 +308,63 @@ HEADS = {
 def head_cell(head: str) -> str:
     model, sample = HEADS[head]
     return HEAD_CELL.format(model=model, sample=sample)
+
+
+# a transformers Qwen2-MoE from a tiny config: 4 experts, 2 per token, a shared expert
+MOE_CELL = """
+import torch
+from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+config = Qwen2MoeConfig(
+    vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+    shared_expert_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, use_cache=False,
+)
+model = Qwen2MoeForCausalLM(config)
+ids = torch.randint(0, 128, (64, 8), generator=torch.Generator().manual_seed(1))
+dataset = [{"input_ids": i, "labels": i} for i in ids]
+"""
+
+# LoRA (or DoRA) on a Llama's attention and MLP projections, peft's own wrapping
+LORA = """
+import peft
+model = peft.get_peft_model(model, peft.LoraConfig(
+    r=4, lora_alpha=8, target_modules={targets}, lora_dropout=0.0, init_lora_weights=False,
+    use_dora={dora}))
+"""
+TARGETS = ["q_proj", "v_proj", "o_proj", "down_proj"]
+
+
+def lora(targets: list[str] = TARGETS, dora: bool = False) -> str:
+    return llama_cell() + LORA.format(targets=targets, dora=dora)
+
+
+# a "pretrained" Llama with its embedding and head tied, saved to a folder and loaded back
+TIED_LLAMA = dict(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    use_cache=False,
+    tie_word_embeddings=True,
+)
+PRETRAINED_LLAMA_CELL = """
+import torch
+from transformers import LlamaForCausalLM
+model = LlamaForCausalLM.from_pretrained({folder!r})
+ids = torch.randint(0, 64, (64, 8), generator=torch.Generator().manual_seed(1))
+dataset = [{{"input_ids": i, "labels": i}} for i in ids]
+"""
+
+
+def tied_llama(folder):
+    """A tied Llama from TIED_LLAMA, seeded, saved as transformers saves it (its head left
+    out of the file) in `folder`, for PRETRAINED_LLAMA_CELL to load."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(5)
+    model = LlamaForCausalLM(LlamaConfig(**TIED_LLAMA))
+    model.save_pretrained(folder)
+    return model

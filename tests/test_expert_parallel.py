@@ -19,10 +19,10 @@ import torch
 import sagenb
 from sagenb.config import ConfigError, JobError, TrainConfig
 
-from .helpers import TOL, TORCHRUN, assert_params_equal, check_equal, run
+from .helpers import LIMITS, TOL, TORCHRUN, assert_params_equal, check_equal, run
 from .lab import free_port
+from .models import MOE_CELL
 from .reference import one_process_eval
-from .test_moe import LIMITS, MOE_CELL
 
 MIXTRAL_CELL = """
 import torch

@@ -15,9 +15,7 @@ from sagenb.config import ConfigError, TrainConfig
 
 from .helpers import TORCHRUN, assert_params_equal, check_equal, run
 from .lab import free_port
-from .models import SPLIT_GPT_CELL
-from .test_pretrained import LLAMA_CELL, _tied_llama
-from .test_tensor_models import lora
+from .models import PRETRAINED_LLAMA_CELL, SPLIT_GPT_CELL, lora, tied_llama
 
 
 def _last(result, key: str) -> dict[int, float]:
@@ -61,8 +59,8 @@ def test_a_two_by_two_checkpoint_resumes_on_another_mesh(pool4, tmp_path, replic
 def test_a_pretrained_llama_each_group_reads_once(pool4, tmp_path):
     """A tied transformers Llama from from_pretrained, under --delay-init: each engine reads
     the rows of its group's shards, so the two groups each read the file once."""
-    _tied_llama(tmp_path)
-    cell = LLAMA_CELL.format(folder=str(tmp_path))
+    tied_llama(tmp_path)
+    cell = PRETRAINED_LLAMA_CELL.format(folder=str(tmp_path))
     options = dict(batch_size=32, steps=2)
     result = sagenb.train(
         cell, strategy="sharded", replicas=2, delay_init=True, dashboard=False, **options

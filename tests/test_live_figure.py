@@ -13,7 +13,7 @@ from sagenb.display import charts
 from sagenb.display.dashboard import REDRAW_S
 from sagenb.display.svg_figure import Drawing
 
-from .test_charts import CONFIGS, new_board, run
+from .boards import CONFIGS, new_board, run
 
 
 def _redraw(board, **kwargs) -> list[str]:
@@ -104,7 +104,7 @@ def test_the_throughput_axis_says_tokens_for_token_inputs():
     copy it leaves (issue 35: the axis said samples/s over a line of tokens/s)."""
     from sagenb.metrics import keys
 
-    from .test_charts import step_metrics
+    from .boards import step_metrics
 
     board = new_board(CONFIGS["data"], live=True)
     widget = board._figure_widget

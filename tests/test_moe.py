@@ -13,22 +13,10 @@ import pytest
 
 import sagenb
 
-from .helpers import check_equal
+from .helpers import LIMITS, check_equal
+from .models import MOE_CELL
 
-MOE_CELL = """
-import torch
-from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
-config = Qwen2MoeConfig(
-    vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-    shared_expert_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, use_cache=False,
-)
-model = Qwen2MoeForCausalLM(config)
-ids = torch.randint(0, 128, (64, 8), generator=torch.Generator().manual_seed(1))
-dataset = [{"input_ids": i, "labels": i} for i in ids]
-"""
 OPTIONS = dict(batch_size=16, steps=3)
-LIMITS = {"params": 0.02, "grads": 0.02, "optimizer": 0.02, "activations": 0.20}
 
 
 @pytest.mark.parametrize("strategy", ["data", "sharded", "tensor", "model"])

@@ -18,8 +18,8 @@ from sagenb.metrics import keys
 from sagenb.notebook.magics import parse_train_line
 from sagenb.pool import cluster
 
+from .boards import new_board, step_metrics
 from .models import GPT_CELL, SEQUENTIAL_CELL
-from .test_charts import new_board, step_metrics
 
 REFUSAL = r"--offload-activations True: the engines run on cpu: .* no device memory to save"
 CUDA = torch.cuda.is_available()

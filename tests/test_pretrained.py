@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 from safetensors.torch import save_file
-from transformers import LlamaConfig, LlamaForCausalLM
 
 import sagenb
 from sagenb.config.job import Job, JobError
@@ -14,27 +13,10 @@ from sagenb.engine.model.delayed import materialize
 from sagenb.engine.workspace import build_workspace
 
 from .helpers import assert_params_equal, check_equal
-from .models import SPLIT_GPT_CELL
+from .models import PRETRAINED_LLAMA_CELL, SPLIT_GPT_CELL, tied_llama
 from .reference import namespace
 
 OPTIONS = dict(batch_size=32, steps=2)
-TIED_LLAMA = dict(
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    use_cache=False,
-    tie_word_embeddings=True,
-)
-LLAMA_CELL = """
-import torch
-from transformers import LlamaForCausalLM
-model = LlamaForCausalLM.from_pretrained({folder!r})
-ids = torch.randint(0, 64, (64, 8), generator=torch.Generator().manual_seed(1))
-dataset = [{{"input_ids": i, "labels": i}} for i in ids]
-"""
 # its own generator for the data: building the model on the meta device draws fewer numbers
 GPT_CELL = SPLIT_GPT_CELL.replace(
     "(128, CONTEXT + 1))", "(128, CONTEXT + 1), generator=torch.Generator().manual_seed(1))"
@@ -57,17 +39,12 @@ def _pretrained_gpt(folder) -> tuple[str, int]:
     return file, sum(v.numel() * v.element_size() for v in state.values())
 
 
-def _tied_llama(folder) -> LlamaForCausalLM:
-    torch.manual_seed(5)
-    model = LlamaForCausalLM(LlamaConfig(**TIED_LLAMA))
-    model.save_pretrained(folder)
-    return model
-
-
 def test_from_pretrained_under_delay_init_keeps_its_weights(tmp_path):
     """Before: the values from_pretrained loaded were replaced by the seeded ones, silently."""
-    pretrained = _tied_llama(tmp_path)
-    ws = build_workspace(Job.of(LLAMA_CELL.format(folder=str(tmp_path))), 0, delay_init=True)
+    pretrained = tied_llama(tmp_path)
+    ws = build_workspace(
+        Job.of(PRETRAINED_LLAMA_CELL.format(folder=str(tmp_path))), 0, delay_init=True
+    )
     assert all(p.is_meta for p in ws.model.parameters())  # nothing was kept while the cell ran
     materialize(ws.model, [ws.model], seed=0, device=torch.device("cpu"), checkpoint=ws.checkpoint)
     assert_params_equal(ws.model.state_dict(), pretrained, tol=0)
@@ -88,7 +65,7 @@ dataset = [{{"input_ids": torch.arange(8), "labels": torch.arange(8)}}] * 4
 @pytest.mark.parametrize("naming", ["from_pretrained", "variable"])
 def test_a_peft_model_reads_its_base(tmp_path, naming):
     """The base's keys lie under base_model.model., LoRA's wrapped layers under .base_layer."""
-    pretrained = _tied_llama(tmp_path)
+    pretrained = tied_llama(tmp_path)
     folder = str(tmp_path)
     if naming == "from_pretrained":
         cell = PEFT_CELL.format(base=f"LlamaForCausalLM.from_pretrained({folder!r})")
@@ -149,8 +126,8 @@ def test_each_engine_reads_its_part(pool, tmp_path, strategy, delay_init):
 def test_from_pretrained_sharded_equals_one_process(pool, tmp_path):
     """A tied transformers Llama loaded by from_pretrained trains, sharded with --delay-init,
     as one process that loads it."""
-    _tied_llama(tmp_path)
-    cell = LLAMA_CELL.format(folder=str(tmp_path))
+    tied_llama(tmp_path)
+    cell = PRETRAINED_LLAMA_CELL.format(folder=str(tmp_path))
     result = sagenb.train(cell, strategy="sharded", delay_init=True, dashboard=False, **OPTIONS)
     check_equal(result, cell, **OPTIONS)
     read = [rec.values["pretrained_read(MiB)"] for rec in result.metrics if rec.step == 1]

@@ -16,7 +16,7 @@ from sagenb.engine.strategies.tensor.styles import splits
 from sagenb.run.failures import TrainingError
 
 from .helpers import check_equal
-from .models import head_cell, llama_cell
+from .models import head_cell, lora
 
 OPTIONS = dict(batch_size=16, steps=8, epochs=2)
 QKV = ("query", "key", "value")
@@ -89,22 +89,9 @@ def make_optimizer(params):
 
 # peft's LoRA on column-wise (q, v) and row-wise (o, down) layers; B drawn at random (peft's
 # default zeros would leave A without a gradient in the first step)
-LORA = """
-import peft
-model = peft.get_peft_model(model, peft.LoraConfig(
-    r=4, lora_alpha=8, target_modules={targets}, lora_dropout=0.0, init_lora_weights=False,
-    use_dora={dora}))
-"""
 # BERT fine-tuned for classification and ViT for images, each on its own loss (padding masked);
 # BERT's masked LM keeps its decoder (tied to the embedding) whole
 BERT, VIT = head_cell("sequence"), head_cell("image")
-TARGETS = ["q_proj", "v_proj", "o_proj", "down_proj"]
-
-
-def lora(targets: list[str] = TARGETS, dora: bool = False) -> str:
-    return llama_cell() + LORA.format(targets=targets, dora=dora)
-
-
 # LoRA on BERT's attention and MLP, its classifier trained whole (peft's modules_to_save)
 BERT_LORA = """
 import peft
