@@ -82,7 +82,9 @@ def first_step(shell: InteractiveShell) -> float:
 def load_ext(shell: InteractiveShell) -> float:
     """`%load_ext sagenb` afresh (it starts the pool in the background); its own seconds."""
     os.environ[PREWARM_ENV] = "1"
-    shell.extension_manager.loaded.discard("sagenb")
+    manager = shell.extension_manager
+    assert manager is not None  # InteractiveShell.instance() has one
+    manager.loaded.discard("sagenb")
     started = time.perf_counter()
     shell.run_line_magic("load_ext", "sagenb")
     return time.perf_counter() - started

@@ -30,6 +30,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from pathlib import Path
 
 HERE = Path(__file__).parent
@@ -55,12 +56,12 @@ def ssh_options(hosts: SshHosts, engines: dict[str, int]) -> dict[str, object]:
     }
 
 
-def start_seconds(launcher: str, options: dict[str, object], repeats: int) -> list[float]:
+def start_seconds(launcher: str, options: Mapping[str, object], repeats: int) -> list[float]:
     times = []
     for _ in range(repeats):
         cluster.stop_pool()
         started = time.perf_counter()
-        cluster.start_pool(4, launcher=launcher, options=options, timeout=300)
+        cluster.start_pool(4, launcher=launcher, options=dict(options), timeout=300)
         times.append(time.perf_counter() - started)
     cluster.stop_pool()
     return times

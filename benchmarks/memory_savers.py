@@ -24,7 +24,7 @@ from sagenb.pool import cluster
 # GPT-shaped, with attention that tensor parallel can split by heads; SGD with momentum
 GPT = gpt_cell(vocab=512, context=64, width=256, heads=8, layers=4, samples=1024, lr=0.01)
 
-CONFIGS = {
+CONFIGS: dict[str, dict[str, object]] = {
     "data": dict(strategy="data"),
     "data + AC": dict(strategy="data", activation_checkpointing=True),
     "sharded": dict(strategy="sharded"),

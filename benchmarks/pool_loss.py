@@ -85,6 +85,7 @@ def kernel_killed(sig: signal.Signals, directory: str) -> dict:
         start_new_session=True,  # the signal is for it alone
     )
     try:
+        assert proc.stdout is not None  # stdout=PIPE
         started = json.loads(proc.stdout.readline())
         _wait_for(marker)
         time.sleep(1.0)  # mid-run

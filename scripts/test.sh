@@ -22,6 +22,6 @@ if [ ${#missing[@]} -gt 0 ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/nu
   { apt-get update -qq >/dev/null && apt-get install -y -qq "${missing[@]}" >/dev/null; } ||
     echo "could not install ${missing[*]}: the tests that need them will be skipped"
 fi
-.venv/bin/python -m ruff check sagenb tests
-.venv/bin/python -m mypy sagenb  # [tool.mypy] in pyproject.toml; about 1 min cold, 3 s cached
+.venv/bin/python -m ruff check sagenb tests benchmarks
+.venv/bin/python -m mypy sagenb benchmarks  # [tool.mypy] in pyproject.toml; ~1 min cold, 3 s cached
 exec .venv/bin/python -m pytest "$@"

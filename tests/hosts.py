@@ -92,7 +92,8 @@ class SshHosts(TwoHosts):
     def __init__(self, folder: Path) -> None:
         super().__init__()
         self.names = [f"sagenb-host{i}" for i in (1, 2)]
-        self.folder, self.daemons = folder, []
+        self.folder = folder
+        self.daemons: list[subprocess.Popen] = []
         self.key = folder / "id_ed25519"
         self.remote_profile = folder / "remote-profile"
         self.ssh_args = [
@@ -182,7 +183,8 @@ class SlurmNodes(TwoHosts):
 
     def __init__(self, folder: Path) -> None:
         super().__init__()
-        self.folder, self.daemons = folder, []
+        self.folder = folder
+        self.daemons: list[subprocess.Popen] = []
         self.names = ["node1", "node2"]
         self.conf = folder / "slurm.conf"
 

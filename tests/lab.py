@@ -188,7 +188,7 @@ def run_all(page) -> None:
 
 def code_notebook(*sources: str) -> dict:
     """A notebook (nbformat 4) of code cells with these sources, for a Python 3 kernel."""
-    cells = [
+    cells: list[dict[str, object]] = [
         {"cell_type": "code", "metadata": {}, "outputs": [], "execution_count": None, "source": s}
         for s in sources
     ]
