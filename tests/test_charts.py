@@ -251,3 +251,8 @@ def test_the_schedule_rows_run_stage_by_stage_where_engines_hold_several():
     rows = list(dict.fromkeys(drawn["forward"].y))
     assert rows == [f"stage {s}" for s in range(4)]
     assert sorted(drawn["weight gradient"].y) == rows
+    # B is then the input's gradient alone: the legend says so, as the teaching page does
+    assert (drawn["backward"].name, drawn["weight gradient"].name) == (
+        "input gradient",
+        "weight gradient",
+    )

@@ -396,7 +396,8 @@ TRACES: tuple[Trace, ...] = (
           label=_label("bubble"),
           visible=pipelined),  # always zero without a pipeline: a red line along the top
     Trace("forward", SCHEDULE, lambda s: s.timeline["F"], _gantt(FORWARD), go.Bar),
-    Trace("backward", SCHEDULE, lambda s: s.timeline["B"], _gantt(BACKWARD), go.Bar),
+    Trace("backward", SCHEDULE, lambda s: s.timeline["B"], _gantt(BACKWARD), go.Bar,
+          label=lambda board: "input gradient" if _splits_backward(board) else "backward"),
     Trace("weight gradient", SCHEDULE, lambda s: s.timeline["W"], _gantt(WEIGHT), go.Bar,
           visible=_splits_backward),
     Trace("tokens per expert", EXPERTS, _expert_counts, {"marker_color": "#4C78A8"}, go.Bar,
