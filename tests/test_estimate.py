@@ -162,6 +162,16 @@ def test_the_live_cost_keeps_this_run_and_the_projection_apart():
     assert on_a100.projected_on(100, 25) == (
         "projected on 1 x ml.p4d.24xlarge: 50-100 s, $0.5234-$1.0469 (estimate, 25/100 steps done)"
     )
+    # a span of time in a unit that needs no exponent, chosen by its upper end
+    spans = {
+        (2.17e-7, 5.15e-7): "21.7-51.5 µs",
+        (2e-6, 5e-4): "0.2-50 ms",
+        (2, 12): "3.33-20 min",
+    }
+    for step_s, text in spans.items():
+        projected = CostMeter(p4d, 8, projection=Projection(step_s)).projected_on(100)
+        assert f"ml.p4d.24xlarge: {text}, $" in projected
+    assert "11.1-22.2 h" in CostMeter(p4d, 8, projection=Projection((400, 800))).projected_on(100)
     assert CostMeter(instance_price("ml.c5.xlarge"), 1, runs_on="cpu").billed_here
     assert not CostMeter(p4d, 8, runs_on="NVIDIA H200").billed_here
     config = TrainConfig(engines=2, batch_size=8)

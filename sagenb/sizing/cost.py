@@ -206,7 +206,7 @@ class CostMeter:
         low, high = (steps_total * s for s in step_time_s)
         done = f", {steps_done}/{steps_total} steps done" if steps_done else ""
         return (
-            f"projected on {name}: {low:.3g}-{high:.3g} s, "
+            f"projected on {name}: {_seconds(low, high)}, "
             f"{_usd(self.cost(low))}-{_usd(self.cost(high))} (estimate{done})"
         )
 
@@ -232,6 +232,18 @@ class CostMeter:
             f"${self.cost(elapsed_s):.4f} on {self.instances} x {self.price.name} "
             f"(${self.price.usd_per_hour:.3f}/h, price as of {self.price.as_of})"
         )
+
+
+#: (below this many seconds, unit, seconds per unit) for a span of time, by its upper end
+_UNITS = ((1e-3, "µs", 1e-6), (0.1, "ms", 1e-3), (600, "s", 1.0), (36000, "min", 60.0))
+
+
+def _seconds(low: float, high: float) -> str:
+    """A range of seconds in one unit that reads without an exponent, chosen by its upper
+    end: a toy model on a large instance is "21.7-51.5 µs", not "2.17e-05-5.15e-05 s", and a
+    long run "3.2-6.4 h", not "1.15e+04-2.3e+04 s"."""
+    unit, size = next(((u, n) for below, u, n in _UNITS if high < below), ("h", 3600.0))
+    return f"{low / size:.3g}-{high / size:.3g} {unit}"
 
 
 def _usd(amount: float) -> str:
