@@ -19,7 +19,7 @@ from sagenb.display.dashboard import Dashboard
 from sagenb.metrics import keys
 from sagenb.notebook.examples import gpt_cell
 from sagenb.pool import cluster
-from sagenb.sizing.cost import CostMeter, instance_price
+from sagenb.sizing.cost import CostMeter, instance_price, seconds_span
 from sagenb.sizing.hardware import hardware_table
 from sagenb.sizing.projection import DEFERRED, Projection, saturates
 from sagenb.sizing.step_model import MFU_RANGE, memory_limit_mib
@@ -151,6 +151,11 @@ def test_the_magic_answers_without_a_pool(shell, capsys, no_pool):
         shell.run_cell_magic("smp_plan", "--instance ml.c5.xlarge --precision bf16", GPT_CELL)
 
 
+def projected_on_p4d(step_s: tuple[float, float]) -> str:
+    """The run's projection on a p4d, 100 steps of `step_s` (low, high) seconds each."""
+    return CostMeter(instance_price(P4D), 8, projection=Projection(step_s)).projected_on(100)
+
+
 def test_the_live_cost_keeps_this_run_and_the_projection_apart():
     p4d = instance_price(P4D)
     here = CostMeter(p4d, 2, runs_on="cpu")
@@ -169,9 +174,10 @@ def test_the_live_cost_keeps_this_run_and_the_projection_apart():
         (2, 12): "3.33-20 min",
     }
     for step_s, text in spans.items():
-        projected = CostMeter(p4d, 8, projection=Projection(step_s)).projected_on(100)
-        assert f"ml.p4d.24xlarge: {text}, $" in projected
-    assert "11.1-22.2 h" in CostMeter(p4d, 8, projection=Projection((400, 800))).projected_on(100)
+        projected = projected_on_p4d(step_s)
+        assert f"ml.p4d.24xlarge: {text}, " in projected
+    assert "21.7-51.5 µs, under $0.0001 (estimate)" in projected_on_p4d((2.17e-7, 5.15e-7))
+    assert "11.1-22.2 h" in projected_on_p4d((400, 800))
     assert CostMeter(instance_price("ml.c5.xlarge"), 1, runs_on="cpu").billed_here
     assert not CostMeter(p4d, 8, runs_on="NVIDIA H200").billed_here
     config = TrainConfig(engines=2, batch_size=8)
@@ -194,12 +200,12 @@ def test_a_run_after_an_estimate_is_projected_from_it(pool):
     summary = result.summary()
     assert "this run:" in summary and f"on cpu (not a {P4D}" in summary
     low, high = (4 * s for s in est.step_time_s)
-    assert f"projected on 1 x {P4D}: {low:.3g}-{high:.3g} s" in summary
+    assert f"projected on 1 x {P4D}: {seconds_span(low, high)}" in summary
     # an estimate of other options does not project this run: the run makes its own
     other = sagenb.train(REGRESSION_CELL, estimate=est, **{**options, "steps": 2})
     assert other.wait_for_projection(120), other.summary()
     low, high = (2 * s for s in est.step_time_s)
-    assert f"projected on 1 x {P4D}: {low:.3g}-{high:.3g} s" in other.summary()
+    assert f"projected on 1 x {P4D}: {seconds_span(low, high)}" in other.summary()
 
 
 def test_a_run_makes_its_own_projection_off_the_notebooks_process():

@@ -25,6 +25,8 @@ __all__ = [
     "price_table",
     "instance_price",
     "meter_for",
+    "seconds_span",
+    "seconds_text",
 ]
 
 
@@ -206,8 +208,8 @@ class CostMeter:
         low, high = (steps_total * s for s in step_time_s)
         done = f", {steps_done}/{steps_total} steps done" if steps_done else ""
         return (
-            f"projected on {name}: {_seconds(low, high)}, "
-            f"{_usd(self.cost(low))}-{_usd(self.cost(high))} (estimate{done})"
+            f"projected on {name}: {seconds_span(low, high)}, "
+            f"{_usd_range(self.cost(low), self.cost(high))} (estimate{done})"
         )
 
     def spot(self, on_demand_usd: float) -> float:
@@ -234,22 +236,42 @@ class CostMeter:
         )
 
 
-#: (below this many seconds, unit, seconds per unit) for a span of time, by its upper end
-_UNITS = ((1e-3, "µs", 1e-6), (0.1, "ms", 1e-3), (600, "s", 1.0), (36000, "min", 60.0))
+#: (below this many seconds, unit, seconds per unit) for a time, by its value or a range's top
+_UNITS = (
+    (1e-6, "ns", 1e-9),
+    (1e-3, "µs", 1e-6),
+    (0.1, "ms", 1e-3),
+    (600, "s", 1.0),
+    (36000, "min", 60.0),
+)
 
 
-def _seconds(low: float, high: float) -> str:
+def _unit(seconds: float) -> tuple[str, float]:
+    return next(((u, n) for below, u, n in _UNITS if seconds < below), ("h", 3600.0))
+
+
+def seconds_span(low: float, high: float) -> str:
     """A range of seconds in one unit that reads without an exponent, chosen by its upper
     end: a toy model on a large instance is "21.7-51.5 µs", not "2.17e-05-5.15e-05 s", and a
-    long run "3.2-6.4 h", not "1.15e+04-2.3e+04 s"."""
-    unit, size = next(((u, n) for below, u, n in _UNITS if high < below), ("h", 3600.0))
+    long run "11.1-22.2 h", not "4e+04-8e+04 s"."""
+    unit, size = _unit(high)
     return f"{low / size:.3g}-{high / size:.3g} {unit}"
 
 
-def _usd(amount: float) -> str:
-    """Dollars to the cent's hundredth; a smaller amount (a toy model's projection on a large
-    instance) in two significant digits, not as $0.0000."""
-    return f"${amount:.4f}" if amount == 0 or amount >= 1e-4 else f"${amount:.2g}"
+def seconds_text(seconds: float) -> str:
+    """One time, as seconds_span gives a range ("0 s" for none)."""
+    if not seconds:
+        return "0 s"
+    unit, size = _unit(seconds)
+    return f"{seconds / size:.3g} {unit}"
+
+
+def _usd_range(low: float, high: float) -> str:
+    """Dollars to the cent's hundredth; a range below that (a toy model's projection on a
+    large instance) as "under $0.0001", not as $0.0000 nor as "$2e-07-$4e-07"."""
+    if high < 1e-4:
+        return "under $0.0001"
+    return f"${low:.4f}-${high:.4f}"
 
 
 def check_price(config: Any) -> InstancePrice:

@@ -26,7 +26,7 @@ from sagenb.config.errors import ConfigError
 from sagenb.config.job import Job
 from sagenb.config.options import TrainConfig, describe
 from sagenb.metrics import keys
-from sagenb.sizing.cost import CostMeter, InstancePrice, check_price
+from sagenb.sizing.cost import CostMeter, InstancePrice, check_price, seconds_span, seconds_text
 from sagenb.sizing.footprint import Footprint, footprint
 from sagenb.sizing.hardware import Hardware, check_hardware
 from sagenb.sizing.step_model import (
@@ -185,13 +185,13 @@ class Estimate:
         lines += [_rank_line(label, row) for label, row in _grouped(self.ranks)]
         low, high = self.step_time_s
         lines.append(
-            f"step: {self.flops_per_step:.3g} FLOPs, {low:.3g}-{high:.3g} s (compute "
-            f"{self.step.compute_s[0]:.3g}-{self.step.compute_s[1]:.3g} s, communication "
-            f"{self.step.comm_s:.3g} s, bubble {self.step.bubble:.0%})"
+            f"step: {self.flops_per_step:.3g} FLOPs, {seconds_span(low, high)} (compute "
+            f"{seconds_span(*self.step.compute_s)}, communication "
+            f"{seconds_text(self.step.comm_s)}, bubble {self.step.bubble:.0%})"
         )
         if self.hours and self.cost_usd and self.spot_usd:
             lines.append(
-                f"run: {self.steps:,} steps, {_range(self.hours, '{:.3g}')} h, "
+                f"run: {self.steps:,} steps, {seconds_span(*(h * 3600 for h in self.hours))}, "
                 f"{_range(self.cost_usd, '${:,.2f}')} on-demand, "
                 f"{_range(self.spot_usd, '${:,.2f}')} spot"
             )
