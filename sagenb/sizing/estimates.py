@@ -199,7 +199,7 @@ class Estimate:
                 lines.append(f"     {self.steps:,} steps = {self.run.describe()}")
         else:
             lines.append("run: steps unknown (pass --steps, or samples= to sagenb.estimate)")
-        lines.append("instances  engines   step s              hours               on-demand")
+        lines.append("instances  engines   step                time                on-demand")
         lines += [_scaling_line(row) for row in self.scaling]
         lines.append("assumptions:")
         lines += [f"  - {a}" for a in self.assumptions]
@@ -249,8 +249,9 @@ def _scaling_line(row: ScalingRow) -> str:
         return head + (row.why or "steps unknown")
     return (
         head
-        # widths hold two 3-digit figures in e-notation: 8.68e-05-0.000158
-        + f"{_range(row.step_time_s, '{:.3g}'):<19} {_range(row.hours, '{:.3g}'):<19} "
+        # each range in a unit that needs no exponent (cost.seconds_span): "21.7-51.5 µs"
+        + f"{seconds_span(*row.step_time_s):<19} "
+        + f"{seconds_span(*(h * 3600 for h in row.hours)):<19} "
         + _range(row.cost_usd, "${:,.2f}")
     )
 
