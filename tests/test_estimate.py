@@ -19,7 +19,7 @@ from sagenb.display.dashboard import Dashboard
 from sagenb.metrics import keys
 from sagenb.notebook.examples import gpt_cell
 from sagenb.pool import cluster
-from sagenb.sizing.cost import CostMeter, instance_price, seconds_span
+from sagenb.sizing.cost import CostMeter, instance_price, seconds_span, seconds_text
 from sagenb.sizing.hardware import hardware_table
 from sagenb.sizing.projection import DEFERRED, Projection, saturates
 from sagenb.sizing.step_model import MFU_RANGE, memory_limit_mib
@@ -167,17 +167,17 @@ def test_the_live_cost_keeps_this_run_and_the_projection_apart():
     assert on_a100.projected_on(100, 25) == (
         "projected on 1 x ml.p4d.24xlarge: 50-100 s, $0.5234-$1.0469 (estimate, 25/100 steps done)"
     )
-    # a span of time in a unit that needs no exponent, chosen by its upper end
+    # a span of time in a unit that needs no exponent, chosen by its upper end; cents'
+    # hundredths, or less than one
     spans = {
-        (2.17e-7, 5.15e-7): "21.7-51.5 µs",
-        (2e-6, 5e-4): "0.2-50 ms",
-        (2, 12): "3.33-20 min",
+        (2.17e-7, 5.15e-7): "21.7-51.5 µs, under $0.0001",
+        (2e-6, 5e-4): "0.2-50 ms, up to $0.0005",
+        (2, 12): "3.33-20 min, $2.0938-$12.5627",
+        (400, 800): "11.1-22.2 h, $418.7556-$837.5111",
     }
     for step_s, text in spans.items():
-        projected = projected_on_p4d(step_s)
-        assert f"ml.p4d.24xlarge: {text}, " in projected
-    assert "21.7-51.5 µs, under $0.0001 (estimate)" in projected_on_p4d((2.17e-7, 5.15e-7))
-    assert "11.1-22.2 h" in projected_on_p4d((400, 800))
+        assert f"ml.p4d.24xlarge: {text} (estimate)" in projected_on_p4d(step_s)
+    assert (seconds_text(0), seconds_text(7.14e-6), seconds_text(90)) == ("0 s", "7.14 µs", "90 s")
     assert CostMeter(instance_price("ml.c5.xlarge"), 1, runs_on="cpu").billed_here
     assert not CostMeter(p4d, 8, runs_on="NVIDIA H200").billed_here
     config = TrainConfig(engines=2, batch_size=8)

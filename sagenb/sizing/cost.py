@@ -268,9 +268,12 @@ def seconds_text(seconds: float) -> str:
 
 def _usd_range(low: float, high: float) -> str:
     """Dollars to the cent's hundredth; a range below that (a toy model's projection on a
-    large instance) as "under $0.0001", not as $0.0000 nor as "$2e-07-$4e-07"."""
+    large instance) as "under $0.0001", not as $0.0000 nor as "$2e-07-$4e-07", and one that
+    starts below it as "up to $0.0005", not "$0.0000-$0.0005"."""
     if high < 1e-4:
         return "under $0.0001"
+    if low < 1e-4:
+        return f"up to ${high:.4f}"
     return f"${low:.4f}-${high:.4f}"
 
 

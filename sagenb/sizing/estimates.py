@@ -191,7 +191,7 @@ class Estimate:
         )
         if self.hours and self.cost_usd and self.spot_usd:
             lines.append(
-                f"run: {self.steps:,} steps, {seconds_span(*(h * 3600 for h in self.hours))}, "
+                f"run: {self.steps:,} steps, {_hours(self.hours)}, "
                 f"{_range(self.cost_usd, '${:,.2f}')} on-demand, "
                 f"{_range(self.spot_usd, '${:,.2f}')} spot"
             )
@@ -223,6 +223,11 @@ def _range(r: Range, fmt: str) -> str:
     return f"{fmt.format(r[0])}-{fmt.format(r[1])}"
 
 
+def _hours(r: Range) -> str:
+    """A range of hours in the unit seconds_span picks for it."""
+    return seconds_span(r[0] * 3600, r[1] * 3600)
+
+
 def _grouped(ranks: list[dict[str, float]]) -> list[tuple[str, dict[str, float]]]:
     """Consecutive ranks with the same figures in one line ('0-15')."""
     out: list[tuple[str, dict[str, float]]] = []
@@ -251,7 +256,7 @@ def _scaling_line(row: ScalingRow) -> str:
         head
         # each range in a unit that needs no exponent (cost.seconds_span): "21.7-51.5 µs"
         + f"{seconds_span(*row.step_time_s):<19} "
-        + f"{seconds_span(*(h * 3600 for h in row.hours)):<19} "
+        + f"{_hours(row.hours):<19} "
         + _range(row.cost_usd, "${:,.2f}")
     )
 
