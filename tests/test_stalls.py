@@ -59,7 +59,11 @@ def test_a_rank_stuck_in_a_loop_is_named_with_its_stack(pool):
     assert err.waiting_ranks == [0]
     assert "all_reduce" in err.collectives[0] and err.collectives[1] == ""
     assert re.search(r"rank 1 did not finish step \d+ \(busy in its own code\)", str(err))
-    assert "rank 0 was waiting for it in gloo:all_reduce (seq " in str(err)
+    # DDP's gradient all-reduce: through shared memory where every rank is on one x86-64
+    # host's cores (engine/wire/shared_memory.py), else gloo's
+    assert re.search(
+        r"rank 0 was waiting for it in (shared_memory|gloo):all_reduce \(seq ", str(err)
+    )
     # the stuck rank's stack ends at the cell's looping line
     assert err.stacks[1].splitlines()[-1].strip() == "while True: pass  # stuck on purpose"
     assert '"<smp_train cell>", line ' in err.stacks[1]
@@ -96,10 +100,13 @@ def test_when_every_rank_waits_the_ranks_behind_are_named():
     ]
 
 
-# rank 1 waits in a receive no rank sends, rank 0 in the step's all-reduce: both blocked in
-# C++, where an interrupt never reaches Python, so their engines must be killed
+# each rank waits in a receive the other never sends: both blocked in C++, where an interrupt
+# never reaches Python, so their engines must be killed. (A rank waiting in the step's
+# all-reduce through shared memory waits in Python: interrupted, it releases its peer.)
 DEADLOCK_CELL = fault_cell(
-    "dist.recv(torch.zeros(1), src=0)  # never sent: a deadlock on purpose", at_call=3
+    "dist.recv(torch.zeros(1), src=0)  # never sent: a deadlock on purpose",
+    at_call=3,
+    others="dist.recv(torch.zeros(1), src=1)",
 )
 
 

@@ -13,6 +13,7 @@ import torch.distributed as dist
 
 import sagenb
 from sagenb.engine.wire.traffic import collectives_since
+from sagenb.pool import cluster
 from sagenb.sizing.traffic import (
     StepTraffic,
     all_reduce_benchmark,
@@ -93,7 +94,14 @@ def test_measured_bytes_per_step_of_data_parallel_and_sharded(pool):
     psi = 4 * 4 * 512 * 512
     # a run just before on the same engines (as in the suite): its collectives are not this one's
     sagenb.train(REGRESSION_CELL, strategy="sharded", **options)
+    since = time.time_ns()
     data = sagenb.train(WIDE_CELL, strategy="data", **options)
+    # 2 one-thread engines on this x86-64 host's cores: DDP's buckets went through shared
+    # memory (engine/wire/shared_memory.py), each rank's reductions recorded as gloo's are
+    pool = cluster.current_pool()
+    for rank, eid in enumerate(pool.engine_ids[:2]):
+        groups = {c["group"] for c in pool.client[eid].apply_sync(collectives_since, since)}
+        assert "shared memory" in groups, (rank, groups)
     steps = measure_traffic(data)
     assert sorted(steps) == [0, 1] and [s.step for s in steps[0]] == [1, 2, 3]
     sent = typical_step(steps[1])

@@ -2,7 +2,8 @@
 Python stack (dumped by faulthandler on SIGUSR1) and the collectives it has started and not
 finished (torch's flight recorder), as engine/wire/tracing.py leaves them.
 
-A rank whose innermost frame is in torch and that has a collective in flight is *waiting*: the
+A rank whose innermost frame is in torch and that has a collective in flight, or that waits in
+data parallel's shared-memory all-reduce (engine/wire/shared_memory.py), is *waiting*: the
 victim of a peer that does not reach the same collective. A rank busy anywhere else (the cell's
 loop, a sleep, a data loader) is *busy*: the culprit.
 """
@@ -33,6 +34,8 @@ DUMP_WAIT_S = 1.0  # the most a dump may take to appear (ten times an idle machi
 # benchmarks/results/measured_in_code.md)
 _THREAD = re.compile(r"^(?:Current thread|Thread) (0x[0-9a-f]+)", re.M)
 _FRAME = re.compile(r'^\s+File "(.*)", line (\d+) in (.*)$')
+#: data parallel's gradient all-reduce through shared memory waits for its peers in Python
+_SHARED_MEMORY = os.path.join("sagenb", "engine", "wire", "shared_memory.py")
 SHOWN_FRAMES = 10  # the outermost 2 and innermost 8 frames, and every frame of the cell
 
 
@@ -57,7 +60,7 @@ class RankTrace:
     def waiting(self) -> bool:
         """Blocked in a collective (or torch.distributed), not busy in code of its own."""
         inner = self.frames[0].file if self.frames else ""
-        if "/torch/distributed/" in inner:
+        if "/torch/distributed/" in inner or inner.endswith(_SHARED_MEMORY):
             return True
         return bool(self.collectives) and (not self.frames or "/torch/" in inner)
 

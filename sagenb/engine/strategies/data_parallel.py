@@ -1,6 +1,7 @@
 """Data parallel: every engine holds the whole model and a slice of each global batch.
 
-DistributedDataParallel averages gradients across engines after each backward. Each engine
+DistributedDataParallel averages gradients across engines after each backward (through shared
+memory when every engine is on one host's CPU: engine/wire/shared_memory.py). Each engine
 takes an equal, contiguous share of every slice of the global batch, so the averaged gradient
 of equal-sized means is exactly the gradient of the mean over the whole batch.
 
@@ -50,6 +51,7 @@ from sagenb.engine.strategies.experts import (
     find_packed,
     watch_experts,
 )
+from sagenb.engine.wire import shared_memory
 from sagenb.engine.workspace import Workspace
 from sagenb.metrics import keys
 
@@ -71,8 +73,10 @@ class DataParallel:
         device: torch.device,
         seed: int = 0,
         expert_parallel: int = 1,
+        timeout_s: float = 1800.0,
     ):
         self.rank, self.world_size, self.device, self.seed = rank, world_size, device, seed
+        self.timeout_s = timeout_s  # the run's collective timeout (shared-memory reductions)
         self.module: nn.Module
         self._ddp: DistributedDataParallel | None = None
         self.experts: ExpertGroups | None = None
@@ -106,6 +110,16 @@ class DataParallel:
         self._ddp = DistributedDataParallel(
             self.module, device_ids=device_ids, gradient_as_bucket_view=True
         )
+        # engines of one host on its CPU: the gradients' all-reduce through shared memory,
+        # not gloo's loopback sockets (engine/wire/shared_memory.py)
+        reducer = shared_memory.attach(
+            rank=self.rank,
+            world_size=self.world_size,
+            device=self.device,
+            timeout_s=self.timeout_s,
+        )
+        if reducer is not None:
+            self._ddp.register_comm_hook(None, reducer.hook)
 
     def parameters(self) -> Iterator[nn.Parameter]:
         return self.module.parameters()
@@ -246,6 +260,7 @@ class DataParallelDescription(Description):
             device=device,
             seed=config.seed,
             expert_parallel=config.option("expert_parallel"),
+            timeout_s=config.collective_timeout,
         )
 
 

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from sagenb.engine.torch_private import forget_failed_init
+from sagenb.engine.wire import shared_memory
 from sagenb.engine.wire.rendezvous import use_interface
 from sagenb.engine.wire.stopping import StopWatch
 
@@ -82,6 +83,7 @@ def shutdown() -> None:
     """
     global _store, _stop_watch
     watch, _store, _stop_watch = _stop_watch, None, None
+    shared_memory.abort_all()  # peers waiting in a shared-memory reduction raise
     gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from sagenb.engine.scratch import create_private, dir_path, private_dir
 from sagenb.engine.torch_private import dump_flight_recorder_json
+from sagenb.engine.wire import shared_memory
 from sagenb.engine.wire.rendezvous import wait_for_key
 
 __all__ = [
@@ -157,10 +158,12 @@ def in_flight(since_ns: int = 0) -> list[dict]:
     """The collectives this process started since `since_ns` (epoch) that have not been
     retired, oldest first, from torch's flight recorder (empty when it records nothing or this
     torch has none)."""
+    # data parallel's gradients, when they are reduced through shared memory, not gloo
+    reducing = shared_memory.in_flight()
     try:
         trace = json.loads(dump_flight_recorder_json() or "{}")
     except Exception:  # noqa: BLE001 - a private API: changed in other versions
-        return []
+        return reducing
     return [
         {
             "op": e.get("profiling_name", "?"),
@@ -170,4 +173,4 @@ def in_flight(since_ns: int = 0) -> list[dict]:
         }
         for e in trace.get("entries", [])
         if not e.get("retired", True) and e.get("time_created_ns", 0) >= since_ns
-    ]
+    ] + reducing

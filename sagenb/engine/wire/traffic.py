@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from sagenb.engine.torch_private import dump_flight_recorder_json
+from sagenb.engine.wire import shared_memory
 
 __all__ = ["DTYPE_BYTES", "collectives_since", "all_reduce_seconds"]
 
@@ -72,6 +73,8 @@ def collectives_since(since_ns: int) -> list[dict[str, Any]] | None:
                 "default": entry["process_group"][1] == "default_pg",
             }
         )
+    # data parallel's gradients reduced through shared memory (shared_memory.py), not gloo
+    out += shared_memory.recorded_since(since_ns)
     return sorted(out, key=lambda c: c["time_ns"])
 
 
