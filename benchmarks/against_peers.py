@@ -182,6 +182,16 @@ machine's CPU split (`/proc/stat`) over a run on each side; and the torchrun scr
 run inside the engines, which trained as fast as torchrun, so the engines' processes were not
 the cost.
 
+- **Gloo's all-reduce over loopback sockets** (the largest): read per thread from
+  /proc/PID/task over the steady steps, sagenb's and torchrun's training threads used the same
+  CPU a step (10.4 ms) and gloo's threads ~3.5 ms more on each rank, copying the 6 MiB of
+  gradients through TCP, with the machine 82% busy on both sides: the ranks waited on each
+  other's transfers and wake-ups. Engines of one host's CPU now reduce DDP's buckets through
+  shared memory (sagenb/engine/wire/shared_memory.py, a DDP communication hook): each writes
+  its bucket into a segment both map, each sums half, both copy the sums back; a waiting rank
+  sleeps on a futex, so the notebook's dashboard finds a free core (spinning, the dashboard
+  cost 7%). The torchrun script keeps gloo, as a hand-written script has it: the ratios
+  above are sagenb's transport against gloo's, as much as loop against loop.
 - **The run's own projection on --instance** (sizing/projection.py): every run started a
   child process to estimate itself, at SCHED_IDLE. Its 2-4 s of CPU (Python, torch's import,
   the trace) cost the engines 20-25% of a 300-step run's steps: the machine was 95% busy
