@@ -129,7 +129,7 @@ class SharedMemoryReduce:
         header = _LINE * world_size
         self._words = memoryview(mapped)[:header].cast("q")
         whole = torch.frombuffer(mapped, dtype=torch.uint8)
-        self._base = whole.data_ptr()
+        self._segment_address = whole.data_ptr()
         self._bytes = whole[header:]
         self._check = _Timespec(0, int(_CHECK_S * 1e9))
         self._slot = _slot_bytes(world_size)
@@ -171,7 +171,7 @@ class SharedMemoryReduce:
     def _address(self, rank: int) -> int:
         """The address of `rank`'s count: its low 32 bits are a futex word (x86-64 is
         little-endian)."""
-        return self._base + rank * _LINE + 8 * _COUNT
+        return self._segment_address + rank * _LINE + 8 * _COUNT
 
     def _check_peers(self, waited_s: float) -> None:
         for k in range(self.world_size):
