@@ -5,6 +5,7 @@ the one check that a trained model equals another (tests/reference.py's, a check
 from __future__ import annotations
 
 import os
+import platform
 import signal
 import subprocess
 import sys
@@ -32,6 +33,11 @@ TOL = 1e-5
 # -- failures on purpose -------------------------------------------------------------------------
 
 LONG = dict(batch_size=2, epochs=200, dashboard=False)  # ~19,000 tiny steps: time to interrupt
+
+
+#: the test pool's engines (2, one thread each on this machine's cores) reduce data parallel's
+#: gradients through shared memory, not gloo (sagenb/engine/wire/shared_memory.py)
+SHARED_MEMORY = sys.platform.startswith("linux") and platform.machine() in ("x86_64", "AMD64")
 
 
 def fault_cell(action: str, *, at_call: int = 4, rank: int = 1, others: str = "pass") -> str:

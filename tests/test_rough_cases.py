@@ -15,7 +15,7 @@ from sagenb.pool import cluster
 from sagenb.run.failures import EngineDiedError
 
 from .conftest import REGRESSION_CELL
-from .helpers import fault_cell, wait_clean
+from .helpers import SHARED_MEMORY, fault_cell, wait_clean
 
 RANK0_ONLY = REGRESSION_CELL.replace(
     "model = nn", "import torch.distributed as dist\nif dist.get_rank() == 0:\n    model = nn"
@@ -70,9 +70,12 @@ def test_a_loss_cut_from_the_model_says_nothing_would_train(loss_fn):
     ("action", "said"),
     [
         ("import ctypes; ctypes.string_at(0)", r"SIGSEGV \(Segmentation fault\), in"),
-        (
+        pytest.param(
             "dist.all_reduce(torch.ones(3))",
             r"SIGABRT \(Aborted\) in a collective: gloo aborts when the ranks' collectives",
+            # with the gradients reduced through shared memory no gloo all-reduce meets it:
+            # a stall (tests/test_stalls.py)
+            marks=pytest.mark.skipif(SHARED_MEMORY, reason="gradients reduced in shared memory"),
         ),
     ],
     ids=["segfault", "extra_all_reduce"],

@@ -10,11 +10,12 @@ import time
 import pytest
 
 import sagenb
+from sagenb.engine.wire import shared_memory
 from sagenb.run.failures import StalledError
 from sagenb.run.stacks import CELL_FILE, Frame, RankTrace, culprits
 
 from .conftest import REGRESSION_CELL
-from .helpers import fault_cell
+from .helpers import SHARED_MEMORY, fault_cell
 
 TIMEOUT = 5
 #: the issue's bound on the time from the last progress to the error, past --timeout
@@ -108,6 +109,24 @@ DEADLOCK_CELL = fault_cell(
     at_call=3,
     others="dist.recv(torch.zeros(1), src=1)",
 )
+
+
+# rank 1 calls a collective rank 0 never calls, and rank 0 waits for rank 1's gradients in the
+# all-reduce through shared memory: each waits for the other (on gloo the two all-reduces met,
+# and gloo aborted the process: tests/test_rough_cases.py)
+EXTRA_COLLECTIVE_CELL = fault_cell("dist.all_reduce(torch.ones(3))  # rank 1 only", at_call=3)
+
+
+@pytest.mark.skipif(not SHARED_MEMORY, reason="gradients reduced by gloo here")
+def test_a_collective_on_one_rank_only_is_named_and_the_engines_kept(pool):
+    engines = pool.engine_ids
+    err, late = stalled(EXTRA_COLLECTIVE_CELL)
+    assert "dist.all_reduce(torch.ones(3))" in err.stacks[1]
+    assert "gloo:all_reduce" in err.collectives[1] and "[[3]]" in err.collectives[1]
+    assert shared_memory.OP in err.collectives[0]
+    assert late < TIMEOUT + MARGIN_S
+    # rank 0 waited in Python: interrupted, it released rank 1 (its group destroyed)
+    assert pool.engine_ids == engines
 
 
 def test_a_deadlock_is_named_and_ends_near_the_timeout(pool):
