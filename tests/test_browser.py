@@ -184,9 +184,10 @@ def test_quickstart_runs_in_jupyterlab(lab, page, request):
         print(f"while training (seconds, step, last step of the loss lines): {samples}")
         assert status == "done", f"the run ended {status}: {page.evaluate(OUTPUTS)[-3000:]}"
         ends = [last for _, _, last in samples]
-        # The live chart grew while the engines trained: several samples, never going back,
-        # at least three different ends (two increases seen in the browser).
-        assert len(samples) >= 3 and len(set(ends)) >= 3, (
+        # The live chart grew while the engines trained: samples never going back, and at
+        # least two different ends (an increase seen in the browser). The run lasts ~2 s since
+        # data parallel's gradients go through shared memory, two of the chart's 1 s redraws.
+        assert len(samples) >= 2 and len(set(ends)) >= 2, (
             f"the loss curve was seen growing only {len(set(ends))} times in {len(samples)} "
             f"samples while training (seconds, step, last step drawn): {samples}"
         )
