@@ -54,6 +54,7 @@ import time
 import weakref
 from typing import Any
 
+import psutil
 import torch
 import torch.distributed as dist
 
@@ -372,9 +373,9 @@ def _map(path: str, size: int) -> mmap.mmap | None:
 
 
 def _alive(pid: int) -> bool:
-    """Whether process `pid` runs (a zombie does not: its parent has not reaped it yet)."""
+    """Whether process `pid` runs (a zombie does not: its parent has not reaped it yet), read
+    with psutil as the pool's watchers read their processes (pool/reaper.py)."""
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except (psutil.Error, ValueError):  # gone, or not a process this one can see
         return False
