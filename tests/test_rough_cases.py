@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
@@ -85,6 +86,23 @@ def test_a_crashed_engine_names_the_signal_and_where(pool, action, said):
     with pytest.raises(EngineDiedError, match=said) as info:
         sagenb.train(fault_cell(action), batch_size=16, steps=6, dashboard=False)
     assert 'File "<smp_train cell>", line 17 in loss_fn' in str(info.value)
+
+
+def test_a_pipeline_stage_that_crashes_mid_step_is_named_at_once(pool):
+    """The last stage dies in its loss; the first stage, waiting for that microbatch's gradient
+    (through shared memory where both engines are one x86-64 host's cores:
+    engine/wire/shared_channels.py), does not wait out the collective timeout (300 s)."""
+    started = time.monotonic()
+    with pytest.raises(EngineDiedError, match=r"SIGSEGV \(Segmentation fault\), in"):
+        sagenb.train(
+            fault_cell("import ctypes; ctypes.string_at(0)"),
+            strategy="model",
+            partitions=2,
+            batch_size=16,
+            steps=6,
+            dashboard=False,
+        )
+    assert time.monotonic() - started < 60
 
 
 def test_files_of_pools_whose_controller_is_gone_are_removed(tmp_path):

@@ -39,12 +39,18 @@ class LastProgress:
         pass
 
 
-def stalled(cell: str) -> tuple[StalledError, float]:
+def stalled(cell: str, **options) -> tuple[StalledError, float]:
     """The StalledError of training `cell`, and how long after the last progress it came."""
     progress = LastProgress()
     with pytest.raises(StalledError) as info:
         sagenb.train(
-            cell, batch_size=16, steps=20, timeout=TIMEOUT, dashboard=False, sinks=[progress]
+            cell,
+            batch_size=16,
+            steps=20,
+            timeout=TIMEOUT,
+            dashboard=False,
+            sinks=[progress],
+            **options,
         )
     return info.value, time.monotonic() - progress.at
 
@@ -118,6 +124,25 @@ EXTRA_COLLECTIVE_CELL = fault_cell("dist.all_reduce(torch.ones(3))  # rank 1 onl
 
 
 @pytest.mark.skipif(not SHARED_MEMORY, reason="gradients reduced by gloo here")
+def test_a_pipeline_stage_stuck_in_a_loop_is_named_and_its_neighbour_waiting(pool):
+    """The last stage spins in its loss; the first waits for that microbatch's gradient: in a
+    receive through shared memory where both engines are one x86-64 host's cores
+    (engine/wire/shared_channels.py), which the error names as it names a collective."""
+    engines = pool.engine_ids
+    err, late = stalled(LOOP_CELL, strategy="model", partitions=2)
+    assert (err.stuck_ranks, err.waiting_ranks) == ([1], [0])
+    if SHARED_MEMORY:  # gloo's receives are not in torch's flight recorder
+        assert err.collectives[0].startswith("shared_memory:recv (seq "), err.collectives
+    assert err.stacks[1].splitlines()[-1].strip() == "while True: pass  # stuck on purpose"
+    assert late < TIMEOUT + MARGIN_S
+    # interrupted, not killed: the same engines train the next pipeline
+    assert pool.engine_ids == engines
+    result = sagenb.train(
+        REGRESSION_CELL, strategy="model", partitions=2, batch_size=16, steps=3, dashboard=False
+    )
+    assert len(result.history) == 3
+
+
 def test_a_collective_on_one_rank_only_is_named_and_the_engines_kept(pool):
     engines = pool.engine_ids
     err, late = stalled(EXTRA_COLLECTIVE_CELL)
