@@ -89,9 +89,8 @@ def test_a_crashed_engine_names_the_signal_and_where(pool, action, said):
 
 
 def test_a_pipeline_stage_that_crashes_mid_step_is_named_at_once(pool):
-    """The last stage dies in its loss; the first stage, waiting for that microbatch's gradient
-    (through shared memory where both engines are one x86-64 host's cores:
-    engine/wire/shared_channels.py), does not wait out the collective timeout (300 s)."""
+    """The last stage dies in its loss; the first stage, waiting in gloo for that microbatch's
+    gradient, does not wait out the collective timeout (300 s)."""
     started = time.monotonic()
     with pytest.raises(EngineDiedError, match=r"SIGSEGV \(Segmentation fault\), in"):
         sagenb.train(

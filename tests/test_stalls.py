@@ -123,26 +123,22 @@ DEADLOCK_CELL = fault_cell(
 EXTRA_COLLECTIVE_CELL = fault_cell("dist.all_reduce(torch.ones(3))  # rank 1 only", at_call=3)
 
 
-@pytest.mark.skipif(not SHARED_MEMORY, reason="gradients reduced by gloo here")
 def test_a_pipeline_stage_stuck_in_a_loop_is_named_and_its_neighbour_waiting(pool):
-    """The last stage spins in its loss; the first waits for that microbatch's gradient: in a
-    receive through shared memory where both engines are one x86-64 host's cores
-    (engine/wire/shared_channels.py), which the error names as it names a collective."""
-    engines = pool.engine_ids
+    """The last stage spins in its loss; the first waits in gloo for that microbatch's gradient,
+    a receive blocked in C++ where no interrupt reaches: its engine is replaced, as a deadlock's
+    are (below), and the next pipeline trains."""
     err, late = stalled(LOOP_CELL, strategy="model", partitions=2)
     assert (err.stuck_ranks, err.waiting_ranks) == ([1], [0])
-    if SHARED_MEMORY:  # gloo's receives are not in torch's flight recorder
-        assert err.collectives[0].startswith("shared_memory:recv (seq "), err.collectives
+    assert "torch/distributed/" in err.stacks[0]  # the waiting rank's innermost frames
     assert err.stacks[1].splitlines()[-1].strip() == "while True: pass  # stuck on purpose"
     assert late < TIMEOUT + MARGIN_S
-    # interrupted, not killed: the same engines train the next pipeline
-    assert pool.engine_ids == engines
     result = sagenb.train(
         REGRESSION_CELL, strategy="model", partitions=2, batch_size=16, steps=3, dashboard=False
     )
-    assert len(result.history) == 3
+    assert len(result.history) == 3 and pool.size == 2
 
 
+@pytest.mark.skipif(not SHARED_MEMORY, reason="gradients reduced by gloo here")
 def test_a_collective_on_one_rank_only_is_named_and_the_engines_kept(pool):
     engines = pool.engine_ids
     err, late = stalled(EXTRA_COLLECTIVE_CELL)

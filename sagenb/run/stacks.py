@@ -3,8 +3,7 @@ Python stack (dumped by faulthandler on SIGUSR1) and the collectives it has star
 finished (torch's flight recorder), as engine/wire/tracing.py leaves them.
 
 A rank whose innermost frame is in torch and that has a collective in flight, or that waits in
-data parallel's shared-memory all-reduce or a pipeline's shared-memory receive
-(engine/wire/shared_memory.py, shared_channels.py), is *waiting*: the
+data parallel's shared-memory all-reduce (engine/wire/shared_memory.py), is *waiting*: the
 victim of a peer that does not reach the same collective. A rank busy anywhere else (the cell's
 loop, a sleep, a data loader) is *busy*: the culprit.
 """
@@ -35,12 +34,8 @@ DUMP_WAIT_S = 1.0  # the most a dump may take to appear (ten times an idle machi
 # benchmarks/results/measured_in_code.md)
 _THREAD = re.compile(r"^(?:Current thread|Thread) (0x[0-9a-f]+)", re.M)
 _FRAME = re.compile(r'^\s+File "(.*)", line (\d+) in (.*)$')
-#: data parallel's gradient all-reduce and a pipeline's sends and receives through shared memory
-#: wait for their peers in Python
-_SHARED_MEMORY = tuple(
-    os.path.join("sagenb", "engine", "wire", name)
-    for name in ("shared_memory.py", "shared_channels.py")
-)
+#: data parallel's gradient all-reduce through shared memory waits for its peers in Python
+_SHARED_MEMORY = os.path.join("sagenb", "engine", "wire", "shared_memory.py")
 SHOWN_FRAMES = 10  # the outermost 2 and innermost 8 frames, and every frame of the cell
 
 

@@ -83,7 +83,7 @@ def shutdown() -> None:
     """
     global _store, _stop_watch
     watch, _store, _stop_watch = _stop_watch, None, None
-    shared_memory.abort_all()  # peers waiting in a shared-memory reduction, send or receive raise
+    shared_memory.abort_all()  # peers waiting in a shared-memory reduction raise
     gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()

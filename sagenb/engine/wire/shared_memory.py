@@ -64,12 +64,7 @@ __all__ = [
     "SharedMemoryReduce",
     "attach",
     "abort_all",
-    "alive",
-    "futex_wait",
-    "futex_wake",
     "in_flight",
-    "map_shared",
-    "register",
     "recorded_since",
 ]
 
@@ -114,27 +109,7 @@ def _futex(address: int, op: int, value: int, timeout: _Timespec | None = None) 
     )
 
 
-def futex_wait(address: int, seen: int, timeout: _Timespec) -> None:
-    """Sleep while the 32-bit word at `address` holds the low 32 bits of `seen` (a 64-bit
-    count), at most `timeout`."""
-    low = seen & 0xFFFFFFFF
-    _futex(address, _FUTEX_WAIT, low - (1 << 32) if low >= 1 << 31 else low, timeout)
-
-
-def futex_wake(address: int) -> None:
-    """Wake every sleeper on the 32-bit word at `address`."""
-    _futex(address, _FUTEX_WAKE, _EVERYONE)
-
-
-#: every segment this process has open (anything with a close()), left by abort_all
-_open: weakref.WeakSet[Any] = weakref.WeakSet()
-
-
-def register(segment: Any) -> None:
-    """Have abort_all close `segment` (its close() tells its peers this rank left)."""
-    _open.add(segment)
-
-
+_open: weakref.WeakSet[SharedMemoryReduce] = weakref.WeakSet()
 #: this process's reductions (kind, time, bytes), as the flight recorder keeps gloo's
 _record: collections.deque[dict[str, Any]] = collections.deque(maxlen=2000)
 #: the reduction this process is in, as tracing.in_flight reports collectives; its name
@@ -206,7 +181,7 @@ class SharedMemoryReduce:
             if self._word(k, _ABORT):
                 raise PeerLost(f"rank {k} left the run during a gradient all-reduce")
             pid = self._word(k, _PID)
-            if not alive(pid):
+            if not _alive(pid):
                 raise PeerLost(f"rank {k} (pid {pid}) died during a gradient all-reduce")
         if waited_s > self.timeout_s:
             late = [k for k in range(self.world_size) if self._word(k, _COUNT) < self._seq]
@@ -301,23 +276,13 @@ def attach(
 ) -> SharedMemoryReduce | None:
     """This run's shared segment, mapped on every rank; None where it cannot serve (see the
     module docstring), decided alike on every rank. Collective: every rank calls it."""
-    size = _LINE * world_size + 2 * _slot_bytes(world_size) * world_size
-    mapped = map_shared(rank=rank, world_size=world_size, device=device, size=size)
-    if mapped is None:
-        return None
-    return SharedMemoryReduce(mapped, rank=rank, world_size=world_size, timeout_s=timeout_s)
-
-
-def map_shared(*, rank: int, world_size: int, device: torch.device, size: int) -> mmap.mmap | None:
-    """A segment of `size` bytes mapped by every rank, its first `_LINE` x world_size bytes
-    one header line per rank with the rank's pid written in; None on every rank where shared
-    memory cannot serve them all (see the module docstring). Collective on the default group."""
     if device.type != "cpu" or world_size < 2:
         return None
     facts: list[Any] = [None] * world_size
     dist.all_gather_object(facts, (_host(), _can_serve(world_size)))
     if not all(ok for _, ok in facts) or len({host for host, _ in facts}) != 1:
         return None
+    size = _LINE * world_size + 2 * _slot_bytes(world_size) * world_size
     path = [_create(size) if rank == 0 else None]
     dist.broadcast_object_list(path, src=0)
     mapped = _map(path[0], size) if path[0] is not None else None
@@ -332,9 +297,9 @@ def map_shared(*, rank: int, world_size: int, device: torch.device, size: int) -
         # every peer's process is one this rank can see, as the check that finds a dead peer
         # needs (engines in containers of their own that share /dev/shm see other pids)
         pids = [struct.unpack_from("q", mapped, k * _LINE + 8 * _PID)[0] for k in range(world_size)]
-        dist.all_gather_object(mapped_everywhere, all(alive(pid) for pid in pids))
+        dist.all_gather_object(mapped_everywhere, all(_alive(pid) for pid in pids))
         if all(mapped_everywhere):
-            return mapped
+            return SharedMemoryReduce(mapped, rank=rank, world_size=world_size, timeout_s=timeout_s)
     if mapped is not None:
         mapped.close()
     return None
@@ -342,8 +307,8 @@ def map_shared(*, rank: int, world_size: int, device: torch.device, size: int) -
 
 def abort_all() -> None:
     """Leave every run this process is in (process_group.shutdown)."""
-    for segment in list(_open):
-        segment.close()
+    for reducer in list(_open):
+        reducer.close()
 
 
 def in_flight() -> list[dict[str, Any]]:
@@ -407,7 +372,7 @@ def _map(path: str, size: int) -> mmap.mmap | None:
         os.close(fd)
 
 
-def alive(pid: int) -> bool:
+def _alive(pid: int) -> bool:
     """Whether process `pid` runs (a zombie does not: its parent has not reaped it yet), read
     with psutil as the pool's watchers read their processes (pool/reaper.py)."""
     try:

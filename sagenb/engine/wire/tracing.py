@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from sagenb.engine.scratch import create_private, dir_path, private_dir
 from sagenb.engine.torch_private import dump_flight_recorder_json
-from sagenb.engine.wire import shared_channels, shared_memory
+from sagenb.engine.wire import shared_memory
 from sagenb.engine.wire.rendezvous import wait_for_key
 
 __all__ = [
@@ -158,9 +158,8 @@ def in_flight(since_ns: int = 0) -> list[dict]:
     """The collectives this process started since `since_ns` (epoch) that have not been
     retired, oldest first, from torch's flight recorder (empty when it records nothing or this
     torch has none)."""
-    # data parallel's gradients reduced, and a pipeline's tensors received, through shared
-    # memory, not gloo (shared_memory.py, shared_channels.py)
-    reducing = shared_memory.in_flight() + shared_channels.in_flight()
+    # data parallel's gradients, when they are reduced through shared memory, not gloo
+    reducing = shared_memory.in_flight()
     try:
         trace = json.loads(dump_flight_recorder_json() or "{}")
     except Exception:  # noqa: BLE001 - a private API: changed in other versions

@@ -30,7 +30,6 @@ import queue
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -42,7 +41,6 @@ from sagenb.engine.torch_private import (
     PipelineScheduleRuntime,
     load_actions,
 )
-from sagenb.engine.wire.shared_channels import SharedChannels
 
 __all__ = ["PrefetchingSchedule", "compute_order", "action_lists"]
 
@@ -101,8 +99,7 @@ def action_lists(kind: str, stages: int, microbatches: int) -> dict[int, list[Ac
 
 
 class PrefetchingSchedule(PipelineScheduleRuntime):
-    """torch's GPipe or 1F1B compute order, receives posted at the start of each step; with
-    `channels`, every send and receive goes through them (shared memory) instead of gloo."""
+    """torch's GPipe or 1F1B compute order, receives posted at the start of each step."""
 
     def __init__(
         self,
@@ -110,60 +107,20 @@ class PrefetchingSchedule(PipelineScheduleRuntime):
         microbatches: int,
         kind: str,
         loss_fn: Callable[..., torch.Tensor],
-        channels: SharedChannels | None = None,
     ):
         super().__init__([stage], microbatches, loss_fn=loss_fn, scale_grads=False)
         lists = action_lists(kind, stage.num_stages, microbatches)
         load_actions(self, lists)
         self._posted: list[Future] = []
-        self._channels = channels
         fwd, bwd = stage.get_fwd_send_ops, stage.get_bwd_send_ops
         # the runtime posts and waits for what these return; they hand it to the sending
         # thread instead and return nothing
         stage.get_fwd_send_ops = lambda chunk: self._send(fwd(chunk))  # type: ignore[method-assign,assignment]
         stage.get_bwd_send_ops = lambda chunk: self._send(bwd(chunk))  # type: ignore[method-assign,assignment]
-        if channels is not None:
-            self._through_channels(stage, channels)
-
-    def _through_channels(self, stage: PipelineStage, channels: SharedChannels) -> None:
-        """The receives the runtime posts become nothing to post: their buffers are filled from
-        the channels just before the forward or backward that reads them (a wait the stage's
-        timeline counts as idle, as it counts the runtime's wait for gloo's)."""
-        expected: dict[tuple[str, int], list[dist.P2POp]] = {}
-
-        def deferred(kind: str, chunk: int, ops: list[dist.P2POp]) -> list[dist.P2POp]:
-            expected[(kind, chunk)] = ops
-            return []
-
-        def receive(kind: str, chunk: int) -> None:
-            for op in expected.pop((kind, chunk), []):
-                channels.recv(op.tensor, op.peer)
-
-        recv_f, recv_b = stage.get_fwd_recv_ops, stage.get_bwd_recv_ops
-        stage.get_fwd_recv_ops = lambda chunk: deferred("F", chunk, recv_f(chunk))  # type: ignore[method-assign,assignment]
-        stage.get_bwd_recv_ops = lambda chunk: deferred("B", chunk, recv_b(chunk))  # type: ignore[method-assign,assignment]
-        forward, backward = stage.forward_one_chunk, stage.backward_one_chunk
-
-        def received_forward(chunk, *args, **kwargs):
-            receive("F", chunk)
-            return forward(chunk, *args, **kwargs)
-
-        def received_backward(chunk, *args, **kwargs):
-            receive("B", chunk)
-            return backward(chunk, *args, **kwargs)
-
-        stage.forward_one_chunk = received_forward  # type: ignore[method-assign,assignment]
-        stage.backward_one_chunk = received_backward  # type: ignore[method-assign,assignment]
-        self._expected = expected
 
     def _send(self, ops: list[dist.P2POp]) -> list[dist.P2POp]:
         if ops:
-            channels = self._channels
-            if channels is None:
-                post = [(p.op, p.tensor, p.group, p.tag, p.group_peer) for p in ops]
-                self._posted.append(_post(lambda: [_gloo(*op) for op in post]))
-            else:
-                self._posted.append(_post(lambda: _through(channels, ops)))
+            self._posted.append(_post(ops))
         return []
 
     def _step_microbatches(self, *args, **kwargs):
@@ -171,35 +128,21 @@ class PrefetchingSchedule(PipelineScheduleRuntime):
             super()._step_microbatches(*args, **kwargs)
         except BaseException:
             self._posted = []  # a failed step: nothing to wait for (torch's runtime waits on none)
-            if self._channels is not None:
-                self._expected.clear()
             raise
         posted, self._posted = self._posted, []
         for done in posted:  # every send of the step complete, as torch's runtime ends a step
             for work in done.result():
-                if work is not None:  # gloo's Work; a send through the channels is done
-                    work.wait()
+                work.wait()
 
 
-def _through(channels: SharedChannels, ops: list[dist.P2POp]) -> list[None]:
-    for p in ops:
-        channels.send(p.tensor, p.peer)
-    return [None] * len(ops)  # nothing to wait for: each is in the ring
-
-
-def _gloo(op: Callable, tensor: torch.Tensor, group: Any, tag: int, peer: int) -> dist.Work:
-    return op(tensor, group=group, tag=tag, group_dst=peer)
-
-
-_queue: queue.SimpleQueue[tuple[Callable[[], list], Future]] | None = None
+_queue: queue.SimpleQueue[tuple[list[dist.P2POp], Future]] | None = None
 _started = threading.Lock()
 
 
-def _post(send: Callable[[], list]) -> Future:
-    """Hand `send` to this process's sending thread, started on first use; it runs them in
-    the order they were handed over, so a peer receives them in the schedule's order. The
-    future holds what it returned (gloo's Work, or None for each send through shared memory),
-    or the error it raised."""
+def _post(ops: list[dist.P2POp]) -> Future:
+    """Hand `ops` (sends) to this process's sending thread, started on first use; it posts
+    them in the order they were handed over, so a peer receives them in the schedule's order.
+    The future holds their Work, or the error posting them raised."""
     global _queue
     with _started:
         if _queue is None:
@@ -207,14 +150,16 @@ def _post(send: Callable[[], list]) -> Future:
             name = "sagenb-pipeline-sends"
             threading.Thread(target=_send_forever, args=(_queue,), name=name, daemon=True).start()
     done: Future = Future()
-    _queue.put((send, done))
+    _queue.put((ops, done))
     return done
 
 
-def _send_forever(handed: queue.SimpleQueue[tuple[Callable[[], list], Future]]) -> None:
+def _send_forever(handed: queue.SimpleQueue[tuple[list[dist.P2POp], Future]]) -> None:
     while True:
-        send, done = handed.get()
+        ops, done = handed.get()
         try:
-            done.set_result(send())
+            done.set_result(
+                [p.op(p.tensor, group=p.group, tag=p.tag, group_dst=p.group_peer) for p in ops]
+            )
         except BaseException as error:  # noqa: BLE001 -- raised where the step waits for it
             done.set_exception(error)

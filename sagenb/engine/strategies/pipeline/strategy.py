@@ -65,7 +65,6 @@ from sagenb.engine.strategies.pipeline.tensor_messages import (
     recv_tensors,
     send_tensors,
 )
-from sagenb.engine.wire import shared_channels
 from sagenb.engine.workspace import Workspace
 from sagenb.metrics import keys
 
@@ -144,16 +143,6 @@ class Pipeline:
             group = dist.new_group([d * self.P + s for d in range(self.D)])
             dp = group if s == self.position else dp
         return pp, dp
-
-    def _neighbours(self) -> list[tuple[int, int]]:
-        """(sender, receiver) of every message a one-stage-per-engine pipeline passes: each
-        replica's consecutive engines, both ways."""
-        pairs = []
-        for d in range(self.D):
-            for s in range(self.P - 1):
-                a, b = d * self.P + s, d * self.P + s + 1
-                pairs += [(a, b), (b, a)]
-        return pairs
 
     def _global(self, stage: int) -> int:
         return self.replica * self.P + engine_of(self.config.schedule, self.P, stage)
@@ -288,16 +277,7 @@ class Pipeline:
             cls = _MULTI_STAGE_CLASSES[kind]
             return cls(list(stages), M, loss_fn=scaled, scale_grads=False)
         if dist.get_backend(self.pp_group) == "gloo":  # receives posted ahead (see the module)
-            # stages of one host's CPU: activations and gradients through shared memory, not
-            # gloo's loopback sockets (engine/wire/shared_channels.py)
-            channels = shared_channels.attach(
-                rank=self.rank,
-                world_size=self.world_size,
-                device=self.device,
-                pairs=self._neighbours(),
-                timeout_s=self.config.collective_timeout,
-            )
-            return PrefetchingSchedule(stages[0], M, kind, loss_fn=scaled, channels=channels)
+            return PrefetchingSchedule(stages[0], M, kind, loss_fn=scaled)
         cls = ScheduleGPipe if kind == "gpipe" else Schedule1F1B
         return cls(stages[0], M, loss_fn=scaled, scale_grads=False)
 
