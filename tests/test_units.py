@@ -273,9 +273,11 @@ def test_saved_activations_stop_counting_when_autograd_drops_them_unused():
 
 @pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
 def test_prefetching_schedule_posts_receives_first_and_pairs_them_in_order(kind):
-    """Each stage posts all of its receives before its first compute; the receives from a
-    neighbour come in the order it sends (gloo matches them in order); each microbatch's
-    backward follows its forward; 1F1B holds at most p - stage microbatches' activations."""
+    """Each stage posts all of its activations' receives before its first compute and all of
+    its gradients' right after its first activation's send, before any other compute; the
+    receives from a neighbour come in the order it sends (gloo matches them in order); each
+    microbatch's backward follows its forward; 1F1B holds at most p - stage microbatches'
+    activations."""
     from sagenb.engine.strategies.pipeline.prefetch_schedule import action_lists, compute_order
 
     p, m = 4, 8
@@ -283,8 +285,14 @@ def test_prefetching_schedule_posts_receives_first_and_pairs_them_in_order(kind)
     for s, actions in lists.items():
         kinds = [a.computation_type.value for a in actions]
         first_compute = kinds.index("F")
-        assert set(kinds[:first_compute]) <= {"RECV_F", "RECV_B"}
-        assert "RECV_F" not in kinds[first_compute:] and "RECV_B" not in kinds[first_compute:]
+        assert set(kinds[:first_compute]) <= {"RECV_F"}
+        assert "RECV_F" not in kinds[first_compute:]
+        if s < p - 1:  # F0, its send, then every gradient's receive
+            after = kinds[first_compute + 1 :]
+            assert after[: 1 + m] == ["SEND_F"] + ["RECV_B"] * m
+            assert "RECV_B" not in after[1 + m :]
+        else:
+            assert "RECV_B" not in kinds
         order = compute_order(kind, p, m, s)
         assert sorted(order) == sorted([("F", i) for i in range(m)] + [("B", i) for i in range(m)])
         assert all(order.index(("F", i)) < order.index(("B", i)) for i in range(m))

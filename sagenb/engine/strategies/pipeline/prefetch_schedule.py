@@ -1,4 +1,4 @@
-"""GPipe and 1F1B with every receive of a step posted at its start (gloo only).
+"""GPipe and 1F1B with every receive of a step posted ahead (gloo only).
 
 torch's ScheduleGPipe and Schedule1F1B post a microbatch's receive just before they need it.
 On gloo a transfer starts only once the receiver has posted its receive and the sender's I/O
@@ -8,8 +8,10 @@ benchmarks/results/measured_in_code.md).
 
 Here the same compute order runs on torch's own action runtime (PipelineScheduleRuntime, the
 one that runs its interleaved schedule), from an action list that posts all of the step's
-receives first. Every microbatch has its own receive buffers in a PipelineStage, so this costs
-no memory; each transfer then lands while the receiver is still busy with earlier work.
+receives early: the activations' first, the gradients' once the first activation is sent
+(posting them first held up the first forward, which every later stage waits for). Every
+microbatch has its own receive buffers in a PipelineStage, so this costs no memory; each
+transfer then lands while the receiver is still busy with earlier work.
 
 Its sends are posted from a thread of the engine's own, in the schedule's order: a gloo send
 writes the tensor into the socket in the calling thread (0.1-0.3 ms for a 512 KB activation),
@@ -72,9 +74,10 @@ def compute_order(kind: str, stages: int, microbatches: int, stage: int) -> list
 
 
 def action_lists(kind: str, stages: int, microbatches: int) -> dict[int, list[Action | None]]:
-    """Every stage's actions (one stage per rank): its receives, then its compute order with a
-    send after each forward (not on the last stage) and each backward (not on the first), then
-    the gradient reduction. Typed as torch's _prepare_schedule_with_comms takes them, where None
+    """Every stage's actions (one stage per rank): its activations' receives, then its compute
+    order with a send after each forward (not on the last stage) and each backward (not on the
+    first), the gradients' receives after the first forward's send, then the gradient
+    reduction. Typed as torch's _prepare_schedule_with_comms takes them, where None
     is an idle slot; these lists have none."""
     out = {}
     for s in range(stages):
@@ -82,13 +85,16 @@ def action_lists(kind: str, stages: int, microbatches: int) -> dict[int, list[Ac
         actions: list[Action | None] = []
         if not first:
             actions += [Action(s, RECV_F, i) for i in range(microbatches)]
-        if not last:
-            actions += [Action(s, RECV_B, i) for i in range(microbatches)]
         for op, i in compute_order(kind, stages, microbatches, s):
             if op == "F":
                 actions.append(Action(s, F, i))
                 if not last:
                     actions.append(Action(s, SEND_F, i))
+                if not last and i == 0:
+                    # the gradients' receives once the first activation is on its way: every
+                    # later stage waits for it (~0.3 ms of posting at 8 microbatches), and
+                    # no gradient can come back before it
+                    actions += [Action(s, RECV_B, j) for j in range(microbatches)]
             else:
                 actions.append(Action(s, B, i))
                 if not first:
