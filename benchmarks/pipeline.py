@@ -20,6 +20,7 @@ import json
 import statistics
 import sys
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE / "peers"))
@@ -157,7 +158,7 @@ def bubble_rows(steps: int, runs_at_8: int = 3) -> list[dict]:
         # and kept, so the measured run, the same cell and options, starts none; its seconds
         # of CPU would fall in the bubble being measured
         train_even("gpipe", m, 3).wait_for_projection(120)
-        runs = []
+        runs: list[dict[str, Any]] = []
         for _ in range(runs_at_8 if m == 8 else 1):
             result = train_even("gpipe", m, steps)
             formula = bubble_fraction(2, m)
