@@ -274,9 +274,10 @@ def test_saved_activations_stop_counting_when_autograd_drops_them_unused():
 @pytest.mark.parametrize("kind", ["gpipe", "1f1b"])
 def test_prefetching_schedule_posts_receives_first_and_pairs_them_in_order(kind):
     """Each stage posts all of its activations' receives before its first compute and all of
-    its gradients' right after its first activation's send, before any other compute; the
-    receives from a neighbour come in the order it sends (gloo matches them in order); each
-    microbatch's backward follows its forward; 1F1B holds at most p - stage microbatches'
+    its gradients' right after its first forward, before any other compute; no action sends
+    (each forward and backward hands its sends over as it returns), and the receives from a
+    neighbour come in the order of its computes, so of its sends (gloo matches them in order);
+    each microbatch's backward follows its forward; 1F1B holds at most p - stage microbatches'
     activations."""
     from sagenb.engine.strategies.pipeline.prefetch_schedule import action_lists, compute_order
 
@@ -287,10 +288,10 @@ def test_prefetching_schedule_posts_receives_first_and_pairs_them_in_order(kind)
         first_compute = kinds.index("F")
         assert set(kinds[:first_compute]) <= {"RECV_F"}
         assert "RECV_F" not in kinds[first_compute:]
-        if s < p - 1:  # F0, its send, then every gradient's receive
+        assert "SEND_F" not in kinds and "SEND_B" not in kinds
+        if s < p - 1:  # F0, then every gradient's receive
             after = kinds[first_compute + 1 :]
-            assert after[: 1 + m] == ["SEND_F"] + ["RECV_B"] * m
-            assert "RECV_B" not in after[1 + m :]
+            assert after[:m] == ["RECV_B"] * m and "RECV_B" not in after[m:]
         else:
             assert "RECV_B" not in kinds
         order = compute_order(kind, p, m, s)
@@ -305,6 +306,9 @@ def test_prefetching_schedule_posts_receives_first_and_pairs_them_in_order(kind)
     def sequence(stage: int, kind_name: str) -> list[int]:
         return [a.microbatch_index for a in lists[stage] if a.computation_type.value == kind_name]
 
+    def computed(stage: int, op: str) -> list[int]:
+        return [i for o, i in compute_order(kind, p, m, stage) if o == op]
+
     for s in range(p - 1):
-        assert sequence(s, "SEND_F") == sequence(s + 1, "RECV_F") == list(range(m))
-        assert sequence(s + 1, "SEND_B") == sequence(s, "RECV_B") == list(range(m))
+        assert computed(s, "F") == sequence(s + 1, "RECV_F") == list(range(m))
+        assert computed(s + 1, "B") == sequence(s, "RECV_B") == list(range(m))

@@ -18,7 +18,11 @@ writes the tensor into the socket in the calling thread (0.1-0.3 ms for a 512 KB
 so on the training thread each send sat between two forwards (first stage) or two backwards
 (last stage). Off it, those gaps fell from ~0.5 to ~0.2 ms and the step by ~2% at 8
 microbatches on 2 CPU engines (benchmarks/results/pipeline.md); the step still ends once every
-send has completed, as torch's runtime does.
+send has completed, as torch's runtime does. They are handed to that thread as each forward
+or backward returns, not by send actions: the runtime runs every action inside a
+`record_function` (torch.profiler), whose cost on the critical path showed in the bubble (with
+none at all, measured/replayed fell from 1.07-1.10 to 1.055-1.065 at 8 microbatches over 4
+A/B pairs: docs/performance.md).
 
 Only for gloo, whose sends and receives proceed independently. NCCL runs a pair's sends and
 receives in order on one stream, where a receive posted early blocks the sends behind it
@@ -75,9 +79,9 @@ def compute_order(kind: str, stages: int, microbatches: int, stage: int) -> list
 
 def action_lists(kind: str, stages: int, microbatches: int) -> dict[int, list[Action | None]]:
     """Every stage's actions (one stage per rank): its activations' receives, then its compute
-    order with a send after each forward (not on the last stage) and each backward (not on the
-    first), the gradients' receives after the first forward's send, then the gradient
-    reduction. Typed as torch's _prepare_schedule_with_comms takes them, where None
+    order, the gradients' receives after the first forward, then the gradient reduction. No
+    action sends: PrefetchingSchedule hands each forward's and backward's sends over as it
+    returns. Typed as torch's _prepare_schedule_with_comms takes them, where None
     is an idle slot; these lists have none."""
     out = {}
     for s in range(stages):
@@ -88,8 +92,6 @@ def action_lists(kind: str, stages: int, microbatches: int) -> dict[int, list[Ac
         for op, i in compute_order(kind, stages, microbatches, s):
             if op == "F":
                 actions.append(Action(s, F, i))
-                if not last:
-                    actions.append(Action(s, SEND_F, i))
                 if not last and i == 0:
                     # the gradients' receives once the first activation is on its way: every
                     # later stage waits for it (~0.3 ms of posting at 8 microbatches), and
@@ -97,8 +99,6 @@ def action_lists(kind: str, stages: int, microbatches: int) -> dict[int, list[Ac
                     actions += [Action(s, RECV_B, j) for j in range(microbatches)]
             else:
                 actions.append(Action(s, B, i))
-                if not first:
-                    actions.append(Action(s, SEND_B, i))
         actions.append(Action(s, REDUCE_GRAD, None))
         out[s] = actions
     return out
@@ -118,16 +118,29 @@ class PrefetchingSchedule(PipelineScheduleRuntime):
         lists = action_lists(kind, stage.num_stages, microbatches)
         load_actions(self, lists)
         self._posted: list[Future] = []
-        fwd, bwd = stage.get_fwd_send_ops, stage.get_bwd_send_ops
-        # the runtime posts and waits for what these return; they hand it to the sending
-        # thread instead and return nothing
-        stage.get_fwd_send_ops = lambda chunk: self._send(fwd(chunk))  # type: ignore[method-assign,assignment]
-        stage.get_bwd_send_ops = lambda chunk: self._send(bwd(chunk))  # type: ignore[method-assign,assignment]
+        # each forward's and backward's sends handed to the sending thread as it returns, not
+        # by actions of their own: the runtime runs every action in a record_function
+        fwd_sends, bwd_sends = stage.get_fwd_send_ops, stage.get_bwd_send_ops
+        forward, backward = stage.forward_one_chunk, stage.backward_one_chunk
 
-    def _send(self, ops: list[dist.P2POp]) -> list[dist.P2POp]:
+        def forward_then_send(chunk, *args, **kwargs):
+            output = forward(chunk, *args, **kwargs)
+            if not stage.is_last:
+                self._send(fwd_sends(chunk))
+            return output
+
+        def backward_then_send(chunk, *args, **kwargs):
+            output = backward(chunk, *args, **kwargs)
+            if not stage.is_first:
+                self._send(bwd_sends(chunk))
+            return output
+
+        stage.forward_one_chunk = forward_then_send  # type: ignore[method-assign,assignment]
+        stage.backward_one_chunk = backward_then_send  # type: ignore[method-assign,assignment]
+
+    def _send(self, ops: list[dist.P2POp]) -> None:
         if ops:
             self._posted.append(_post(ops))
-        return []
 
     def _step_microbatches(self, *args, **kwargs):
         try:
