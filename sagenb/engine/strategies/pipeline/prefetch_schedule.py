@@ -36,6 +36,7 @@ import queue
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -51,8 +52,7 @@ from sagenb.engine.torch_private import (
 __all__ = ["PrefetchingSchedule", "compute_order", "action_lists"]
 
 F, B = ComputationType.FORWARD, ComputationType.FULL_BACKWARD
-SEND_F, RECV_F = ComputationType.SEND_F, ComputationType.RECV_F
-SEND_B, RECV_B = ComputationType.SEND_B, ComputationType.RECV_B
+RECV_F, RECV_B = ComputationType.RECV_F, ComputationType.RECV_B
 REDUCE_GRAD = ComputationType.REDUCE_GRAD
 
 
@@ -105,7 +105,7 @@ def action_lists(kind: str, stages: int, microbatches: int) -> dict[int, list[Ac
 
 
 class PrefetchingSchedule(PipelineScheduleRuntime):
-    """torch's GPipe or 1F1B compute order, receives posted at the start of each step."""
+    """torch's GPipe or 1F1B compute order, receives posted ahead, sends handed to a thread."""
 
     def __init__(
         self,
@@ -120,23 +120,27 @@ class PrefetchingSchedule(PipelineScheduleRuntime):
         self._posted: list[Future] = []
         # each forward's and backward's sends handed to the sending thread as it returns, not
         # by actions of their own: the runtime runs every action in a record_function
-        fwd_sends, bwd_sends = stage.get_fwd_send_ops, stage.get_bwd_send_ops
-        forward, backward = stage.forward_one_chunk, stage.backward_one_chunk
+        if not stage.is_last:  # activations to the next stage
+            stage.forward_one_chunk = self._then_send(  # type: ignore[method-assign]
+                stage.forward_one_chunk, stage.get_fwd_send_ops
+            )
+        if not stage.is_first:  # gradients to the previous one
+            stage.backward_one_chunk = self._then_send(  # type: ignore[method-assign]
+                stage.backward_one_chunk, stage.get_bwd_send_ops
+            )
 
-        def forward_then_send(chunk, *args, **kwargs):
-            output = forward(chunk, *args, **kwargs)
-            if not stage.is_last:
-                self._send(fwd_sends(chunk))
+    def _then_send(
+        self, compute: Callable[..., Any], sends: Callable[[int], list[dist.P2POp]]
+    ) -> Callable[..., Any]:
+        """`compute` (a stage's forward_one_chunk or backward_one_chunk), then the chunk's
+        sends handed to the sending thread."""
+
+        def compute_then_send(chunk: int, *args: Any, **kwargs: Any) -> Any:
+            output = compute(chunk, *args, **kwargs)
+            self._send(sends(chunk))
             return output
 
-        def backward_then_send(chunk, *args, **kwargs):
-            output = backward(chunk, *args, **kwargs)
-            if not stage.is_first:
-                self._send(bwd_sends(chunk))
-            return output
-
-        stage.forward_one_chunk = forward_then_send  # type: ignore[method-assign,assignment]
-        stage.backward_one_chunk = backward_then_send  # type: ignore[method-assign,assignment]
+        return compute_then_send
 
     def _send(self, ops: list[dist.P2POp]) -> None:
         if ops:
