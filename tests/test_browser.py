@@ -172,6 +172,10 @@ def test_quickstart_runs_in_jupyterlab(lab, page, request):
         panel.wait_for(state="visible", timeout=KERNEL_S * 1000)
         for button in ("Start", "Stop", "Restart", "Plan"):
             assert panel.get_by_role("button", name=button, exact=True).is_visible()
+        # its text can be laid out after its buttons are (one CI run read it empty between)
+        from playwright.sync_api import expect
+
+        expect(panel).to_contain_text("%%smp_train --engines 2", timeout=KERNEL_S * 1000)
         panel_text = panel.inner_text()
         assert "%%smp_train --engines 2" in panel_text, panel_text
         assert re.search(r"2 engines: rank 0 .*, rank 1 ", panel_text), panel_text
