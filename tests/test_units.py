@@ -284,7 +284,7 @@ def test_prefetching_schedule_posts_receives_first_and_pairs_them_in_order(kind)
     p, m = 4, 8
     lists = action_lists(kind, p, m)
     for s, actions in lists.items():
-        kinds = [a.computation_type.value for a in actions]
+        kinds = [op for op, _ in actions]
         first_compute = kinds.index("F")
         assert set(kinds[:first_compute]) <= {"RECV_F"}
         assert "RECV_F" not in kinds[first_compute:]
@@ -304,7 +304,7 @@ def test_prefetching_schedule_posts_receives_first_and_pairs_them_in_order(kind)
         assert peak == (m if kind == "gpipe" else min(m, p - s))
 
     def sequence(stage: int, kind_name: str) -> list[int]:
-        return [a.microbatch_index for a in lists[stage] if a.computation_type.value == kind_name]
+        return [i for op, i in lists[stage] if op == kind_name]
 
     def computed(stage: int, op: str) -> list[int]:
         return [i for o, i in compute_order(kind, p, m, stage) if o == op]

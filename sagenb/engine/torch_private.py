@@ -61,37 +61,32 @@ if TYPE_CHECKING:
     from torch.distributed.checkpoint._traverse import set_element
     from torch.distributed.pipelining import Pipe
     from torch.distributed.pipelining._IR import annotate_split_points
-    from torch.distributed.pipelining.schedules import _Action as Action
-    from torch.distributed.pipelining.schedules import _ComputationType as ComputationType
-    from torch.distributed.pipelining.schedules import (
-        _PipelineScheduleRuntime as PipelineScheduleRuntime,
-    )
     from torch.distributed.tensor.parallel import ParallelStyle
 
 __all__ = [
     "PRIVATE_NAMES",
-    "Action",
     "BatchNormBase",
-    "ComputationType",
     "DropoutBase",
     "FakeTensor",
     "FakeTensorMode",
     "GROUPED_MM",
     "unset_fake_temporarily",
-    "PipelineScheduleRuntime",
     "PrivateName",
     "TorchDispatchMode",
     "annotate_split_points",
     "apply_style",
+    "begin_step",
     "check_batchnorm_input",
     "clear_split_point",
+    "compute_loss",
     "direct_buffers",
     "direct_parameters",
     "dump_flight_recorder_json",
+    "end_step",
     "exchange",
     "forget_failed_init",
     "interleaved_order",
-    "load_actions",
+    "loss_of",
     "non_persistent_buffers",
     "pipe_from_traced",
     "set_element",
@@ -108,11 +103,6 @@ _SCHEDULES = "torch.distributed.pipelining.schedules"
 
 #: name here -> (torch module, private name): imported when first asked for
 _ON_FIRST_USE = {
-    # public: ScheduleGPipe and Schedule1F1B, which post each receive just before its use;
-    # the action runtime behind ScheduleInterleaved1F1B runs a list of actions of one's own
-    "Action": (_SCHEDULES, "_Action"),
-    "ComputationType": (_SCHEDULES, "_ComputationType"),
-    "PipelineScheduleRuntime": (_SCHEDULES, "_PipelineScheduleRuntime"),
     # public: pipeline(model, mb_args, mb_kwargs, split_spec), which annotates the cell's
     # model in place and leaves it so; sagenb annotates, exports and undoes (export_split.py)
     "annotate_split_points": ("torch.distributed.pipelining._IR", "annotate_split_points"),
@@ -199,6 +189,46 @@ def clear_split_point(module: nn.Module) -> None:
     module.__dict__.pop("_orig_forward", None)
 
 
+def begin_step(
+    schedule: Any,
+    arg_mbs: list | None,
+    kwarg_mbs: list | None,
+    target_mbs: list | None,
+    losses: list | None,
+    loss_kwargs: dict[str, Any] | None,
+) -> tuple[list, list]:
+    """What torch's one-stage schedules do before a step's first microbatch: the microbatches'
+    arguments checked (None made empty), and on the first step the stage's receive buffers and
+    shapes set up. Returns the checked arguments."""
+    # public: PipelineScheduleSingle, whose subclasses (ScheduleGPipe, Schedule1F1B) write
+    # their _step_microbatches with these methods; torch 2.13 has no public hooks for a
+    # schedule of one's own to call
+    arg_mbs, kwarg_mbs = schedule._check_inputs(arg_mbs, kwarg_mbs, target_mbs, losses)
+    first_target = target_mbs[0] if target_mbs is not None else None
+    schedule._initialize_stage(arg_mbs[0], kwarg_mbs[0], first_target, loss_kwargs)
+    return arg_mbs, kwarg_mbs
+
+
+def compute_loss(
+    schedule: Any, stage: Any, output: Any, target_mbs: list | None, i: int, loss_kwargs: Any
+) -> None:
+    """The schedule's loss on microbatch `i`'s output, kept for its backward (last stage only)."""
+    # as begin_step: what ScheduleGPipe calls after each forward
+    schedule._maybe_compute_loss(stage, output, target_mbs, i, loss_kwargs)
+
+
+def loss_of(schedule: Any, stage: Any, i: int) -> torch.Tensor | None:
+    """The loss compute_loss kept for microbatch `i` (None before the last stage)."""
+    # as begin_step: what ScheduleGPipe calls before each backward
+    return schedule._maybe_get_loss(stage, i)
+
+
+def end_step(schedule: Any, stage: Any, losses: list | None) -> None:
+    """The step's losses handed to `losses` (last stage), the schedule's own list cleared."""
+    # as begin_step: what ScheduleGPipe calls once its backwards are done
+    schedule._update_losses(stage, losses)
+
+
 def interleaved_order(
     ranks: int, chunks: int, microbatches: int, rank: int, *, zero_bubble: bool = False
 ) -> list[tuple[str, int, int]]:
@@ -266,14 +296,6 @@ def v_order(schedule: str, ranks: int, microbatches: int, rank: int) -> list[tup
     }
     state = SimpleNamespace(pp_group_size=ranks, num_stages=2 * ranks, _n_microbatches=microbatches)
     return _compute_ops(cls[schedule]._calculate_single_rank_operations(state, rank))
-
-
-def load_actions(
-    schedule: PipelineScheduleRuntime, actions: dict[int, list[Action | None]]
-) -> None:
-    """Give `schedule` every stage's actions, sends and receives included."""
-    # no public equivalent in torch 2.13: how ScheduleInterleaved1F1B hands its own lists over
-    schedule._prepare_schedule_with_comms(actions, format="compute_comms")
 
 
 # -- tensor parallel -------------------------------------------------------------------------------
@@ -442,21 +464,6 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
         "engine.loader.batches_of (--data-workers)",
     ),
     *(
-        PrivateName(_SCHEDULES, name, "engine.strategies.pipeline.prefetch_schedule (gloo)")
-        for name in (
-            "_Action",
-            "_ComputationType.FORWARD",
-            "_ComputationType.FULL_BACKWARD",
-            "_ComputationType.SEND_F",
-            "_ComputationType.RECV_F",
-            "_ComputationType.SEND_B",
-            "_ComputationType.RECV_B",
-            "_ComputationType.REDUCE_GRAD",
-            "_PipelineScheduleRuntime",
-            "_PipelineScheduleRuntime._prepare_schedule_with_comms",
-        )
-    ),
-    *(
         PrivateName(module, name, "engine.strategies.pipeline.export_split.export_stages")
         for module, name in (
             ("torch.distributed.pipelining._IR", "annotate_split_points"),
@@ -472,6 +479,16 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
             "ColwiseParallel._prepare_output_fn",
             "RowwiseParallel._prepare_input_fn",
             "RowwiseParallel._prepare_output_fn",
+        )
+    ),
+    *(
+        PrivateName(_SCHEDULES, f"PipelineScheduleSingle.{name}", "pipeline PrefetchingSchedule")
+        for name in (
+            "_check_inputs",
+            "_initialize_stage",
+            "_maybe_compute_loss",
+            "_maybe_get_loss",
+            "_update_losses",
         )
     ),
     PrivateName(

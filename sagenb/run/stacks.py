@@ -34,8 +34,16 @@ DUMP_WAIT_S = 1.0  # the most a dump may take to appear (ten times an idle machi
 # benchmarks/results/measured_in_code.md)
 _THREAD = re.compile(r"^(?:Current thread|Thread) (0x[0-9a-f]+)", re.M)
 _FRAME = re.compile(r'^\s+File "(.*)", line (\d+) in (.*)$')
-#: data parallel's gradient all-reduce through shared memory waits for its peers in Python
-_SHARED_MEMORY = os.path.join("sagenb", "engine", "wire", "shared_memory.py")
+#: where a rank waits for its peers with sagenb's own code innermost: data parallel's gradient
+#: all-reduce through shared memory (in Python), and a pipeline stage on gloo waiting for its
+#: neighbour's activation or gradient (in a Work.wait called from sagenb's own schedule loop)
+_WAITS_IN = tuple(
+    os.path.join("sagenb", "engine", *parts)
+    for parts in (
+        ("wire", "shared_memory.py"),
+        ("strategies", "pipeline", "prefetch_schedule.py"),
+    )
+)
 SHOWN_FRAMES = 10  # the outermost 2 and innermost 8 frames, and every frame of the cell
 
 
@@ -60,7 +68,7 @@ class RankTrace:
     def waiting(self) -> bool:
         """Blocked in a collective (or torch.distributed), not busy in code of its own."""
         inner = self.frames[0].file if self.frames else ""
-        if "/torch/distributed/" in inner or inner.endswith(_SHARED_MEMORY):
+        if "/torch/distributed/" in inner or inner.endswith(_WAITS_IN):
             return True
         return bool(self.collectives) and (not self.frames or "/torch/" in inner)
 

@@ -6,23 +6,27 @@ thread has answered, so each of a step's 2 x microbatches transfers puts a round
 critical path, a sizeable share of a small stage's compute (the figures:
 benchmarks/results/measured_in_code.md).
 
-Here the same compute order runs on torch's own action runtime (PipelineScheduleRuntime, the
-one that runs its interleaved schedule), from an action list that posts all of the step's
-receives early: the activations' first, the gradients' once the first activation is sent
-(posting them first held up the first forward, which every later stage waits for). Every
-microbatch has its own receive buffers in a PipelineStage, so this costs no memory; each
-transfer then lands while the receiver is still busy with earlier work.
+Here the same compute order runs from an action list that posts all of the step's receives
+early: the activations' first, the gradients' once the first activation is sent (posting them
+first held up the first forward, which every later stage waits for). Every microbatch has its
+own receive buffers in a PipelineStage, so this costs no memory; each transfer then lands
+while the receiver is still busy with earlier work.
 
 Its sends are posted from a thread of the engine's own, in the schedule's order: a gloo send
 writes the tensor into the socket in the calling thread (0.1-0.3 ms for a 512 KB activation),
 so on the training thread each send sat between two forwards (first stage) or two backwards
 (last stage). Off it, those gaps fell from ~0.5 to ~0.2 ms and the step by ~2% at 8
 microbatches on 2 CPU engines (benchmarks/results/pipeline.md); the step still ends once every
-send has completed, as torch's runtime does. They are handed to that thread as each forward
-or backward returns, not by send actions: the runtime runs every action inside a
-`record_function` (torch.profiler), whose cost on the critical path showed in the bubble (with
-none at all, measured/replayed fell from 1.07-1.10 to 1.055-1.065 at 8 microbatches over 4
-A/B pairs: docs/performance.md).
+send has completed, as torch's schedules end theirs.
+
+The actions run in a loop of this module's own, a subclass of torch's PipelineScheduleSingle
+as ScheduleGPipe is, with the calls ScheduleGPipe makes around each forward and backward
+(torch_private.begin_step, compute_loss, loss_of, end_step). It ran on torch's action runtime
+(the _PipelineScheduleRuntime behind ScheduleInterleaved1F1B) before, which enters a
+torch.profiler `record_function` and a dispatch for every action; over 4 A/B pairs of 20-step
+GPipe runs at 8 microbatches, measured/replayed (the bubble over the ideal of each step's own
+microbatch times, benchmarks/pipeline.py) read 1.059-1.076 with this loop against 1.090-1.171
+with the runtime (docs/performance.md).
 
 Only for gloo, whose sends and receives proceed independently. NCCL runs a pair's sends and
 receives in order on one stream, where a receive posted early blocks the sends behind it
@@ -41,19 +45,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 
-from sagenb.engine.torch_private import (
-    Action,
-    ComputationType,
-    PipelineScheduleRuntime,
-    load_actions,
-)
+from sagenb.engine.torch_private import begin_step, compute_loss, end_step, loss_of
 
 __all__ = ["PrefetchingSchedule", "compute_order", "action_lists"]
 
-F, B = ComputationType.FORWARD, ComputationType.FULL_BACKWARD
-RECV_F, RECV_B = ComputationType.RECV_F, ComputationType.RECV_B
-REDUCE_GRAD = ComputationType.REDUCE_GRAD
+#: the actions: a receive of a microbatch's activations or gradients posted, a forward, a
+#: backward (each waiting for its receive, then handing its sends to the sending thread)
+RECV_F, F, RECV_B, B = "RECV_F", "F", "RECV_B", "B"
 
 
 def compute_order(kind: str, stages: int, microbatches: int, stage: int) -> list[tuple[str, int]]:
@@ -63,48 +63,40 @@ def compute_order(kind: str, stages: int, microbatches: int, stage: int) -> list
     forwards, then one backward and one forward in turn, then the remaining backwards."""
     m = microbatches
     if kind == "gpipe":
-        return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
+        return [(F, i) for i in range(m)] + [(B, i) for i in range(m)]
     if kind != "1f1b":
         raise ValueError(f"schedule {kind!r}: only gpipe and 1f1b post their receives ahead")
     warmup = min(m, stages - stage)
-    order = [("F", i) for i in range(warmup)]
+    order = [(F, i) for i in range(warmup)]
     forward = warmup
     for backward in range(m):
-        order.append(("B", backward))
+        order.append((B, backward))
         if forward < m:
-            order.append(("F", forward))
+            order.append((F, forward))
             forward += 1
     return order
 
 
-def action_lists(kind: str, stages: int, microbatches: int) -> dict[int, list[Action | None]]:
-    """Every stage's actions (one stage per rank): its activations' receives, then its compute
-    order, the gradients' receives after the first forward, then the gradient reduction. No
-    action sends: PrefetchingSchedule hands each forward's and backward's sends over as it
-    returns. Typed as torch's _prepare_schedule_with_comms takes them, where None
-    is an idle slot; these lists have none."""
+def action_lists(kind: str, stages: int, microbatches: int) -> dict[int, list[tuple[str, int]]]:
+    """Every stage's actions (one stage per rank), (RECV_F | F | RECV_B | B, microbatch): its
+    activations' receives, then its compute order, the gradients' receives after the first
+    forward. No action sends: each forward and backward hands its sends over as it returns."""
     out = {}
     for s in range(stages):
         first, last = s == 0, s == stages - 1
-        actions: list[Action | None] = []
-        if not first:
-            actions += [Action(s, RECV_F, i) for i in range(microbatches)]
+        actions = [] if first else [(RECV_F, i) for i in range(microbatches)]
         for op, i in compute_order(kind, stages, microbatches, s):
-            if op == "F":
-                actions.append(Action(s, F, i))
-                if not last and i == 0:
-                    # the gradients' receives once the first activation is on its way: every
-                    # later stage waits for it (~0.3 ms of posting at 8 microbatches), and
-                    # no gradient can come back before it
-                    actions += [Action(s, RECV_B, j) for j in range(microbatches)]
-            else:
-                actions.append(Action(s, B, i))
-        actions.append(Action(s, REDUCE_GRAD, None))
+            actions.append((op, i))
+            if op == F and i == 0 and not last:
+                # the gradients' receives once the first activation is on its way: every
+                # later stage waits for it (~0.3 ms of posting at 8 microbatches), and
+                # no gradient can come back before it
+                actions += [(RECV_B, j) for j in range(microbatches)]
         out[s] = actions
     return out
 
 
-class PrefetchingSchedule(PipelineScheduleRuntime):
+class PrefetchingSchedule(PipelineScheduleSingle):
     """torch's GPipe or 1F1B compute order, receives posted ahead, sends handed to a thread."""
 
     def __init__(
@@ -114,48 +106,68 @@ class PrefetchingSchedule(PipelineScheduleRuntime):
         kind: str,
         loss_fn: Callable[..., torch.Tensor],
     ):
-        super().__init__([stage], microbatches, loss_fn=loss_fn, scale_grads=False)
-        lists = action_lists(kind, stage.num_stages, microbatches)
-        load_actions(self, lists)
+        super().__init__(stage, microbatches, loss_fn=loss_fn, scale_grads=False)
+        self.stage, self.microbatches = stage, microbatches
+        self.actions = action_lists(kind, stage.num_stages, microbatches)[stage.stage_index]
         self._posted: list[Future] = []
-        # each forward's and backward's sends handed to the sending thread as it returns, not
-        # by actions of their own: the runtime runs every action in a record_function
-        if not stage.is_last:  # activations to the next stage
-            stage.forward_one_chunk = self._then_send(  # type: ignore[method-assign]
-                stage.forward_one_chunk, stage.get_fwd_send_ops
-            )
-        if not stage.is_first:  # gradients to the previous one
-            stage.backward_one_chunk = self._then_send(  # type: ignore[method-assign]
-                stage.backward_one_chunk, stage.get_bwd_send_ops
-            )
 
-    def _then_send(
-        self, compute: Callable[..., Any], sends: Callable[[int], list[dist.P2POp]]
-    ) -> Callable[..., Any]:
-        """`compute` (a stage's forward_one_chunk or backward_one_chunk), then the chunk's
-        sends handed to the sending thread."""
-
-        def compute_then_send(chunk: int, *args: Any, **kwargs: Any) -> Any:
-            output = compute(chunk, *args, **kwargs)
-            self._send(sends(chunk))
-            return output
-
-        return compute_then_send
-
-    def _send(self, ops: list[dist.P2POp]) -> None:
-        if ops:
-            self._posted.append(_post(ops))
-
-    def _step_microbatches(self, *args, **kwargs):
+    def _step_microbatches(
+        self,
+        arg_mbs: list | None = None,
+        kwarg_mbs: list | None = None,
+        target_mbs: list | None = None,
+        losses: list | None = None,
+        return_outputs: bool = True,
+        loss_kwargs: dict[str, Any] | None = None,
+    ) -> None:
+        """One step's actions in order (what ScheduleGPipe's method of that name does, with
+        the receives posted ahead and the sends on the sending thread)."""
+        args, kwargs = begin_step(self, arg_mbs, kwarg_mbs, target_mbs, losses, loss_kwargs)
+        stage = self.stage
+        sends_forward, sends_backward = not stage.is_last, not stage.is_first
+        received: dict[tuple[str, int], list[dist.Work]] = {}
+        backwards = 0
         try:
-            super()._step_microbatches(*args, **kwargs)
+            for op, i in self.actions:
+                if op == RECV_F:
+                    received[F, i] = _receive(stage.get_fwd_recv_ops(i))
+                elif op == RECV_B:
+                    received[B, i] = _receive(stage.get_bwd_recv_ops(i))
+                elif op == F:
+                    for work in received.pop((F, i), ()):
+                        work.wait()
+                    output = stage.forward_one_chunk(
+                        i, args[i], kwargs[i], save_forward_output=return_outputs
+                    )
+                    if sends_forward:
+                        self._posted.append(_post(stage.get_fwd_send_ops(i)))
+                    compute_loss(self, stage, output, target_mbs, i, loss_kwargs)
+                else:
+                    for work in received.pop((B, i), ()):
+                        work.wait()
+                    backwards += 1
+                    stage.backward_one_chunk(
+                        i,
+                        loss=loss_of(self, stage, i),
+                        full_backward=True,
+                        last_backward=backwards == self.microbatches,
+                    )
+                    if sends_backward:
+                        self._posted.append(_post(stage.get_bwd_send_ops(i)))
+            stage.perform_reduce_grad(1)  # the loss is scaled already (scale_grads=False)
         except BaseException:
-            self._posted = []  # a failed step: nothing to wait for (torch's runtime waits on none)
+            self._posted = []  # a failed step: nothing to wait for (torch's schedules wait on none)
             raise
         posted, self._posted = self._posted, []
-        for done in posted:  # every send of the step complete, as torch's runtime ends a step
+        for done in posted:  # every send of the step complete, as torch's schedules end a step
             for work in done.result():
                 work.wait()
+        end_step(self, stage, losses)
+
+
+def _receive(ops: list[dist.P2POp]) -> list[dist.Work]:
+    """Post `ops` (receives), each on its own as torch's schedules post a batch of receives."""
+    return [p.op(p.tensor, group=p.group, tag=p.tag, group_src=p.group_peer) for p in ops]
 
 
 _queue: queue.SimpleQueue[tuple[list[dist.P2POp], Future]] | None = None
