@@ -42,7 +42,8 @@ def main() -> None:
     stage = PipelineStage(part, rank, 2, torch.device("cpu"))
     cls = ScheduleGPipe if args.schedule == "gpipe" else Schedule1F1B
     schedule = cls(stage, args.microbatches, loss_fn=ns["loss_fn"])
-    opt = torch.optim.AdamW(part.parameters(), lr=1e-3)  # sagenb's default optimizer
+    # sagenb's default optimizer (engine/loop.py default_optimizer), so both sides step alike
+    opt = torch.optim.AdamW(part.parameters(), lr=1e-3, fused=True)
     data = ns["dataset"].tensors
     batch = 128 * args.microbatches
     order = torch.randperm(len(data[0]), generator=torch.Generator().manual_seed(0))

@@ -241,7 +241,11 @@ class EngineConfig:
         "stop after this many optimizer steps in total (default: run every epoch)",
         shown="all",
     )
-    lr: float = _opt("training", 1e-3, "learning rate of the default AdamW optimizer")
+    lr: float = _opt(
+        "training",
+        1e-3,
+        "learning rate of the default optimizer, AdamW (fused=True on CPU and CUDA)",
+    )
     seed: int = _opt(
         "training", 0, "seed of torch's RNG before the cell runs, and of the sample order"
     )

@@ -33,7 +33,7 @@ from sagenb.metrics import keys
 if TYPE_CHECKING:
     from sagenb.config.options import EngineConfig
 
-__all__ = ["train_loop", "make_optimizer"]
+__all__ = ["train_loop", "make_optimizer", "default_optimizer"]
 
 
 class _Saved(TypedDict):
@@ -49,7 +49,28 @@ def make_optimizer(ws: Workspace, strategy: Strategy, lr: float) -> torch.optim.
     params = list(strategy.parameters())
     if ws.make_optimizer is not None:
         return ws.make_optimizer(params)
-    return torch.optim.AdamW(params, lr=lr)
+    return default_optimizer(params, lr)
+
+
+#: the devices torch 2.13's fused AdamW runs on that an engine trains on
+_FUSED_ON = ("cpu", "cuda")
+
+
+def default_optimizer(params: list[torch.nn.Parameter], lr: float) -> torch.optim.Optimizer:
+    """AdamW at `lr`, for a cell without `make_optimizer`: torch's fused kernel (fused=True)
+    where every parameter is on one kind of device it supports, else torch's default.
+
+    Fused, a step is one pass over each parameter and its two moments; torch's default on
+    the CPU (foreach only on CUDA) runs each of AdamW's ops over the whole tensor in turn. On
+    one thread, a step over a pipeline stage's 4.2M parameters (4 Linear(1024, 1024)) took
+    2.4 ms against 13.4 ms, and that step stands between a pipeline's steps, where every
+    other stage waits for the first (docs/performance.md). The update is the same up to
+    rounding (2.4e-7 apart after 50 steps on a 256 x 256 weight); the state is the same
+    tensors (step, exp_avg, exp_avg_sq), so checkpoints load either way. FSDP2's sharded
+    parameters (DTensors) take it too."""
+    kinds = {p.device.type for p in params}
+    fused = len(kinds) == 1 and kinds <= set(_FUSED_ON)
+    return torch.optim.AdamW(params, lr=lr, fused=fused or None)
 
 
 def train_loop(

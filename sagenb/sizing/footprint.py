@@ -33,6 +33,7 @@ from sagenb.config.job import Job, JobError
 from sagenb.config.options import EngineConfig, describe, strategy_names
 from sagenb.engine.data.order import fetch
 from sagenb.engine.data.stream import readable
+from sagenb.engine.loop import default_optimizer
 from sagenb.engine.model.blocks import find_blocks
 from sagenb.engine.model.kv_cache import cache_off
 from sagenb.engine.model.recompute import checkpoint_blocks
@@ -197,7 +198,7 @@ def _build(job: Job, config: EngineConfig, world: int) -> FakeModel:
     params = [p for p in ws.model.parameters() if p.requires_grad]
 
     def make(ps: list[nn.Parameter]) -> torch.optim.Optimizer:  # engine/loop.py's choice
-        return ws.make_optimizer(ps) if ws.make_optimizer else torch.optim.AdamW(ps, lr=config.lr)
+        return ws.make_optimizer(ps) if ws.make_optimizer else default_optimizer(ps, config.lr)
 
     notes: list[str] = []
     if config.offload_activations:
