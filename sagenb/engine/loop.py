@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from torch.utils.data import TensorDataset
 
 from sagenb.engine.checkpoint import distributed as checkpoint
@@ -66,10 +67,16 @@ def default_optimizer(params: list[torch.nn.Parameter], lr: float) -> torch.opti
     2.4 ms against 13.4 ms, and that step stands between a pipeline's steps, where every
     other stage waits for the first (docs/performance.md). The update is the same up to
     rounding (2.4e-7 apart after 50 steps on a 256 x 256 weight); the state is the same
-    tensors (step, exp_avg, exp_avg_sq), so checkpoints load either way. FSDP2's sharded
-    parameters (DTensors) take it too."""
+    tensors (step, exp_avg, exp_avg_sq), so checkpoints load either way.
+
+    DTensors (sharded and tensor-parallel parameters) take it when every parameter is one on
+    the same mesh: the fused op runs over all of them at once, and refuses plain tensors
+    beside DTensors (expert parallel's experts beside FSDP's shards) or two meshes."""
     kinds = {p.device.type for p in params}
-    fused = len(kinds) == 1 and kinds <= set(_FUSED_ON)
+    meshes = {p.device_mesh for p in params if isinstance(p, DTensor)}
+    plain = any(not isinstance(p, DTensor) for p in params)
+    one_kind = not meshes or (len(meshes) == 1 and not plain)
+    fused = len(kinds) == 1 and kinds <= set(_FUSED_ON) and one_kind
     return torch.optim.AdamW(params, lr=lr, fused=fused or None)
 
 

@@ -406,6 +406,10 @@ def _empty(meta: Any, *, like: torch.Tensor) -> torch.Tensor:
     return torch.empty(meta.size, dtype=meta.properties.dtype)
 
 
+#: an optimizer's param-group entries that say how its step runs, not what it trains with
+_HOW = ("fused", "foreach", "capturable")
+
+
 def _load_optimizer(optimizer: torch.optim.Optimizer, names: list[str], state: dict) -> None:
     packed = optimizer.state_dict()
     entries: dict[int, dict[str, torch.Tensor]] = {}
@@ -420,8 +424,11 @@ def _load_optimizer(optimizer: torch.optim.Optimizer, names: list[str], state: d
             entries[index] = {
                 k: v.to_local() if isinstance(v, DTensor) else v for k, v in found.items()
             }
+    # the saved hyperparameters, but how the step runs from this layout's optimizer: a
+    # checkpoint written where the default AdamW could fuse (engine/loop.py) may resume on
+    # a layout where it cannot (plain tensors beside DTensors), and the reverse
     groups = [
-        {**saved, "params": current["params"]}
+        {**saved, "params": current["params"], **{k: current[k] for k in _HOW if k in current}}
         for saved, current in zip(state["optim_groups"], packed["param_groups"])
     ]
     optimizer.load_state_dict({"state": entries, "param_groups": groups})
