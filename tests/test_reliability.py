@@ -4,6 +4,7 @@ hangs the others, the cell shows what happened within seconds, the pool heals, n
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -24,6 +25,7 @@ from sagenb.run.failures import (
     TrainingError,
     TrainingInterrupted,
 )
+from sagenb.run.interrupts import InterruptLatch
 
 from .conftest import REGRESSION_CELL
 from .helpers import LONG, assert_params_equal, check_equal, fault_cell, interrupt_after
@@ -289,3 +291,35 @@ def test_a_failed_rendezvous_is_forgotten_by_the_engine():
         assert gloo_keys and all(k.startswith("0/") for k in gloo_keys), gloo_keys
     finally:
         process_group.shutdown()
+
+
+def test_an_interrupt_python_swallowed_is_raised_at_the_runs_next_check(monkeypatch):
+    """SIGINT handled inside a __del__ (as the garbage collector runs them, or a weakref's
+    callback) raises a KeyboardInterrupt Python only reports as unraisable: the run would go on.
+    The latch a run follows its ranks under raises it at its next check."""
+    unraisable: list[BaseException | None] = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda u: unraisable.append(u.exc_value))
+
+    class InterruptedWhileCollected:
+        def __del__(self):
+            os.kill(os.getpid(), signal.SIGINT)
+            for _ in range(100_000):  # the handler runs in here
+                pass
+
+    def swallowed(latch: InterruptLatch) -> None:
+        with latch:
+            InterruptedWhileCollected()  # collected at once, interrupted in __del__
+            assert isinstance(unraisable.pop(), KeyboardInterrupt)
+            latch.check()
+
+    with pytest.raises(KeyboardInterrupt):
+        swallowed(InterruptLatch())
+    previous = signal.getsignal(signal.SIGINT)
+    with InterruptLatch() as latch:  # raised where it landed: answered, nothing pending
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)
+            for _ in range(100_000):
+                pass
+        latch.answered()
+        latch.check()
+    assert signal.getsignal(signal.SIGINT) is previous

@@ -40,6 +40,7 @@ from sagenb.run.failures import (
     TrainingInterrupted,
     classify,
 )
+from sagenb.run.interrupts import InterruptLatch
 from sagenb.run.output import RankOutput
 from sagenb.run.tasks import RankTasks
 from sagenb.run.trained import CellModel
@@ -85,6 +86,7 @@ class TrainingRun:
     ) -> None:
         self.pool, self.config, self.job = pool, config, job
         self.on_failure = on_failure
+        self.interrupts = InterruptLatch()  # SIGINT recorded while the run is followed
         self.engines = config.engines or pool.size
         self.projection = projection
         self.cost = meter_for(config, self.engines, runs_on=_runs_on(pool), projection=projection)
@@ -150,10 +152,15 @@ class TrainingRun:
             del self.store
 
     def _run(self) -> TrainResult:
+        with self.interrupts:
+            return self._run_recorded()
+
+    def _run_recorded(self) -> TrainResult:
         try:
             self._follow()
             results = self._collect()
         except KeyboardInterrupt:
+            self.interrupts.answered()
             self.stop_reason = "the kernel's interrupt (KeyboardInterrupt)"
             raise TrainingInterrupted(self._interrupted()) from None
         except BaseException as err:
@@ -269,6 +276,7 @@ class TrainingRun:
         failure, or when no rank has made progress for --timeout seconds."""
         checked = time.monotonic()
         while True:
+            self.interrupts.check()  # an interrupt Python swallowed where it landed
             done = [ar.ready() for ar in self.ars]
             self._drain()
             if time.monotonic() - checked > CONTROLLER_CHECK_S:
