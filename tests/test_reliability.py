@@ -57,14 +57,17 @@ STUCK_CELL = fault_cell("raise ValueError('bad batch on purpose')", others="time
 
 
 def test_a_failing_rank_is_reported_and_the_pool_stays_usable(pool):
+    """The failed rank's leaving releases its peer, waiting in the gradients' all-reduce
+    (shared memory between these engines, gloo elsewhere): the peer ends on its own, within
+    the run's settle time, so no engine is killed and the next run starts at once."""
+    before = pids(pool)
     started = time.perf_counter()
     with pytest.raises(
         TrainingError, match=r"(?s)rank 1 \(engine \d+\) failed.*bad batch on purpose"
     ):
         sagenb.train(FAILING_CELL, batch_size=16, steps=20, dashboard=False)
     assert time.perf_counter() - started < 5  # the peer was released, not timed out
-    result = sagenb.train(REGRESSION_CELL, batch_size=16, steps=3, dashboard=False)
-    assert len(result.history) == 3 and pool.size == 2
+    assert_healed(pool, before, replaced=0)
 
 
 def test_ranks_that_do_not_stop_are_killed_and_replaced(pool):

@@ -25,13 +25,17 @@ __all__ = [
 ]
 
 OOM_MARKERS = ("out of memory", "can't allocate memory", "MemoryError", "OutOfMemoryError")
-#: what a rank says when it failed only because a peer went away (gloo's and nccl's words):
-#: the peer's own error is the one to report, whichever task completed first
+#: what a rank says when it failed only because a peer went away (gloo's, nccl's and the
+#: shared-memory reduction's words): the peer's own error is the one to report, whichever
+#: task completed first
 PEER_LOST = (
     "Connection closed by peer",
     "Connection reset by peer",
     "Broken pipe",
     "NCCL communicator was aborted",
+    # engine/wire/shared_memory.py's PeerLost, raised by a rank that waited on one that left
+    "left the run during a gradient all-reduce",
+    "died during a gradient all-reduce",
 )
 #: how ipyparallel names the error of a task whose engine died
 DEAD_ENGINE = ("EngineError", "DeadEngine")

@@ -51,7 +51,6 @@ import socket
 import struct
 import threading
 import time
-import weakref
 from typing import Any
 
 import psutil
@@ -109,7 +108,10 @@ def _futex(address: int, op: int, value: int, timeout: _Timespec | None = None) 
     )
 
 
-_open: weakref.WeakSet[SharedMemoryReduce] = weakref.WeakSet()
+#: this process's reductions not yet closed, held until they are: a rank whose step raised
+#: drops its model (and with it the DDP hook's reducer) before process_group.shutdown runs,
+#: and a reducer freed unclosed leaves its peers waiting on a rank that looks alive
+_open: set[SharedMemoryReduce] = set()
 #: this process's reductions (kind, time, bytes), as the flight recorder keeps gloo's
 _record: collections.deque[dict[str, Any]] = collections.deque(maxlen=2000)
 #: the reduction this process is in, as tracing.in_flight reports collectives; its name
