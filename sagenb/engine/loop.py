@@ -75,8 +75,8 @@ def default_optimizer(params: list[torch.nn.Parameter], lr: float) -> torch.opti
     kinds = {p.device.type for p in params}
     meshes = {p.device_mesh for p in params if isinstance(p, DTensor)}
     plain = any(not isinstance(p, DTensor) for p in params)
-    one_kind = not meshes or (len(meshes) == 1 and not plain)
-    fused = len(kinds) == 1 and kinds <= set(_FUSED_ON) and one_kind
+    one_mesh = not meshes or (len(meshes) == 1 and not plain)
+    fused = len(kinds) == 1 and kinds <= set(_FUSED_ON) and one_mesh
     return torch.optim.AdamW(params, lr=lr, fused=fused or None)
 
 

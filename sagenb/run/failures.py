@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from sagenb.engine.wire import shared_memory
 from sagenb.metrics import keys
 
 __all__ = [
@@ -33,9 +34,8 @@ PEER_LOST = (
     "Connection reset by peer",
     "Broken pipe",
     "NCCL communicator was aborted",
-    # engine/wire/shared_memory.py's PeerLost, raised by a rank that waited on one that left
-    "left the run during a gradient all-reduce",
-    "died during a gradient all-reduce",
+    shared_memory.LEFT,
+    shared_memory.DIED,
 )
 #: how ipyparallel names the error of a task whose engine died
 DEAD_ENGINE = ("EngineError", "DeadEngine")

@@ -58,6 +58,8 @@ import torch
 import torch.distributed as dist
 
 __all__ = [
+    "DIED",
+    "LEFT",
     "OP",
     "PeerLost",
     "SharedMemoryReduce",
@@ -123,6 +125,12 @@ class PeerLost(RuntimeError):
     """A rank left the run, died, or did not arrive within the timeout."""
 
 
+#: what PeerLost says of a peer that left or died, which the notebook reads as a lost peer
+#: (run/failures.py PEER_LOST): that peer's own error is the one to report
+LEFT = "left the run during a gradient all-reduce"
+DIED = "died during a gradient all-reduce"
+
+
 class SharedMemoryReduce:
     """One run's segment on one rank; `hook` is DDP's communication hook."""
 
@@ -181,10 +189,10 @@ class SharedMemoryReduce:
             if k == self.rank:
                 continue
             if self._word(k, _ABORT):
-                raise PeerLost(f"rank {k} left the run during a gradient all-reduce")
+                raise PeerLost(f"rank {k} {LEFT}")
             pid = self._word(k, _PID)
             if not _alive(pid):
-                raise PeerLost(f"rank {k} (pid {pid}) died during a gradient all-reduce")
+                raise PeerLost(f"rank {k} (pid {pid}) {DIED}")
         if waited_s > self.timeout_s:
             late = [k for k in range(self.world_size) if self._word(k, _COUNT) < self._seq]
             raise PeerLost(
