@@ -26,7 +26,7 @@ _PUBLIC = {
     "OutOfMemoryError": "sagenb.run.failures",
     "EngineDiedError": "sagenb.run.failures",
     "StalledError": "sagenb.run.failures",
-    "PoolDiedError": "sagenb.run.failures",
+    "PoolDiedError": "sagenb.pool.waits",
     "PoolBusyError": "sagenb.pool.run_lock",
     "TrainConfig": "sagenb.config.options",
     "ConfigError": "sagenb.config.errors",

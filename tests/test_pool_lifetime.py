@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import psutil
@@ -185,6 +186,45 @@ def test_a_dead_controller_ends_the_run_with_a_clear_error(pool, tmp_path):
     wait_clean(pids, [])
     result = sagenb.train(REGRESSION_CELL, batch_size=32, steps=2, dashboard=False)
     assert len(result.history) == 2
+
+
+def test_a_controller_dead_since_the_last_run_ends_the_next_run_at_once(pool):
+    """The controller died between two runs: the next run used to wait on unanswered
+    queries and its engines' restore before it noticed (10.7 s here; past a minute when the
+    restore's replacements were waited for). It raises PoolDiedError before touching an
+    engine, nothing of the old pool is left, and the run after it trains on a new pool."""
+    import sagenb
+    from sagenb.pool import cluster
+
+    from .conftest import REGRESSION_CELL
+
+    pids = [p.pid for p in cluster._pool_processes()]
+    pool.cluster.controller.process.kill()
+    pool.cluster.controller.process.wait(10)
+    started = time.monotonic()
+    with pytest.raises(sagenb.PoolDiedError, match="controller .* has died"):
+        sagenb.train(REGRESSION_CELL, batch_size=32, steps=2, timeout=10, dashboard=False)
+    assert time.monotonic() - started < 5
+    assert cluster.current_pool() is None
+    wait_clean(pids, [])
+    result = sagenb.train(REGRESSION_CELL, batch_size=32, steps=2, dashboard=False)
+    assert len(result.history) == 2
+
+
+def test_a_controller_dying_while_a_run_restores_its_engines_ends_the_wait(pool):
+    """The controller dies while the run waits for its engines' restore (pool/clean_slate.py),
+    one engine busy with someone's task: PoolDiedError within a second, not the restore's
+    30 s and a replacement of every engine."""
+    from sagenb.pool import clean_slate, waits
+
+    busy = pool.client[pool.engine_ids[1]].apply_async(time.sleep, 60)
+    controller = pool.cluster.controller.process
+    threading.Timer(1.0, controller.kill).start()
+    started = time.monotonic()
+    with pytest.raises(waits.PoolDiedError, match="controller .* has died"):
+        clean_slate.start_clean(pool, 2)
+    assert 1.0 <= time.monotonic() - started < 3.0
+    assert not busy.ready()  # it was the controller, not the task, that ended the wait
 
 
 def test_a_pool_restarted_under_a_run_ends_it_with_a_clear_error(pool, tmp_path):

@@ -9,8 +9,11 @@ replaced, and the cell says so.
 
 from __future__ import annotations
 
+from typing import Any
+
 from sagenb.engine.clean_slate import Restored, restore
 from sagenb.pool.cluster import EnginePool
+from sagenb.pool.waits import PoolDiedError
 
 __all__ = ["start_clean", "RESTORE_TIMEOUT_S"]
 
@@ -25,7 +28,7 @@ def start_clean(pool: EnginePool, engines: int) -> list[str]:
     tasks = [pool.client[eid].apply_async(restore) for eid in ids]
     notes, replace = [], []
     for rank, (eid, task) in enumerate(zip(ids, tasks)):
-        why = _unrestorable(task)
+        why = _unrestorable(pool, task)
         if why:
             replace.append(eid)
             notes.append(
@@ -39,10 +42,13 @@ def start_clean(pool: EnginePool, engines: int) -> list[str]:
     return notes
 
 
-def _unrestorable(task) -> list[str]:
-    """What the engine could not put back; its error or silence counts as such."""
+def _unrestorable(pool: EnginePool, task: Any) -> list[str]:
+    """What the engine could not put back; its error or silence counts as such. A dead
+    controller is no engine's fault: PoolDiedError, within a fraction of a second."""
     try:
-        done: Restored = task.get(timeout=RESTORE_TIMEOUT_S)
+        done: Restored = pool.result(task, RESTORE_TIMEOUT_S)
+    except PoolDiedError:
+        raise
     except Exception as err:  # noqa: BLE001 - any failure here: the engine is not trusted
         return [f"restoring its state failed: {getattr(err, 'ename', type(err).__name__)}"]
     return done.unrestorable

@@ -43,7 +43,7 @@ import ipyparallel as ipp
 import psutil
 
 from sagenb.config.options import DEFAULT_ENGINES
-from sagenb.pool import reaper, remote, stale
+from sagenb.pool import reaper, remote, stale, waits
 from sagenb.pool.ipyparallel_private import client_config, iopub_guarded
 from sagenb.pool.launchers import (
     CONTROLLER_HEARTBEAT,
@@ -106,6 +106,7 @@ class EnginePool:
         self.known: dict[int, tuple[float, int]] = {}
         #: stop() was called (`%smp_cluster stop` or `restart`, maybe from another thread)
         self.stopped = False
+        self.closed = False  # stop() has run: a second call does nothing
         #: every rank task runs of this process submitted (their msg_ids): one still pending
         #: when a later run takes the pool's lock is an orphan (pool/orphans.py)
         self.run_tasks: set[str] = set()
@@ -159,7 +160,7 @@ class EnginePool:
         try:
             cluster.start_cluster_sync()
         except BaseException:  # an engine that could not be launched (ssh refused, say)
-            _bounded(cluster.stop_cluster_sync, 30)  # leaves no controller behind
+            _stop_cluster(cluster, 30)  # leaves no controller behind
             raise
         pool = None
         try:
@@ -174,7 +175,7 @@ class EnginePool:
             if pool is not None:
                 pool.stop()  # ends and forgets every process it noted
             else:
-                cluster.stop_cluster_sync()
+                _stop_cluster(cluster, 30)
             raise
         return pool
 
@@ -200,6 +201,7 @@ class EnginePool:
                 self.client[eid].apply_async(warm)  # warm() below waits for it and checks it
                 warming.add(eid)
             _check(cancel)
+            self.check_alive()  # a controller that died while engines start ends the wait
             if jobs and time.monotonic() - asked > JOB_POLL_S:
                 asked, seen = time.monotonic(), remote.job_states(jobs)
                 for job, state in seen.items():
@@ -208,7 +210,7 @@ class EnginePool:
                 states.update(seen)
             time.sleep(0.05)
         try:
-            waiting.result()
+            waiting.result(timeout=0)  # done: its value, or its TimeoutError
         except TimeoutError:
             queued = "; ".join(f"Slurm job {j}: {s}" for j, s in states.items())
             raise TimeoutError(
@@ -318,11 +320,47 @@ class EnginePool:
         warm, locate = _engine_side()
         ids = sorted(self.client.ids) if engine_ids is None else engine_ids
         for ar in [self.client[e].apply_async(warm) for e in ids]:
-            _result(ar, 120, cancel)
+            self.result(ar, 120, cancel=cancel)
         where = {e: self.client[e].apply_async(locate, self.controller_host) for e in ids}
         pids = {e: self.client[e].apply_async(os.getpid) for e in ids}
-        self.places.update({e: tuple(_result(ar, 60, cancel)) for e, ar in where.items()})
-        self.pids.update({e: _result(ar, 60, cancel) for e, ar in pids.items()})
+        self.places.update(
+            {e: tuple(self.result(ar, 60, cancel=cancel)) for e, ar in where.items()}
+        )
+        self.pids.update({e: self.result(ar, 60, cancel=cancel) for e, ar in pids.items()})
+
+    def result(self, ar: Any, timeout: float, *, cancel: threading.Event | None = None) -> Any:
+        """A task's value within `timeout` s (TimeoutError after that); PoolDiedError within
+        a fraction of a second once the controller is gone, StartCancelled once `cancel` is
+        set (pool/waits.py)."""
+
+        def check() -> None:
+            _check(cancel)
+            self.check_alive()
+
+        return waits.result(ar, timeout, check=check)
+
+    def check_alive(self) -> None:
+        """Raise PoolDiedError when the controller is gone, after closing the pool (its
+        engines killed by pid, its processes ended) so the next run starts a new one; every
+        wait on the pool calls it between its slices (pool/waits.py)."""
+        if self.controller_alive():
+            return
+        if self.stopped:
+            raise waits.PoolDiedError(
+                "the engine pool was stopped or restarted (%smp_cluster stop or restart, or "
+                "sagenb.stop_pool/restart_pool from another thread), so nothing runs on its "
+                "engines any more. Run the cell again: it trains on the running pool, or "
+                "starts a new one."
+            )
+        pid = getattr(getattr(self.cluster, "controller", None), "process", None)
+        self.kill(self.engine_ids)  # by pid: nothing goes through the dead controller
+        drop(self)
+        raise waits.PoolDiedError(
+            f"the engine pool's controller (pid {getattr(pid, 'pid', '?')}) has died, so "
+            f"nothing can run on its engines: they were stopped and the pool closed. Run the "
+            f"cell again: the next run starts a new pool (or %smp_cluster start -n "
+            f"{self.target_size})."
+        )
 
     def status(self) -> list[EngineStatus]:
         from sagenb.engine.entry import probe
@@ -332,7 +370,7 @@ class EnginePool:
         results = [self.client[e].apply_async(probe) for e in ids]
         rows = []
         for rank, (eid, ar) in enumerate(zip(ids, results)):
-            info = ar.get(timeout=60)
+            info = self.result(ar, 60)
             rows.append(
                 EngineStatus(
                     rank=rank,
@@ -420,6 +458,7 @@ class EnginePool:
     def heal(self, *, timeout: float = 120.0) -> None:
         """Start engines until the pool is back to its size, and warm them. An attached pool
         is someone else's to repair: it goes on with the engines it has."""
+        self.check_alive()  # engines started for a dead controller would never register
         missing = self.target_size - self.size
         if missing <= 0 or not self.owned:
             self.target_size = min(self.target_size, self.size)
@@ -437,14 +476,21 @@ class EnginePool:
             if where is not None:  # the next start (a restart) takes the user's setting
                 self.cluster.config.SSHEngineSetLauncher.engines = hosts
         self._remember()
-        self.client.wait_for_engines(self.target_size, timeout=timeout, interactive=False)
+        if not waits.until(lambda: self.size >= self.target_size, timeout, check=self.check_alive):
+            raise TimeoutError(
+                f"{self.size} of {self.target_size} engines registered within {timeout:g} s "
+                f"while the pool replaced lost ones: restart it with `%smp_cluster restart`"
+            )
         self.warm()
 
     def stop(self, *, timeout: float = 10.0) -> None:
         """Stop controller, nannies and engines, and wait until every one of them has exited
         (an attached pool is only let go of: whoever started it stops it)."""
+        if self.closed:  # found dead and closed already (check_alive), or stopped twice
+            return
         alive = self.controller_alive()
         self.stopped = True  # a run on this pool ends now, saying so (run/training_run.py)
+        self.closed = True
         if not self.owned:
             self.client.close()
             return
@@ -461,7 +507,7 @@ class EnginePool:
                 # engines on other hosts are ended through their launcher (ssh: a kill sent
                 # over ssh per engine, then polled), which takes longer than local signals
                 bound = timeout if self.launcher == "local" else max(timeout, 60.0)
-                stopped = _bounded(self.cluster.stop_cluster_sync, bound)
+                stopped = _stop_cluster(self.cluster, bound)
         finally:
             if not stopped:  # a dead controller, or a stop that hung: over ssh from here
                 remote.end_remote(hosts)
@@ -522,13 +568,14 @@ def _remove(path: str) -> None:
         pass
 
 
-def _bounded(fn: Callable[[], Any], timeout: float) -> bool:
-    """Call fn in a daemon thread and wait at most `timeout` s for it (a call that hangs on a
-    dead peer is left behind, not waited for); whether it returned in time."""
-    worker = threading.Thread(target=fn, daemon=True, name="sagenb-bounded")
-    worker.start()
-    worker.join(timeout)
-    return not worker.is_alive()
+def _stop_cluster(cluster: ipp.Cluster, timeout: float) -> bool:
+    """ipyparallel's stop, waited for at most `timeout` s (it waits on its controller, which
+    may be dead); whether it stopped. A stop that failed or hung leaves the processes to the
+    caller's ending by pid."""
+    try:
+        return waits.bounded(cluster.stop_cluster_sync, timeout)[0]
+    except Exception:  # noqa: BLE001 - ended by pid instead, as a hung stop is
+        return False
 
 
 #: held while this process imports the engine side (torch): `%load_ext` holds it while the
@@ -554,15 +601,6 @@ class StartCancelled(Exception):
 def _check(cancel: threading.Event | None) -> None:
     if cancel is not None and cancel.is_set():
         raise StartCancelled("the background pool start was cancelled")
-
-
-def _result(ar: Any, timeout: float, cancel: threading.Event | None) -> Any:
-    """ar.get(timeout), checking every 50 ms whether the start was cancelled."""
-    deadline = time.monotonic() + timeout
-    while not ar.ready() and time.monotonic() < deadline:
-        _check(cancel)
-        ar.wait(0.05)
-    return ar.get(timeout=max(0.0, deadline - time.monotonic()))
 
 
 def _owner_only(cluster: ipp.Cluster) -> None:
@@ -686,6 +724,15 @@ def ensure_pool(n: int = DEFAULT_ENGINES) -> EnginePool:
         _join_background(raise_error=True)
     reaper.check()  # each run: a dead watcher is replaced, and said so
     return _current if _current is not None else start_pool(n)
+
+
+def drop(pool: EnginePool) -> None:
+    """Stop `pool`, which was found dead: as `stop_pool` when it is the running one (the
+    next run starts a new pool), else on its own."""
+    if _current is pool:
+        stop_pool()
+    else:
+        pool.stop()
 
 
 def stop_pool() -> bool:

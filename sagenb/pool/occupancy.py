@@ -19,13 +19,13 @@ stall clock does not run, and no engine is signalled, while they wait behind ano
 from __future__ import annotations
 
 import sys
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from typing import Any, TypeVar
 
+from sagenb.pool import waits
 from sagenb.pool.cluster import EnginePool
 
 __all__ = ["Task", "pending", "Starts", "QUERY_S"]
@@ -250,19 +250,6 @@ def _records(pool: EnginePool, msg_ids: list[str]) -> dict[str, dict]:
 
 
 def _bounded(fn: Callable[[], T]) -> T | None:
-    """fn() in a daemon thread, waited for at most QUERY_S (a dead controller never
-    answers, and ipyparallel's queries wait without a timeout); its error is raised here."""
-    box: dict[str, Any] = {}
-
-    def call() -> None:
-        try:
-            box["value"] = fn()
-        except BaseException as err:  # noqa: BLE001 - raised in the caller's thread
-            box["error"] = err
-
-    worker = threading.Thread(target=call, daemon=True, name="sagenb-query")
-    worker.start()
-    worker.join(QUERY_S)
-    if "error" in box:
-        raise box["error"]
-    return box.get("value")
+    """fn() waited for at most QUERY_S (a dead controller never answers, and ipyparallel's
+    queries wait without a timeout); None when it did not answer, its error raised here."""
+    return waits.bounded(fn, QUERY_S)[1]

@@ -13,6 +13,7 @@ from typing import Any
 
 from sagenb.engine.wire import shared_memory
 from sagenb.metrics import keys
+from sagenb.pool.waits import PoolDiedError  # raised by the pool's waits too
 
 __all__ = [
     "TrainingError",
@@ -108,12 +109,6 @@ class StalledError(TrainingError):
         self.collectives = dict(collectives or {})
         super().__init__(rank, engine_id, detail)
         self.args = (detail,)  # the detail names the ranks itself
-
-
-class PoolDiedError(RuntimeError):
-    """The pool's controller died, or the pool was stopped or restarted under the run: no
-    rank can report or be told anything any more. The run's engines were stopped and the pool
-    closed; the next run starts a new pool (or trains on the one a restart started)."""
 
 
 class TrainingInterrupted(KeyboardInterrupt):

@@ -66,6 +66,7 @@ def train(
         pool = cluster.ensure_pool(config.engines_to_start())
     # one run per pool: before this run touches an engine, healing included (pool/run_lock.py)
     me = run_lock.Holder.here(_first_line(prepared), session=pool.session_id)
+    pool.check_alive()  # a controller that died since the last run: PoolDiedError, at once
     with run_lock.hold(pool.run_lock_path, me, if_busy=config.if_busy) as previous:
         pool.heal()  # engines lost in an earlier run's failure are replaced before this one
         config = _resolve_engines(config, pool)

@@ -66,7 +66,8 @@ def _rendezvous(pool: cluster.EnginePool, world_size: int, timeout_s: float) -> 
     if not pool.multi_host:
         return bound_store(cluster.LOOPBACK, world_size, timeout_s)
     rank0 = pool.client[pool.engine_ids[0]]
-    addr, port = rank0.apply_sync(host_for_run, pool.controller_host, world_size, timeout_s)
+    task = rank0.apply_async(host_for_run, pool.controller_host, world_size, timeout_s)
+    addr, port = pool.result(task, timeout_s)
     return TCPStore(addr, port, world_size, is_master=False, timeout=timedelta(seconds=timeout_s))
 
 
@@ -359,7 +360,7 @@ class TrainingRun:
         warnings.warn_explicit(note, RuntimeWarning, "sagenb", 0, module="sagenb")
 
     def _collect(self) -> list[RankResult]:
-        results: list[RankResult] = [ar.get() for ar in self.ars]
+        results: list[RankResult] = [ar.get(timeout=0) for ar in self.ars]  # all ready
         for ar in self.ars:  # published data can trail the result on ipyparallel's IOPub
             ar.wait_for_output(timeout=OUTPUT_S)
         self._drain()
@@ -420,17 +421,8 @@ class TrainingRun:
                 "thread), so the run cannot go on: its engines are gone with the pool. Run the "
                 "cell again: it trains on the running pool, or starts a new one."
             )
-        self.pool.kill(self.ids)
-        pid = getattr(getattr(self.pool.cluster, "controller", None), "process", None)
-        if cluster.current_pool() is self.pool:
-            cluster.stop_pool()
-        else:
-            self.pool.stop()
-        raise PoolDiedError(
-            f"the engine pool's controller (pid {getattr(pid, 'pid', '?')}) has died, so the "
-            f"run cannot go on: its engines were stopped and the pool closed. Run the cell "
-            f"again: the next run starts a new pool (or %smp_cluster start -n {self.engines})."
-        )
+        self.pool.check_alive()  # kills the run's engines by pid, closes the pool, raises
+        raise PoolDiedError("the engine pool's controller came back after it had died")
 
     def _last_metrics(self) -> None:
         """The run failed: what every rank finished reaches the sinks before they close.
