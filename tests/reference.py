@@ -100,13 +100,18 @@ def loss_of(model, loss_fn, data):
     and loss_fn(logits, labels), or the model's own loss when loss_fn is None."""
     if not isinstance(data, dict):
         x, y = data
-        return loss_fn(model(x), y)
+        return loss_fn(model(x), y) if loss_fn is not None else _own(model(x, y))
     if loss_fn is None:
-        return model(**data).loss
+        return _own(model(**data))
     inputs = {k: v for k, v in data.items() if k != "labels"}
     out = model(**inputs)
     logits = out["logits"] if isinstance(out, dict) else getattr(out, "logits", out)
     return loss_fn(logits, data["labels"])
+
+
+def _own(output):
+    """The model's own loss: transformers' `.loss`, or the loss of a (logits, loss) tuple."""
+    return output[1] if isinstance(output, tuple) else output.loss
 
 
 def eval_loss(model, dataset, loss_fn, collate_fn=None) -> float:

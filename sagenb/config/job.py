@@ -8,6 +8,8 @@ forgets to define `model` fails in the notebook, not on the engines.
 from __future__ import annotations
 
 import ast
+import hashlib
+import linecache
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -65,7 +67,7 @@ class Job:
         """Run the job (on an engine) and return its namespace."""
         if self.source is not None:
             ns: dict[str, Any] = {"__name__": "__smp_cell__"}
-            exec(compile(self.source, "<smp_train cell>", "exec"), ns)
+            exec(compile(self.source, _remembered(self.source), "exec"), ns)
             return ns
         import cloudpickle
 
@@ -76,6 +78,15 @@ class Job:
                 f"it returned {type(result).__name__}"
             )
         return result
+
+
+def _remembered(source: str) -> str:
+    """The cell's file name, under which linecache keeps its source, as IPython keeps a
+    cell's: tracebacks show the cell's lines, and `inspect.getsource` reads what the cell
+    defines (the model's own loss is read from its forward's code, engine/own_loss.py)."""
+    name = f"<smp_train cell {hashlib.sha1(source.encode()).hexdigest()[:12]}>"
+    linecache.cache[name] = (len(source), None, source.splitlines(keepends=True), name)
+    return name
 
 
 def defined_names(source: str) -> set[str]:

@@ -7,6 +7,9 @@
   the call and `loss = loss_fn(logits, labels)`, where `logits` is the output's `logits` (a
   `ModelOutput` or dict) or the output itself. Without one, the model's own loss is used, as
   the model computes it, whatever its head: `labels` goes in and the output's `loss` is read.
+  A model that names its targets otherwise (nanoGPT's `forward(idx, targets=None)` returning
+  `(logits, loss)`) is read by its own convention, for dict and tuple samples alike
+  (engine/own_loss.py).
   A pipeline does the same: the labels travel with the inputs to the last stage, which
   computes the loss the traced forward computes there (the head's own code, its signature and
   its `config.problem_type` included), so no head needs a rule of sagenb's.
@@ -14,7 +17,8 @@
 A step's loss is the mean over every counted target of the global batch, as one process would
 compute it, however the batch is cut into engines' shares, grad-accum slices and microbatches.
 A mean-reduced loss over a piece is weighted by the targets it counted: integer targets count
-their entries other than -100 (cross_entropy's `ignore_index`: padding, prompts), after the
+their entries other than -100 (cross_entropy's `ignore_index`: padding, prompts; the model's
+own loss's `ignore_index` where its forward passes another, as nanoGPT's -1), after the
 first position of each sequence when the loss is a transformers causal LM's own (it predicts
 token t + 1 from token t: the model's `loss_function` is transformers' `ForCausalLMLoss`, and
 its forward calls it; T5 and BART compute cross_entropy on aligned labels themselves);
@@ -36,7 +40,9 @@ import torch
 from torch import nn
 
 from sagenb.config.job import JobError
+from sagenb.engine import own_loss
 from sagenb.engine.data.collation import Collate
+from sagenb.engine.own_loss import IGNORE_INDEX, LABELS
 
 __all__ = [
     "Objective",
@@ -48,9 +54,6 @@ __all__ = [
     "piece_loss",
     "attached",
 ]
-
-#: the target value a mean-reduced loss leaves out (torch.nn.functional.cross_entropy's default)
-IGNORE_INDEX = -100
 
 
 @dataclass(frozen=True)
@@ -65,6 +68,10 @@ class Objective:
     shifted: bool = False
     #: the cell's collate_fn, which makes every piece's batch (None: default_collate)
     collate_fn: Collate | None = None
+    #: the key of dict batches' targets: "labels", or the model's own keyword for them
+    target_key: str = LABELS
+    #: the target value a mean-reduced loss leaves out of its mean (engine/own_loss.py)
+    ignore_index: int = IGNORE_INDEX
 
     @classmethod
     def build(
@@ -76,9 +83,14 @@ class Objective:
         dict_samples = isinstance(first, Mapping)
         if loss_fn is not None:
             return cls(loss_fn=loss_fn, dict_samples=dict_samples, collate_fn=collate_fn)
-        _require_labels(first, collated=collate_fn is not None)
+        key = _own_targets(model, first, collated=collate_fn is not None)
         return cls(
-            loss_fn=None, dict_samples=True, shifted=_shifts_labels(model), collate_fn=collate_fn
+            loss_fn=None,
+            dict_samples=dict_samples,
+            shifted=_shifts_labels(model),
+            collate_fn=collate_fn,
+            target_key=key,
+            ignore_index=own_loss.ignore_index(model),
         )
 
     # -- feeding the model -----------------------------------------------------------------
@@ -87,24 +99,25 @@ class Objective:
         the rest when the model's own loss is read, in every strategy (a pipeline's included)."""
         if not self.dict_samples:
             inputs, target = batch
-            return (inputs,), {}, target
-        labels_in = self.loss_fn is None
-        kwargs = dict(batch) if labels_in else {k: v for k, v in batch.items() if k != "labels"}
-        return (), kwargs, batch.get("labels")
+            return ((inputs,) if self.loss_fn is not None else (inputs, target)), {}, target
+        key, labels_in = self.target_key, self.loss_fn is None
+        kwargs = dict(batch) if labels_in else {k: v for k, v in batch.items() if k != key}
+        return (), kwargs, batch.get(key)
 
     def target(self, batch: Any) -> Any:
-        return batch.get("labels") if self.dict_samples else batch[1]
+        return batch.get(self.target_key) if self.dict_samples else batch[1]
 
     def loss(self, output: Any, target: Any) -> torch.Tensor:
         """The mean-reduced loss of one piece, from the model's output on it."""
         if self.loss_fn is not None:
             return self.loss_fn(logits_of(output) if self.dict_samples else output, target)
-        own = _field(output, "loss")
+        own = own_loss.loss_in(output)
         if own is None:
             raise JobError(
-                "the model's output has no 'loss' and the cell defines no loss_fn: define "
-                "loss_fn(logits, labels), or return the loss as the output's 'loss' when "
-                "forward is given labels"
+                f"the cell defines no loss_fn, and the model's output ({_shape(output)}), given "
+                f"the targets as '{self.target_key}', carries no loss: sagenb reads its "
+                f"'loss' (a ModelOutput or dict) or a tuple's one scalar tensor. Define "
+                f"loss_fn(logits, labels), or return the loss so when forward is given targets"
             )
         return own
 
@@ -123,7 +136,7 @@ class Objective:
         if torch.is_tensor(target) and not (target.is_floating_point() or target.is_complex()):
             # a causal LM's labels are (batch, positions); one label a sample is not shifted
             kept = target[..., 1:] if self.shifted and target.dim() > 1 else target
-            return (kept != IGNORE_INDEX).sum()
+            return (kept != self.ignore_index).sum()
         n = batch_size_of(target if target is not None else batch)
         device = target.device if torch.is_tensor(target) else None
         return torch.tensor(n, device=device)
@@ -134,30 +147,43 @@ class Objective:
         return torch.is_tensor(target) and not (target.is_floating_point() or target.is_complex())
 
 
-def _require_labels(first: Any, *, collated: bool) -> None:
-    """Without a loss_fn the model's own loss needs dict batches with 'labels'; say what the
-    cell gave and what to do, in the words of samples or of the collate_fn's batches."""
-    given = "the batches its collate_fn returns" if collated else "its dict samples"
-    if not isinstance(first, Mapping):
-        kind = type(first).__name__
-        given = f"its collate_fn returns a {kind}" if collated else f"its samples are {kind}s"
-        raise JobError(
-            f"the cell defines no loss_fn, and {given}: define loss_fn(output, target), or "
-            f"{'return' if collated else 'give'} dict {'batches' if collated else 'samples'} "
-            "with 'labels' to use the model's own loss"
+def _own_targets(model: nn.Module, first: Any, *, collated: bool) -> str:
+    """Without a loss_fn, where the model's own loss takes the targets (engine/own_loss.py):
+    a dict batch's key, or "" for (input, target) pairs that go in as model(input, target).
+    Anything else is refused in the words of samples or of the collate_fn's batches."""
+    if isinstance(first, Mapping):
+        key, why = own_loss.target_key(model, [str(k) for k in first])
+        if key is not None:
+            return key
+        given = "the batches its collate_fn returns" if collated else "its dict samples"
+        fix = (
+            "make collate_fn add labels (transformers' DataCollatorForLanguageModeling("
+            "tokenizer, mlm=False) copies input_ids, padding as -100)"
+            if collated
+            else "add labels, or define a collate_fn(samples) whose batches have them"
         )
-    if "labels" in first:
-        return
-    fix = (
-        "make collate_fn add labels (transformers' DataCollatorForLanguageModeling(tokenizer, "
-        "mlm=False) copies input_ids, padding as -100)"
-        if collated
-        else "add labels, or define a collate_fn(samples) whose batches have them"
-    )
+        raise JobError(
+            f"the cell defines no loss_fn, and {given} carry no targets its model takes: "
+            f"{why}. {fix[0].upper()}{fix[1:]}, or define loss_fn(logits, labels)"
+        )
+    if isinstance(first, (tuple, list)) and len(first) == 2 and own_loss.takes_target(model):
+        return ""
+    kind = type(first).__name__
+    given = f"its collate_fn returns a {kind}" if collated else f"its samples are {kind}s"
     raise JobError(
-        f"the cell defines no loss_fn, and {given} have no 'labels' (keys: "
-        f"{', '.join(map(str, first))}): {fix}, or define loss_fn(logits, labels)"
+        f"the cell defines no loss_fn, and {given}: define loss_fn(output, target); or "
+        f"{'return' if collated else 'give'} dict {'batches' if collated else 'samples'} with "
+        f"'labels' to use the model's own loss. (input, target) pairs go in as "
+        f"model(input, target) only when forward takes exactly those two parameters "
+        f"({type(model).__name__}.forward takes {own_loss.parameter_names(model)})"
     )
+
+
+def _shape(output: Any) -> str:
+    """What a model's output is, for an error: its type, and a tuple's element types."""
+    if isinstance(output, (tuple, list)):
+        return f"a {type(output).__name__} of {', '.join(type(o).__name__ for o in output)}"
+    return f"a {type(output).__name__}"
 
 
 def weighted(loss: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
