@@ -195,10 +195,14 @@ def test_a_collator_that_builds_no_labels_is_refused_without_loss_fn():
     with pytest.raises(sagenb.JobError) as caught:
         workspace(source)
     assert str(caught.value) == (
-        "the cell defines no loss_fn, and the batches its collate_fn returns have no 'labels' "
-        "(keys: input_ids, attention_mask): make collate_fn add labels (transformers' "
-        "DataCollatorForLanguageModeling(tokenizer, mlm=False) copies input_ids, padding as "
-        "-100), or define loss_fn(logits, labels)"
+        "the cell defines no loss_fn, and the batches its collate_fn returns carry no targets "
+        "its model takes: sagenb looks for 'labels', else for the one key forward takes as an "
+        "option, and of their keys (input_ids, attention_mask) none is 'labels', which "
+        "LlamaForCausalLM.forward(input_ids=None, attention_mask=None, position_ids=None, "
+        "cache=None, inputs_embeds=None, labels=None, use_cache=None, logits_to_keep=0, ...) "
+        "takes. Make collate_fn add labels (transformers' DataCollatorForLanguageModeling("
+        "tokenizer, mlm=False) copies input_ids, padding as -100), or define "
+        "loss_fn(logits, labels)"
     )
 
 

@@ -100,7 +100,7 @@ def test_pairs_go_in_only_where_forward_takes_exactly_two():
         "the cell defines no loss_fn, and its samples are tuples: define loss_fn(output, "
         "target); or give dict samples with 'labels' to use the model's own loss. (input, "
         "target) pairs go in as model(input, target) only when forward takes exactly those two "
-        "parameters (Linear.forward takes (input: torch.Tensor) -> torch.Tensor)"
+        "parameters (Linear.forward takes (input))"
     )
 
 

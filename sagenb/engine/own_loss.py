@@ -51,12 +51,15 @@ def _parameters(model: nn.Module) -> list[inspect.Parameter]:
         return []
 
 
-def parameter_names(model: nn.Module) -> str:
-    """forward's parameters as a signature reads: "(idx, targets=None)"."""
-    try:
-        return str(inspect.signature(model.forward))
-    except (TypeError, ValueError):
-        return "(...)"
+def parameter_names(model: nn.Module, *, most: int = 8) -> str:
+    """forward's parameters as an error names them, without annotations: "(idx,
+    targets=None)"; the first `most` of a long list, then "..."."""
+    shown = []
+    for p in _parameters(model):
+        star = {p.VAR_POSITIONAL: "*", p.VAR_KEYWORD: "**"}.get(p.kind, "")
+        default = "" if p.default is inspect._empty else f"={p.default!r}"
+        shown.append(f"{star}{p.name}{default if len(default) <= 12 else '=...'}")
+    return f"({', '.join(shown[:most] + (['...'] if len(shown) > most else []))})"
 
 
 def takes_target(model: nn.Module) -> bool:
