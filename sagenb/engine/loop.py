@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.utils.data import TensorDataset
 
+from sagenb.engine import user_optimizer
 from sagenb.engine.checkpoint import distributed as checkpoint
 from sagenb.engine.checkpoint import resume
 from sagenb.engine.data.loader import batches_of
@@ -46,11 +47,18 @@ class _Saved(TypedDict):
     rank: int
 
 
-def make_optimizer(ws: Workspace, strategy: Strategy, lr: float) -> torch.optim.Optimizer:
+def make_optimizer(
+    ws: Workspace, strategy: Strategy, lr: float
+) -> tuple[torch.optim.Optimizer, list[str]]:
+    """The cell's make_optimizer over the strategy's parameters, checked (and mapped onto them
+    where it holds the cell's model's: engine/user_optimizer.py), with what to say of it; else
+    the default AdamW."""
     params = list(strategy.parameters())
-    if ws.make_optimizer is not None:
-        return ws.make_optimizer(params)
-    return default_optimizer(params, lr)
+    if ws.make_optimizer is None:
+        return default_optimizer(params, lr), []
+    known = {i: name for i, (name, _) in ws.cell_parameters.items()}
+    known.update({id(p): name for name, p in ws.model.named_parameters()})  # as it is now
+    return user_optimizer.checked(ws.make_optimizer(params), strategy.named_parameters(), known)
 
 
 #: the devices torch 2.13's fused AdamW runs on that an engine trains on
@@ -95,10 +103,11 @@ def train_loop(
     number of the last step done, and why its checkpoint could not be written, if it could
     not (checkpoint.save; the run then fails keeping the parameters it trained,
     run/training_run.py)."""
-    optimizer = make_optimizer(ws, strategy, config.lr)
+    optimizer, mapped = make_optimizer(ws, strategy, config.lr)
     scheduler = ws.make_scheduler(optimizer) if ws.make_scheduler is not None else None
     objects = _Saved(strategy=strategy, optimizer=optimizer, scheduler=scheduler, rank=rank)
     start, notes = _resume(config, objects)
+    notes = mapped + notes
     if notes and rank == 0:  # with the first step's metrics, into the run's warnings
         publish = _first_step_with_warnings(notes, publish)
     base_lr = None if ws.make_optimizer is not None else _base_lr(optimizer)

@@ -56,7 +56,7 @@ def parameter_names(model: nn.Module, *, most: int = 8) -> str:
     targets=None)"; the first `most` of a long list, then "..."."""
     shown = []
     for p in _parameters(model):
-        star = {p.VAR_POSITIONAL: "*", p.VAR_KEYWORD: "**"}.get(p.kind, "")
+        star = "*" if p.kind == p.VAR_POSITIONAL else "**" if p.kind == p.VAR_KEYWORD else ""
         default = "" if p.default is inspect._empty else f"={p.default!r}"
         shown.append(f"{star}{p.name}{default if len(default) <= 12 else '=...'}")
     return f"({', '.join(shown[:most] + (['...'] if len(shown) > most else []))})"

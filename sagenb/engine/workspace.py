@@ -17,6 +17,7 @@ from sagenb.engine.data.stream import as_source, readable
 from sagenb.engine.model.delayed import meta_parameters
 from sagenb.engine.model.pretrained import Checkpoint, check_matches, find_checkpoint, load_whole
 from sagenb.engine.objective import Objective
+from sagenb.engine.user_optimizer import cell_parameters
 
 __all__ = ["Workspace", "build_workspace", "seed_everything"]
 
@@ -38,6 +39,9 @@ class Workspace:
     #: the pretrained weights the cell names (its `pretrained` variable, or what its
     #: from_pretrained loaded under --delay-init), which each strategy reads only its part of
     checkpoint: Checkpoint | None = None
+    #: the cell's model's parameters as the cell built them, by id (engine/user_optimizer.py:
+    #: a make_optimizer over them is mapped onto the strategy's by name)
+    cell_parameters: dict[int, tuple[str, nn.Parameter]] = field(default_factory=dict)
     #: whether collate_fn drew random numbers making its first batch (set by build_workspace)
     collate_draws: bool = field(init=False, default=False)
     #: how batches reach the model and become a loss: set by build_workspace, the one place
@@ -81,6 +85,7 @@ def build_workspace(
         collate_fn=ns.get("collate_fn"),
     )
     _check(ws)
+    ws.cell_parameters = cell_parameters(ws.model)
     ws.checkpoint = find_checkpoint(ns, ws.model, loaded)
     if ws.checkpoint is not None:
         check_matches(ws.model, ws.checkpoint)
