@@ -159,7 +159,7 @@ def test_the_engine_side_imports_none_of_the_notebook_roles():
 #: which role may import which, as docs/architecture.md's table says (a role: a folder of sagenb/;
 #: "sagenb" is the package's face, whose %load_ext registers the magics)
 MAY_IMPORT = {
-    "sagenb": {"notebook", "pool"},
+    "sagenb": {"config", "engine", "notebook", "pool"},
     "notebook": {"sagenb", "config", "display", "engine", "metrics", "pool", "run", "sizing"},
     "config": {"engine"},
     "run": {"config", "display", "engine", "metrics", "pool", "sizing"},

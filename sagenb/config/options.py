@@ -35,10 +35,9 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple, TypeVar
 
 from sagenb.config.errors import ConfigError, flag_name
+from sagenb.config.registry import DEFAULT_ENGINES, declared_options, describe
+from sagenb.config.registry import names as strategy_names
 from sagenb.config.spec import Option
-from sagenb.engine.strategies import declared_options, describe
-from sagenb.engine.strategies import names as strategy_names
-from sagenb.engine.strategies.description import DEFAULT_ENGINES
 from sagenb.engine.strategies.pipeline import MULTI_STAGE, PARTITION_METHODS, SCHEDULES
 
 #: what a run does when another run holds its pool (--if-busy; sagenb/pool/run_lock.py)

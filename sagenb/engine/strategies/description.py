@@ -23,8 +23,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, ClassVar
 
-#: engines a pool starts with when nothing says otherwise
-DEFAULT_ENGINES = 2
+from sagenb.config.registry import DEFAULT_ENGINES
 
 if TYPE_CHECKING:
     import torch
