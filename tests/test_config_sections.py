@@ -124,3 +124,18 @@ def test_engine_code_knows_only_the_engine_config():
     engine = Path(sagenb.__file__).parent / "engine"
     named = [str(p) for p in engine.rglob("*.py") if "TrainConfig" in p.read_text()]
     assert named == []
+
+
+def test_a_strategys_option_still_reads_as_an_attribute_and_travels_pickled():
+    """Options that were fields once (`config.reshard_after_forward`) and are now declared by
+    their strategy still read as attributes, as notebooks and exported scripts read them; a
+    config unpickles without asking the strategies (what an engine receives)."""
+    import pickle
+
+    config = TrainConfig(strategy="sharded", reshard_after_forward=False)
+    assert config.reshard_after_forward is False and config.option("reshard_after_forward") is False
+    assert TrainConfig().reshard_after_forward is True  # its default, unless given
+    with pytest.raises(AttributeError, match="no attribute 'reshard_after_forwards'"):
+        config.reshard_after_forwards  # noqa: B018
+    sent = pickle.loads(pickle.dumps(config.for_engines()))
+    assert sent == config.for_engines() and sent.reshard_after_forward is False

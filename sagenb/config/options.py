@@ -32,7 +32,7 @@ import types
 import typing
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 from sagenb.config.errors import ConfigError, flag_name
 from sagenb.config.registry import DEFAULT_ENGINES, declared_options, describe
@@ -209,13 +209,6 @@ class EngineConfig:
         "GiB one engine may hold (auto partitioning keeps every stage within it)",
         shown="none",
     )
-    tensor_parallel: int | None = _opt(
-        "parallelism",
-        None,
-        "engines each Linear layer is split across (--strategy tensor; default: every engine); "
-        "data parallel across the rest",
-        shown="all engines",
-    )
     #: the values of the options strategies declare of their own (Description.options), as
     #: (name, value) pairs sorted by name, those at their default left out: a frozen config's
     #: field must be hashable, and two configs that train alike compare equal. Each is a
@@ -305,13 +298,6 @@ class EngineConfig:
         "keeps (its stage, shard or slice: a model larger than one engine); initial values as "
         "documented, or the cell's pretrained checkpoint, each engine reading only its part",
     )
-    reshard_after_forward: bool = _opt(
-        "memory",
-        True,
-        "--strategy sharded: free each block's gathered parameters after its forward and "
-        "gather them again for backward (ZeRO-3); --no-reshard-after-forward keeps them "
-        "(ZeRO-2: more memory, less communication)",
-    )
     # -- checkpoints --
     checkpoint_dir: str | None = _opt(
         "checkpoints",
@@ -330,6 +316,16 @@ class EngineConfig:
         "continue from the newest checkpoint in --checkpoint-dir this run can read (same "
         "--batch-size and --seed)",
     )
+
+    if not TYPE_CHECKING:
+
+        def __getattr__(self, name: str) -> Any:
+            """An option a strategy declares, read as an attribute (`config.replicas`), as
+            notebooks and scripts read those that were fields once; sagenb's own code asks
+            `config.option(name)`, or its strategy's typed view of its options."""
+            if name.startswith("_") or name not in declared_options():
+                raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+            return self.option(name)
 
     def __post_init__(self) -> None:
         strategy = describe(self.strategy)  # a ConfigError names the strategies otherwise
@@ -627,22 +623,19 @@ def option_owners(name: str) -> tuple[str, ...]:
 
 
 def every_option(config: type = TrainConfig) -> tuple[Option, ...]:
-    """Every option `config` takes, as Options, in its fields' order: each field's own and,
-    where the field `strategy_options` stands, those the registered strategies declare. The
-    flags, to_flags, the flag reference, the export and the control panel all read this."""
-    out: list[Option] = []
-    for option in _field_options(config):
-        out += _declared().values() if option is None else [option]
-    return tuple(out)
+    """Every option `config` takes, as Options, section by section (SECTIONS order): the
+    section's fields in their order, then the options the registered strategies declare in it
+    (in --strategy's order). The flags, to_flags, the flag reference, the export and the
+    control panel all read this."""
+    options = (*_field_options(config), *_declared().values())
+    return tuple(option for section in SECTIONS for option in options if option.section == section)
 
 
 @functools.cache
-def _field_options(config: type) -> tuple[Option | None, ...]:
-    """The fields of `config` as Options (None: `strategy_options`, which holds others), once
+def _field_options(config: type) -> tuple[Option, ...]:
+    """The fields of `config` as Options (but `strategy_options`, which holds others), once
     per class: reading the type hints of every field costs a few milliseconds."""
-    return tuple(
-        None if f.name == _HOLDER else _field_option(f, config) for f in dataclasses.fields(config)
-    )
+    return tuple(_field_option(f, config) for f in dataclasses.fields(config) if f.name != _HOLDER)
 
 
 def _field_option(f: dataclasses.Field, config: type) -> Option:
