@@ -1,13 +1,16 @@
 """Training configuration: plain, picklable, keyword-only dataclasses, in sections.
 
 One source of truth for every option. Each field says its section (`SECTIONS`), its help
-text and, where a flag needs it, how to parse the flag's text; a strategy declares an option of
-its own the same way, as an `Option` of its description (engine/strategies/), and the config
-holds its value in one field, `strategy_options`. `every_option` gives both kinds alike, and
-from that alone come the magic's argparse flags (`--batch-size` for `batch_size`), `to_flags`,
-the export's script, the control panel and the flag reference (`flag_reference`,
-docs/flags.md). A script passes them all as keyword arguments (`mirror_shares=2` too: it goes
-into `strategy_options`), and `config.option(name)` reads either kind.
+text and, where a flag needs it, how to parse the flag's text; a strategy declares the options
+it owns the same way, as `Option`s of its description (the pipeline's --partitions, --schedule
+and cut options, tensor parallel's --tensor-parallel, sharded's --replicas ...), and the config
+holds their values in one field, `strategy_options`. The config imports no strategy: it asks
+them through its registry (registry.py), which they fill as they load. `every_option` gives
+both kinds alike, and from that alone come the magic's argparse flags (`--batch-size` for
+`batch_size`), `to_flags`, the export's script, the control panel and the flag reference
+(flags.py, docs/flags.md). A script passes them all as keyword arguments (`partitions=2` too:
+it goes into `strategy_options`), and `config.option(name)` reads either kind
+(`config.partitions` too, as scripts read it when it was a field).
 
 The sections split the config in two. `EngineConfig` holds what the engines need (training,
 parallelism, memory savers, checkpoints); `TrainConfig` adds what only the notebook uses (the
@@ -38,16 +41,13 @@ from sagenb.config.errors import ConfigError, flag_name
 from sagenb.config.registry import DEFAULT_ENGINES, declared_options, describe
 from sagenb.config.registry import names as strategy_names
 from sagenb.config.spec import Option
-from sagenb.engine.strategies.pipeline import MULTI_STAGE, PARTITION_METHODS, SCHEDULES
 
 #: what a run does when another run holds its pool (--if-busy; sagenb/pool/run_lock.py)
 IF_BUSY = ("wait", "fail")
 
 __all__ = [
     "DEFAULT_ENGINES",
-    "PARTITION_METHODS",
     "PRECISIONS",
-    "SCHEDULES",
     "ConfigError",
     "EngineConfig",
     "Option",
@@ -103,18 +103,6 @@ SECTIONS: dict[str, Section] = {
 }
 
 
-def parse_cuts(text: str | tuple[int, ...]) -> tuple[int, ...]:
-    """'2,5' -> (2, 5): the blocks where stages 2, 3, ... begin (for --partition-by manual)."""
-    if isinstance(text, tuple):
-        return text
-    try:
-        return tuple(int(part) for part in text.replace(" ", "").split(",") if part)
-    except ValueError:
-        raise ConfigError(
-            "cuts", text, "must be block indices separated by commas, e.g. 2,4"
-        ) from None
-
-
 def _opt(section: str, default: Any, help: str, **extra: Any) -> Any:
     """A field of `section` (SECTIONS). `extra`: `choices` (a tuple, or a function that
     returns one), `parse` (the flag's text -> the value), `shown` (the default as the flag
@@ -165,49 +153,6 @@ class EngineConfig:
         "torch threads per engine (default: the machine's cores / engines, at least 1, so "
         "engines do not oversubscribe the cores)",
         shown="cores / engines",
-    )
-    partitions: int = _opt(
-        "parallelism", 1, "pipeline stages the model is split into (model, hybrid)"
-    )
-    microbatches: int = _opt(
-        "parallelism", 4, "microbatches each pipeline splits its slice of a batch into"
-    )
-    schedule: str = _opt(
-        "parallelism",
-        "1f1b",
-        "pipeline schedule: gpipe (all forwards, then all backwards), 1f1b (backwards as early "
-        "as possible), interleaved (1F1B over --virtual-stages chunks per engine), looped-bfs "
-        "(every microbatch through an engine's first chunk, then its next), zero-bubble "
-        "(interleaved, each backward split in two: the weights' gradients fill the bubble), zbv "
-        "and dualpipev (two chunks per engine in a V, engine 0 holding the first and the last; "
-        "zero bubble's ZB-V and DeepSeek's DualPipeV)",
-        choices=SCHEDULES,
-    )
-    virtual_stages: int = _opt(
-        "parallelism",
-        2,
-        "model chunks per engine with --schedule interleaved, looped-bfs or zero-bubble (2 with "
-        "zbv and dualpipev)",
-    )
-    partition_by: str = _opt(
-        "parallelism",
-        "auto",
-        "how cut points are chosen: auto (balance measured time within --memory-budget), "
-        "parameters (balance parameter counts), uniform (equal block counts), manual (--cuts)",
-        choices=PARTITION_METHODS,
-    )
-    cuts: tuple[int, ...] = _opt(
-        "parallelism",
-        (),
-        "blocks where stages 2, 3, ... begin, e.g. 2,4 (with --partition-by manual)",
-        parse=parse_cuts,
-        shown="none",
-    )
-    memory_budget: float | None = _opt(
-        "parallelism",
-        None,
-        "GiB one engine may hold (auto partitioning keeps every stage within it)",
-        shown="none",
     )
     #: the values of the options strategies declare of their own (Description.options), as
     #: (name, value) pairs sorted by name, those at their default left out: a frozen config's
@@ -345,9 +290,8 @@ class EngineConfig:
         if self.clip_grad_norm is not None:
             _check_positive(self, "clip_grad_norm")
         self._check_checkpoint_dir()
-        self._check_pipeline()
         _check_choice(self, "precision", PRECISIONS)
-        self._check_own_options(strategy)
+        self._check_owned_options(strategy)
         _check_int(self, "checkpoint_every", minimum=0)
         if (self.checkpoint_every or self.resume) and not self.checkpoint_dir:
             name = "resume" if self.resume else "checkpoint_every"
@@ -431,18 +375,12 @@ class EngineConfig:
         so a stalled run is stopped, and reported as stalled, by the notebook."""
         return self.timeout + 60.0
 
-    @property
-    def stages(self) -> int:
-        """Pipeline stages in all (partitions x virtual stages for the schedules that hold
-        several stages per engine: interleaved, looped-bfs, zero-bubble, zbv, dualpipev)."""
-        return self.partitions * (self.virtual_stages if self.schedule in MULTI_STAGE else 1)
-
     def replicas(self, engines: int) -> int:
         """Data-parallel replicas on `engines` engines: each a whole pipeline (model, hybrid)
         or a tensor-parallel group (tensor); sharded engines each take their own samples."""
         return int(describe(self.strategy).replicas(self, engines))
 
-    def _check_own_options(self, strategy: Any) -> None:
+    def _check_owned_options(self, strategy: Any) -> None:
         """An option that only some strategies use must keep its default under the others
         (--partitions 2 with --strategy data would silently train something else)."""
         for option in every_option(type(self)):
@@ -454,19 +392,6 @@ class EngineConfig:
                 negated = f"{_flag_for(option, value)} " if value is False else ""
                 needs = f"{negated}needs --strategy {' or '.join(owners)}"
                 raise ConfigError(option.name, value, needs)
-
-    def _check_pipeline(self) -> None:
-        """The pipeline options' types and choices, for every strategy; the strategies that
-        run pipelines check the rest (engine/strategies/pipeline/strategy.py)."""
-        for name in ("partitions", "microbatches", "virtual_stages"):
-            _check_int(self, name, minimum=1)
-        _check_choice(self, "schedule", SCHEDULES)
-        _check_choice(self, "partition_by", PARTITION_METHODS)
-        object.__setattr__(self, "cuts", parse_cuts(self.cuts))
-        if self.cuts and self.partition_by != "manual":
-            raise ConfigError("cuts", self.cuts, "is used only with --partition-by manual")
-        if self.memory_budget is not None:
-            _check_positive(self, "memory_budget")
 
     def forward_size(self, engines: int) -> int:
         """Samples in one forward of one engine on `engines` engines: the global batch cut
@@ -611,12 +536,10 @@ def _fields(config: Any) -> tuple[dataclasses.Field, ...]:
 
 
 def option_owners(name: str) -> tuple[str, ...]:
-    """The strategies that list option `name` in their `own_options` or declare it (their
-    `options`): the others refuse any value but its default; none: every strategy accepts it."""
+    """The strategies that declare option `name` (their `options`): the others refuse any
+    value but its default; none (a field of the config): every strategy accepts it."""
     declared = declared_options()
-    if name in declared:
-        return declared[name][1]
-    return tuple(n for n in strategy_names() if name in describe(n).own_options)
+    return declared[name][1] if name in declared else ()
 
 
 # -- every option: the config's fields and the options the strategies declare --------------
