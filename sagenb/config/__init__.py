@@ -1,6 +1,7 @@
-"""What to train and how: every option once (`options`), in sections; the spec of one option,
-which a strategy declares its own with (`spec`); the job (`job`); the error of a bad option
-(`errors`).
+"""What to train and how: every option once (`options`), in sections; the options as flags and
+their reference (`flags`); the spec of one option, which a strategy declares its own with
+(`spec`); the strategies as the config asks them (`registry`); the job (`job`); the error of a
+bad option (`errors`).
 
 The options are plain, picklable, keyword-only dataclasses: `EngineConfig` (all that travels to
 the engines, the planner and an exported script) and `TrainConfig` (the notebook's own options
@@ -34,12 +35,10 @@ _PUBLIC = {
             "TrainConfig",
             "describe",
             "every_option",
-            "flag_arguments",
-            "flag_reference",
-            "notebook_only_flags",
             "strategy_names",
         )
     },
+    **{name: "flags" for name in ("flag_arguments", "flag_reference", "notebook_only_flags")},
 }
 
 #: names kept for the choices of options that strategies now declare (they were fields once)

@@ -23,7 +23,6 @@ engine starts.
 
 from __future__ import annotations
 
-import argparse
 import builtins
 import dataclasses
 import difflib
@@ -33,7 +32,7 @@ import math
 import os
 import types
 import typing
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
@@ -54,13 +53,10 @@ __all__ = [
     "SECTIONS",
     "Section",
     "TrainConfig",
-    "flag_arguments",
     "flag_name",
-    "flag_reference",
     "describe",
     "every_option",
     "field_type",
-    "notebook_only_flags",
     "option_owners",
     "strategy_names",
 ]
@@ -389,7 +385,7 @@ class EngineConfig:
                 continue
             owners = option_owners(option.name)
             if owners and strategy.name not in owners:
-                negated = f"{_flag_for(option, value)} " if value is False else ""
+                negated = f"{option.flag(value)} " if value is False else ""
                 needs = f"{negated}needs --strategy {' or '.join(owners)}"
                 raise ConfigError(option.name, value, needs)
 
@@ -418,7 +414,7 @@ class EngineConfig:
     def to_flags(self) -> str:
         """The `%%smp_train` line that gives this config (defaults left out)."""
         parts = [
-            _flag_for(option, self.option(option.name))
+            option.flag(self.option(option.name))
             for option in every_option(type(self))
             if self.option(option.name) != option.default
         ]
@@ -632,9 +628,6 @@ def _unknown(name: str, config: type, declared: Mapping[str, Option]) -> str:
     )
 
 
-# -- flags: one spelling per option, from its type and default -----------------------------
-
-
 def field_type(f: dataclasses.Field, config: type = TrainConfig) -> Any:
     """The type a flag's text converts to: `int` for `int | None` (`config`: the dataclass
     that declares `f`, for a field TrainConfig lacks)."""
@@ -643,103 +636,6 @@ def field_type(f: dataclasses.Field, config: type = TrainConfig) -> Any:
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
         return args[0]
     return hint
-
-
-def _is_switch(option: Option) -> bool:
-    return isinstance(option.default, bool)
-
-
-def _help(option: Option) -> str:
-    """Its help, and for an option a strategy declares, the strategy (its fields' help texts
-    name theirs in their own words)."""
-    if option.name in TrainConfig.__dataclass_fields__:
-        return option.help
-    return f"{option.help} (--strategy {' or '.join(option_owners(option.name))})"
-
-
-def flag_arguments(option: Option) -> tuple[tuple[str, ...], dict[str, Any]]:
-    """argparse's option strings and keywords for `option` (every_option): a bool that is off
-    by default is a `--x` switch, one that is on is `--x/--no-x` (BooleanOptionalAction); any
-    other option takes a value, converted by its `parse` or its type."""
-    if _is_switch(option):
-        action: Any = "store_true" if option.default is False else argparse.BooleanOptionalAction
-        return (flag_name(option.name),), dict(
-            dest=option.name, action=action, default=option.default, help=_help(option)
-        )
-    choices = option.allowed()
-    extra = {"choices": choices} if choices else {}
-    convert: Callable[[str], Any] = option.parse or option.type
-    return (flag_name(option.name),), dict(
-        dest=option.name,
-        type=convert,
-        default=option.default,
-        help=_help(option),
-        metavar=option.name.upper(),
-        **extra,
-    )
-
-
-def _flag_for(option: Option, value: Any) -> str:
-    """The flag that sets `option` to `value`: `--resume`, `--no-dashboard`, `--cuts 2,4`."""
-    if _is_switch(option):
-        return flag_name(option.name) if value else "--no-" + flag_name(option.name)[2:]
-    if isinstance(value, tuple):
-        value = ",".join(map(str, value))
-    return f"{flag_name(option.name)} {value}"
-
-
-def notebook_only_flags() -> list[str]:
-    """The flags of the notebook-only sections (display, cost, output), spelled as given
-    when they change something: what an exported script leaves out."""
-    return [
-        _flag_for(o, not o.default) if _is_switch(o) else flag_name(o.name)
-        for o in every_option(TrainConfig)
-        if not SECTIONS[o.section].engines
-    ]
-
-
-# -- the flag reference (docs/flags.md) ----------------------------------------------------
-
-
-def flag_reference() -> str:
-    """Markdown tables of every flag, one per section in SECTIONS order: flag, default and
-    meaning, from the options themselves, the registered strategies' own included
-    (docs/flags.md holds this; a test keeps it so)."""
-    out = []
-    for name, section in SECTIONS.items():
-        where = "sent to the engines" if section.engines else "the notebook's own"
-        out += [f"## {section.title}", "", f"{section.about} ({where}).", ""]
-        out += ["| flag | default | meaning |", "|---|---|---|"]
-        for option in every_option(TrainConfig):
-            if option.section == name:
-                row = (_reference_flags(option), _shown(option), _meaning(option))
-                out.append("| {} | {} | {} |".format(*row))
-        out.append("")
-    return "\n".join(out)
-
-
-def _reference_flags(option: Option) -> str:
-    if _is_switch(option) and option.default is True:
-        return f"`{flag_name(option.name)}`, `--no-{flag_name(option.name)[2:]}`"
-    return f"`{flag_name(option.name)}`"
-
-
-def _shown(option: Option) -> str:
-    if option.shown is not None:
-        return str(option.shown)
-    if _is_switch(option):
-        return "on" if option.default else "off"
-    if isinstance(option.default, str):
-        return f"`{option.default}`"
-    return f"{option.default:g}" if isinstance(option.default, float) else str(option.default)
-
-
-def _meaning(option: Option) -> str:
-    text = _help(option).replace("%%", "%").replace("|", "\\|")
-    values = option.allowed() or ()
-    if values and not all(v in text for v in values):
-        text += ": " + ", ".join(f"`{v}`" for v in values)
-    return text
 
 
 def _check_choice(cfg: EngineConfig, name: str, choices: tuple[str, ...]) -> None:
