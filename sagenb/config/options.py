@@ -23,12 +23,9 @@ engine starts.
 
 from __future__ import annotations
 
-import builtins
 import dataclasses
 import difflib
 import functools
-import keyword
-import math
 import os
 import types
 import typing
@@ -36,6 +33,13 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
+from sagenb.config.checks import (
+    check_checkpoint_dir,
+    check_choice,
+    check_int,
+    check_out,
+    check_positive,
+)
 from sagenb.config.errors import ConfigError, flag_name
 from sagenb.config.registry import DEFAULT_ENGINES, declared_options, describe
 from sagenb.config.registry import names as strategy_names
@@ -272,23 +276,23 @@ class EngineConfig:
         strategy = describe(self.strategy)  # a ConfigError names the strategies otherwise
         self._check_strategy_options()
         for name in ("batch_size", "epochs", "grad_accum"):
-            _check_int(self, name, minimum=1)
+            check_int(self, name, minimum=1)
         for name in ("steps", "engines"):
             if getattr(self, name) is not None:
-                _check_int(self, name, minimum=1)
+                check_int(self, name, minimum=1)
         if self.threads is not None:
-            _check_int(self, "threads", minimum=1, maximum=MAX_THREADS)
-        _check_int(self, "seed", minimum=0, maximum=MAX_SEED)
-        _check_int(self, "eval_every", minimum=0)
-        _check_int(self, "data_workers", minimum=0)
-        _check_positive(self, "lr", allow_zero=True)
-        _check_positive(self, "timeout", maximum=MAX_TIMEOUT_S)
+            check_int(self, "threads", minimum=1, maximum=MAX_THREADS)
+        check_int(self, "seed", minimum=0, maximum=MAX_SEED)
+        check_int(self, "eval_every", minimum=0)
+        check_int(self, "data_workers", minimum=0)
+        check_positive(self, "lr", allow_zero=True)
+        check_positive(self, "timeout", maximum=MAX_TIMEOUT_S)
         if self.clip_grad_norm is not None:
-            _check_positive(self, "clip_grad_norm")
-        self._check_checkpoint_dir()
-        _check_choice(self, "precision", PRECISIONS)
+            check_positive(self, "clip_grad_norm")
+        check_checkpoint_dir(self.checkpoint_dir)
+        check_choice(self, "precision", PRECISIONS)
         self._check_owned_options(strategy)
-        _check_int(self, "checkpoint_every", minimum=0)
+        check_int(self, "checkpoint_every", minimum=0)
         if (self.checkpoint_every or self.resume) and not self.checkpoint_dir:
             name = "resume" if self.resume else "checkpoint_every"
             raise ConfigError(name, getattr(self, name), "needs --checkpoint-dir")
@@ -332,26 +336,6 @@ class EngineConfig:
         if type(self) is EngineConfig:
             return self
         return EngineConfig(**{f.name: getattr(self, f.name) for f in _fields(EngineConfig)})
-
-    def _check_checkpoint_dir(self) -> None:
-        """A directory, or one that can be made: found out now, not when the finished run
-        writes its final checkpoint."""
-        if not self.checkpoint_dir:
-            return
-        path = os.path.abspath(os.path.expanduser(self.checkpoint_dir))
-        if os.path.exists(path) and not os.path.isdir(path):
-            raise ConfigError(
-                "checkpoint_dir", self.checkpoint_dir, "exists and is not a directory"
-            )
-        parent = path
-        while not os.path.exists(parent):
-            parent = os.path.dirname(parent)
-        if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
-            raise ConfigError(
-                "checkpoint_dir",
-                self.checkpoint_dir,
-                f"cannot be written: {parent} is not writable",
-            )
 
     def engines_to_start(self) -> int:
         """Engines a pool needs for this config when none runs: --engines, else what the
@@ -486,7 +470,7 @@ class TrainConfig(EngineConfig):
         starts: validation reads no file."""
         super().__post_init__()
         if self.price_per_hour is not None:
-            _check_positive(self, "price_per_hour")
+            check_positive(self, "price_per_hour")
         if not (isinstance(self.spot_discount, (int, float)) and 0 <= self.spot_discount <= 0.95):
             raise ConfigError("spot_discount", self.spot_discount, "must be between 0 and 0.95")
         if not isinstance(self.instance, str) or not self.instance:
@@ -496,35 +480,8 @@ class TrainConfig(EngineConfig):
         for name in ("price_table", "hardware_table"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
                 raise ConfigError(name, getattr(self, name), "must be a JSON file's path")
-        _check_out(self.out)
-        _check_choice(self, "if_busy", IF_BUSY)
-
-
-#: the names IPython's shell keeps in the notebook's namespace (besides those starting with
-#: "_": _, __, ___, _i, _ii, _iN, _N, _ih, _oh, _dh): a result stored there replaces them
-SHELL_NAMES = frozenset({"In", "Out", "get_ipython", "exit", "quit"})
-
-
-def _check_out(out: Any) -> None:
-    """--out names a variable of the notebook: one that shadows nothing. A builtin's name
-    (`len`) or IPython's own (`Out`, `_oh`) would break later cells, and `__builtins__` every
-    later cell: the kernel looks `len` up in it. Every name starting with "_" is refused:
-    IPython's history names (`_`, `_i3`, `_12`) and Python's dunders are all of that form."""
-    if (
-        not isinstance(out, str)
-        or not out.isidentifier()
-        or keyword.iskeyword(out)
-        or out.startswith("_")
-        or out in SHELL_NAMES
-        or hasattr(builtins, out)
-    ):
-        raise ConfigError(
-            "out",
-            out,
-            "must be a Python identifier that is neither a keyword nor a builtin's name, "
-            f"does not start with '_' and is not one of IPython's {', '.join(sorted(SHELL_NAMES))} "
-            "(the result would shadow it in the notebook)",
-        )
+        check_out(self.out)
+        check_choice(self, "if_busy", IF_BUSY)
 
 
 def _fields(config: Any) -> tuple[dataclasses.Field, ...]:
@@ -636,30 +593,3 @@ def field_type(f: dataclasses.Field, config: type = TrainConfig) -> Any:
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
         return args[0]
     return hint
-
-
-def _check_choice(cfg: EngineConfig, name: str, choices: tuple[str, ...]) -> None:
-    value = getattr(cfg, name)
-    if value not in choices:
-        raise ConfigError(name, value, f"must be one of {', '.join(choices)}")
-
-
-def _check_int(cfg: EngineConfig, name: str, *, minimum: int, maximum: int | None = None) -> None:
-    value = getattr(cfg, name)
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        bound = f"from {minimum} to {maximum}" if maximum is not None else f">= {minimum}"
-        raise ConfigError(name, value, f"must be an integer {bound}")
-    if maximum is not None and value > maximum:
-        raise ConfigError(name, value, f"must be an integer from {minimum} to {maximum}")
-
-
-def _check_positive(
-    cfg: EngineConfig, name: str, *, allow_zero: bool = False, maximum: float | None = None
-) -> None:
-    value = getattr(cfg, name)
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    too_big = ok and maximum is not None and value > maximum
-    if not ok or value < 0 or (value == 0 and not allow_zero) or too_big:
-        bound = ">= 0" if allow_zero else "> 0"
-        most = f" and at most {maximum:g}" if maximum is not None else ""
-        raise ConfigError(name, value, f"must be a finite number {bound}{most}")
