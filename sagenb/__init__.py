@@ -9,13 +9,17 @@ or, from a script, `sagenb.train(job, strategy="data", engines=2, batch_size=64)
 way under torchrun, without a notebook.
 
 This module imports nothing heavy: the engine side (`sagenb.engine`) must load without IPython,
-ipywidgets or plotly, and the public names below are resolved on first use.
+ipywidgets or plotly, and the public names below are resolved on first use. It tells the config
+how to load the strategies (config/registry.py), since the config imports no strategy: every
+way in, a notebook, a script or an engine unpickling a config, passes here first.
 """
 
 from __future__ import annotations
 
 from importlib import import_module
 from typing import Any
+
+from sagenb.config import registry as _registry
 
 __version__ = "0.1.0"
 
@@ -62,6 +66,14 @@ def __getattr__(name: str) -> Any:
     if name in _PUBLIC:
         return getattr(import_module(_PUBLIC[name]), name)
     raise AttributeError(f"module 'sagenb' has no attribute {name!r}")
+
+
+def _load_strategies() -> None:
+    """The strategies' package fills the config's registry as it loads."""
+    import sagenb.engine.strategies  # noqa: F401
+
+
+_registry.loads_with(_load_strategies)
 
 
 def load_ipython_extension(ipython: Any) -> None:

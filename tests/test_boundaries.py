@@ -45,30 +45,17 @@ def _modules() -> dict[str, Path]:
     return found
 
 
-def _typing_only(tree: ast.AST) -> set[int]:
-    """The nodes under `if TYPE_CHECKING:`: imports for annotations, never run."""
-    return {
-        id(node)
-        for block in ast.walk(tree)
-        if isinstance(block, ast.If) and ast.unparse(block.test).endswith("TYPE_CHECKING")
-        for stmt in block.body
-        for node in ast.walk(stmt)
-    }
-
-
 def import_graph() -> dict[str, set[str]]:
-    """module -> the sagenb modules it imports, at its top or inside a function (a lazy import
-    that breaks a cycle at run time is still a cycle), annotation-only imports left out;
-    `from P import name` is an edge to P.name where that is a module, else to P."""
+    """module -> the sagenb modules it imports, at its top, inside a function (a lazy import
+    that breaks a cycle at run time is still a cycle) or under `if TYPE_CHECKING:` (a module
+    that names another's types in its annotations knows it: a cycle closed through one is
+    still a cycle, as config/options.py and the strategies' was); `from P import name` is an
+    edge to P.name where that is a module, else to P."""
     modules = _modules()
     graph: dict[str, set[str]] = {m: set() for m in modules}
     for module, path in modules.items():
         package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-        tree = ast.parse(path.read_text())
-        skip = _typing_only(tree)
-        for node in ast.walk(tree):
-            if id(node) in skip:
-                continue
+        for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
                 targets = [alias.name for alias in node.names]
             elif isinstance(node, ast.ImportFrom):
@@ -134,6 +121,8 @@ def test_the_checker_sees_a_cycle_and_a_lazy_import():
     assert cycles({"a": {"b"}, "b": set()}) == []
     # function-level imports count: the description's registry once was one
     assert "sagenb.pool.cluster" in import_graph()["sagenb"]  # load_ipython_extension's
+    # and annotation-only ones: the description names EngineConfig under TYPE_CHECKING
+    assert "sagenb.config.options" in import_graph()["sagenb.engine.strategies.description"]
 
 
 def test_no_import_cycle():
@@ -142,8 +131,27 @@ def test_no_import_cycle():
 
 def test_the_option_spec_imports_only_the_error():
     """A strategy's module declares its options with sagenb.config's Option: importing it
-    imports the error of a bad value and nothing of the options, which import the strategies."""
+    imports the error of a bad value and nothing of the options."""
     assert import_graph()["sagenb.config.spec"] == {"sagenb.config.errors"}
+
+
+def test_the_config_imports_nothing_of_the_engine_side():
+    """The ground floor stands on nothing above it: the config asks the strategies through its
+    registry, which they fill as they load (config/registry.py), not even naming their types.
+    Importing the options loads no strategy (nor torch); the first question does."""
+    config_to_engine = _edges(
+        import_graph(),
+        lambda m: m.startswith("sagenb.config"),
+        lambda t: t.startswith("sagenb.engine"),
+    )
+    assert config_to_engine == []
+    code = (
+        "import sys, sagenb.config.options as o\n"
+        "print('sagenb.engine.strategies' in sys.modules, 'torch' in sys.modules)\n"
+        "print(o.TrainConfig(strategy='model', partitions=2).partitions)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["False", "False", "2"]
 
 
 def test_the_engine_side_imports_none_of_the_notebook_roles():
@@ -159,15 +167,15 @@ def test_the_engine_side_imports_none_of_the_notebook_roles():
 #: which role may import which, as docs/architecture.md's table says (a role: a folder of sagenb/;
 #: "sagenb" is the package's face, whose %load_ext registers the magics)
 MAY_IMPORT = {
-    "sagenb": {"notebook", "pool"},
+    "sagenb": {"config", "engine", "notebook", "pool"},
     "notebook": {"sagenb", "config", "display", "engine", "metrics", "pool", "run", "sizing"},
-    "config": {"engine"},
+    "config": set(),
     "run": {"config", "display", "engine", "metrics", "pool", "sizing"},
     "pool": {"config", "engine"},
     "engine": {"config", "metrics"},
     "metrics": {"config"},
     "display": {"config", "metrics", "sizing"},
-    "sizing": {"config", "display", "engine", "metrics", "pool", "run"},
+    "sizing": {"config", "display", "engine", "metrics", "pool"},
     "teaching": {"metrics", "engine", "display"},
 }
 

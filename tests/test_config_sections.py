@@ -124,3 +124,50 @@ def test_engine_code_knows_only_the_engine_config():
     engine = Path(sagenb.__file__).parent / "engine"
     named = [str(p) for p in engine.rglob("*.py") if "TrainConfig" in p.read_text()]
     assert named == []
+
+
+def test_a_strategys_option_still_reads_as_an_attribute_and_travels_pickled():
+    """Options that were fields once (`config.reshard_after_forward`) and are now declared by
+    their strategy still read as attributes, as notebooks and exported scripts read them; a
+    config unpickles without asking the strategies (what an engine receives)."""
+    import pickle
+
+    config = TrainConfig(strategy="sharded", reshard_after_forward=False)
+    assert config.reshard_after_forward is False and config.option("reshard_after_forward") is False
+    assert TrainConfig().reshard_after_forward is True  # its default, unless given
+    with pytest.raises(AttributeError, match="no attribute 'reshard_after_forwards'"):
+        config.reshard_after_forwards  # noqa: B018
+    sent = pickle.loads(pickle.dumps(config.for_engines()))
+    assert sent == config.for_engines() and sent.reshard_after_forward is False
+
+
+def test_the_pipelines_options_keep_their_keywords_flags_and_attributes():
+    """The pipeline's options are its strategies' own now (engine/strategies/pipeline/
+    options.py), but every way of giving them still works: keywords, as sagenb.train and an
+    exported script from before pass them (`EngineConfig(..., partitions=2, cuts=(1,))`), the
+    magic's flags, and the attributes scripts read; a bad value names the flag, the value and
+    what is allowed."""
+    old_script = EngineConfig(
+        strategy="model",
+        engines=2,
+        partitions=2,
+        microbatches=2,
+        schedule="gpipe",
+        partition_by="manual",
+        cuts=(1,),
+        memory_budget=2,
+        batch_size=8,
+    )
+    assert old_script.partitions == 2 and old_script.cuts == (1,)
+    assert old_script.memory_budget == 2.0  # an int made a float, as the field did
+    assert old_script == EngineConfig(**dict(old_script.strategy_options), strategy="model",
+                                      engines=2, batch_size=8)  # fmt: skip
+    line = old_script.to_flags()
+    assert "--partitions 2 --microbatches 2 --schedule gpipe --partition-by manual --cuts 1" in line
+    assert parse_train_line(line.removeprefix("%%smp_train")).for_engines() == old_script
+    with pytest.raises(ConfigError, match=r"--schedule 'x': must be one of gpipe, 1f1b"):
+        TrainConfig(strategy="model", partitions=2, schedule="x")
+    with pytest.raises(ConfigError, match=r"--partitions 2: needs --strategy model or hybrid"):
+        TrainConfig(partitions=2)
+    with pytest.raises(ConfigError, match=r"--cuts \(1,\): is used only with --partition-by"):
+        TrainConfig(strategy="model", partitions=2, cuts="1")

@@ -216,13 +216,13 @@ def test_a_field_added_to_the_spec_gets_a_widget(monkeypatch):
 
 
 def test_options_of_other_strategies_are_greyed_out_and_left_at_their_default():
-    """An option only some strategies use (their own_options) can be set only under them;
+    """An option only some strategies use (the options they declare) can be set only under them;
     under another it keeps what was typed, greyed out, and the config has its default."""
     panel = sagenb.ControlPanel()
     for strategy in strategy_names():
         panel.controls["strategy"].value = strategy
         for name, widget in panel.controls.items():
-            owners = option_owners(name)  # own_options, or declared by the strategy
+            owners = option_owners(name)  # the strategies that declare it
             assert widget.disabled == bool(owners and strategy not in owners), (strategy, name)
     assert "--strategy model or hybrid" in panel.controls["partitions"].tooltip
     set_options(panel, engines="", strategy="model", partitions=3)

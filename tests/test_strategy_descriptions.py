@@ -299,7 +299,7 @@ def test_an_option_converts_and_checks_its_values():
 @pytest.mark.parametrize(
     "option, message",
     [
-        ('Option("partitions", "parallelism", 1, "h")', "'partitions', which is a field"),
+        ('Option("grad_accum", "training", 1, "h")', "'grad_accum', which is a field"),
         ('Option("mirror_note", "output", "", "h")', "'mirror_note' in section 'output'"),
     ],
 )

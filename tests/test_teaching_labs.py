@@ -12,6 +12,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from sagenb.config import TrainConfig
 from sagenb.metrics import keys
 from sagenb.metrics.stream import StepMetrics
 from sagenb.teaching import bubble_lab
@@ -138,7 +139,7 @@ def test_the_span_idle_share_is_the_formula_on_an_ideal_schedule():
 
 
 def test_measure_reads_a_result_and_smallest_m_the_points():
-    config = SimpleNamespace(partitions=2, schedule="gpipe", microbatches=1, stages=2)
+    config = TrainConfig(strategy="model", partitions=2, schedule="gpipe", microbatches=1)
     result = SimpleNamespace(
         config=config, metrics=_gpipe_one_microbatch(1) + _gpipe_one_microbatch(2)
     )

@@ -1,13 +1,16 @@
 """Training configuration: plain, picklable, keyword-only dataclasses, in sections.
 
 One source of truth for every option. Each field says its section (`SECTIONS`), its help
-text and, where a flag needs it, how to parse the flag's text; a strategy declares an option of
-its own the same way, as an `Option` of its description (engine/strategies/), and the config
-holds its value in one field, `strategy_options`. `every_option` gives both kinds alike, and
-from that alone come the magic's argparse flags (`--batch-size` for `batch_size`), `to_flags`,
-the export's script, the control panel and the flag reference (`flag_reference`,
-docs/flags.md). A script passes them all as keyword arguments (`mirror_shares=2` too: it goes
-into `strategy_options`), and `config.option(name)` reads either kind.
+text and, where a flag needs it, how to parse the flag's text; a strategy declares the options
+it owns the same way, as `Option`s of its description (the pipeline's --partitions, --schedule
+and cut options, tensor parallel's --tensor-parallel, sharded's --replicas ...), and the config
+holds their values in one field, `strategy_options`. The config imports no strategy: it asks
+them through its registry (registry.py), which they fill as they load. `every_option` gives
+both kinds alike, and from that alone come the magic's argparse flags (`--batch-size` for
+`batch_size`), `to_flags`, the export's script, the control panel and the flag reference
+(flags.py, docs/flags.md). A script passes them all as keyword arguments (`partitions=2` too:
+it goes into `strategy_options`), and `config.option(name)` reads either kind
+(`config.partitions` too, as scripts read it when it was a field).
 
 The sections split the config in two. `EngineConfig` holds what the engines need (training,
 parallelism, memory savers, checkpoints); `TrainConfig` adds what only the notebook uses (the
@@ -20,48 +23,44 @@ engine starts.
 
 from __future__ import annotations
 
-import argparse
-import builtins
 import dataclasses
 import difflib
 import functools
-import keyword
-import math
 import os
 import types
 import typing
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
+from sagenb.config.checks import (
+    check_checkpoint_dir,
+    check_choice,
+    check_int,
+    check_out,
+    check_positive,
+)
 from sagenb.config.errors import ConfigError, flag_name
+from sagenb.config.registry import DEFAULT_ENGINES, declared_options, describe
+from sagenb.config.registry import names as strategy_names
 from sagenb.config.spec import Option
-from sagenb.engine.strategies import declared_options, describe
-from sagenb.engine.strategies import names as strategy_names
-from sagenb.engine.strategies.description import DEFAULT_ENGINES
-from sagenb.engine.strategies.pipeline import MULTI_STAGE, PARTITION_METHODS, SCHEDULES
 
 #: what a run does when another run holds its pool (--if-busy; sagenb/pool/run_lock.py)
 IF_BUSY = ("wait", "fail")
 
 __all__ = [
     "DEFAULT_ENGINES",
-    "PARTITION_METHODS",
     "PRECISIONS",
-    "SCHEDULES",
     "ConfigError",
     "EngineConfig",
     "Option",
     "SECTIONS",
     "Section",
     "TrainConfig",
-    "flag_arguments",
     "flag_name",
-    "flag_reference",
     "describe",
     "every_option",
     "field_type",
-    "notebook_only_flags",
     "option_owners",
     "strategy_names",
 ]
@@ -102,18 +101,6 @@ SECTIONS: dict[str, Section] = {
     "output": Section("Output", False, "Where the notebook puts the result"),
     "pool": Section("Pool", False, "What a run does when another run holds its engines"),
 }
-
-
-def parse_cuts(text: str | tuple[int, ...]) -> tuple[int, ...]:
-    """'2,5' -> (2, 5): the blocks where stages 2, 3, ... begin (for --partition-by manual)."""
-    if isinstance(text, tuple):
-        return text
-    try:
-        return tuple(int(part) for part in text.replace(" ", "").split(",") if part)
-    except ValueError:
-        raise ConfigError(
-            "cuts", text, "must be block indices separated by commas, e.g. 2,4"
-        ) from None
 
 
 def _opt(section: str, default: Any, help: str, **extra: Any) -> Any:
@@ -166,56 +153,6 @@ class EngineConfig:
         "torch threads per engine (default: the machine's cores / engines, at least 1, so "
         "engines do not oversubscribe the cores)",
         shown="cores / engines",
-    )
-    partitions: int = _opt(
-        "parallelism", 1, "pipeline stages the model is split into (model, hybrid)"
-    )
-    microbatches: int = _opt(
-        "parallelism", 4, "microbatches each pipeline splits its slice of a batch into"
-    )
-    schedule: str = _opt(
-        "parallelism",
-        "1f1b",
-        "pipeline schedule: gpipe (all forwards, then all backwards), 1f1b (backwards as early "
-        "as possible), interleaved (1F1B over --virtual-stages chunks per engine), looped-bfs "
-        "(every microbatch through an engine's first chunk, then its next), zero-bubble "
-        "(interleaved, each backward split in two: the weights' gradients fill the bubble), zbv "
-        "and dualpipev (two chunks per engine in a V, engine 0 holding the first and the last; "
-        "zero bubble's ZB-V and DeepSeek's DualPipeV)",
-        choices=SCHEDULES,
-    )
-    virtual_stages: int = _opt(
-        "parallelism",
-        2,
-        "model chunks per engine with --schedule interleaved, looped-bfs or zero-bubble (2 with "
-        "zbv and dualpipev)",
-    )
-    partition_by: str = _opt(
-        "parallelism",
-        "auto",
-        "how cut points are chosen: auto (balance measured time within --memory-budget), "
-        "parameters (balance parameter counts), uniform (equal block counts), manual (--cuts)",
-        choices=PARTITION_METHODS,
-    )
-    cuts: tuple[int, ...] = _opt(
-        "parallelism",
-        (),
-        "blocks where stages 2, 3, ... begin, e.g. 2,4 (with --partition-by manual)",
-        parse=parse_cuts,
-        shown="none",
-    )
-    memory_budget: float | None = _opt(
-        "parallelism",
-        None,
-        "GiB one engine may hold (auto partitioning keeps every stage within it)",
-        shown="none",
-    )
-    tensor_parallel: int | None = _opt(
-        "parallelism",
-        None,
-        "engines each Linear layer is split across (--strategy tensor; default: every engine); "
-        "data parallel across the rest",
-        shown="all engines",
     )
     #: the values of the options strategies declare of their own (Description.options), as
     #: (name, value) pairs sorted by name, those at their default left out: a frozen config's
@@ -306,13 +243,6 @@ class EngineConfig:
         "keeps (its stage, shard or slice: a model larger than one engine); initial values as "
         "documented, or the cell's pretrained checkpoint, each engine reading only its part",
     )
-    reshard_after_forward: bool = _opt(
-        "memory",
-        True,
-        "--strategy sharded: free each block's gathered parameters after its forward and "
-        "gather them again for backward (ZeRO-3); --no-reshard-after-forward keeps them "
-        "(ZeRO-2: more memory, less communication)",
-    )
     # -- checkpoints --
     checkpoint_dir: str | None = _opt(
         "checkpoints",
@@ -332,28 +262,37 @@ class EngineConfig:
         "--batch-size and --seed)",
     )
 
+    if not TYPE_CHECKING:
+
+        def __getattr__(self, name: str) -> Any:
+            """An option a strategy declares, read as an attribute (`config.replicas`), as
+            notebooks and scripts read those that were fields once; sagenb's own code asks
+            `config.option(name)`, or its strategy's typed view of its options."""
+            if name.startswith("_") or name not in declared_options():
+                raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+            return self.option(name)
+
     def __post_init__(self) -> None:
         strategy = describe(self.strategy)  # a ConfigError names the strategies otherwise
         self._check_strategy_options()
         for name in ("batch_size", "epochs", "grad_accum"):
-            _check_int(self, name, minimum=1)
+            check_int(self, name, minimum=1)
         for name in ("steps", "engines"):
             if getattr(self, name) is not None:
-                _check_int(self, name, minimum=1)
+                check_int(self, name, minimum=1)
         if self.threads is not None:
-            _check_int(self, "threads", minimum=1, maximum=MAX_THREADS)
-        _check_int(self, "seed", minimum=0, maximum=MAX_SEED)
-        _check_int(self, "eval_every", minimum=0)
-        _check_int(self, "data_workers", minimum=0)
-        _check_positive(self, "lr", allow_zero=True)
-        _check_positive(self, "timeout", maximum=MAX_TIMEOUT_S)
+            check_int(self, "threads", minimum=1, maximum=MAX_THREADS)
+        check_int(self, "seed", minimum=0, maximum=MAX_SEED)
+        check_int(self, "eval_every", minimum=0)
+        check_int(self, "data_workers", minimum=0)
+        check_positive(self, "lr", allow_zero=True)
+        check_positive(self, "timeout", maximum=MAX_TIMEOUT_S)
         if self.clip_grad_norm is not None:
-            _check_positive(self, "clip_grad_norm")
-        self._check_checkpoint_dir()
-        self._check_pipeline()
-        _check_choice(self, "precision", PRECISIONS)
-        self._check_own_options(strategy)
-        _check_int(self, "checkpoint_every", minimum=0)
+            check_positive(self, "clip_grad_norm")
+        check_checkpoint_dir(self.checkpoint_dir)
+        check_choice(self, "precision", PRECISIONS)
+        self._check_owned_options(strategy)
+        check_int(self, "checkpoint_every", minimum=0)
         if (self.checkpoint_every or self.resume) and not self.checkpoint_dir:
             name = "resume" if self.resume else "checkpoint_every"
             raise ConfigError(name, getattr(self, name), "needs --checkpoint-dir")
@@ -398,26 +337,6 @@ class EngineConfig:
             return self
         return EngineConfig(**{f.name: getattr(self, f.name) for f in _fields(EngineConfig)})
 
-    def _check_checkpoint_dir(self) -> None:
-        """A directory, or one that can be made: found out now, not when the finished run
-        writes its final checkpoint."""
-        if not self.checkpoint_dir:
-            return
-        path = os.path.abspath(os.path.expanduser(self.checkpoint_dir))
-        if os.path.exists(path) and not os.path.isdir(path):
-            raise ConfigError(
-                "checkpoint_dir", self.checkpoint_dir, "exists and is not a directory"
-            )
-        parent = path
-        while not os.path.exists(parent):
-            parent = os.path.dirname(parent)
-        if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
-            raise ConfigError(
-                "checkpoint_dir",
-                self.checkpoint_dir,
-                f"cannot be written: {parent} is not writable",
-            )
-
     def engines_to_start(self) -> int:
         """Engines a pool needs for this config when none runs: --engines, else what the
         strategy needs (one per partition for model, a tensor-parallel group for tensor ...)."""
@@ -436,18 +355,12 @@ class EngineConfig:
         so a stalled run is stopped, and reported as stalled, by the notebook."""
         return self.timeout + 60.0
 
-    @property
-    def stages(self) -> int:
-        """Pipeline stages in all (partitions x virtual stages for the schedules that hold
-        several stages per engine: interleaved, looped-bfs, zero-bubble, zbv, dualpipev)."""
-        return self.partitions * (self.virtual_stages if self.schedule in MULTI_STAGE else 1)
-
     def replicas(self, engines: int) -> int:
         """Data-parallel replicas on `engines` engines: each a whole pipeline (model, hybrid)
         or a tensor-parallel group (tensor); sharded engines each take their own samples."""
         return int(describe(self.strategy).replicas(self, engines))
 
-    def _check_own_options(self, strategy: Any) -> None:
+    def _check_owned_options(self, strategy: Any) -> None:
         """An option that only some strategies use must keep its default under the others
         (--partitions 2 with --strategy data would silently train something else)."""
         for option in every_option(type(self)):
@@ -456,22 +369,9 @@ class EngineConfig:
                 continue
             owners = option_owners(option.name)
             if owners and strategy.name not in owners:
-                negated = f"{_flag_for(option, value)} " if value is False else ""
+                negated = f"{option.flag(value)} " if value is False else ""
                 needs = f"{negated}needs --strategy {' or '.join(owners)}"
                 raise ConfigError(option.name, value, needs)
-
-    def _check_pipeline(self) -> None:
-        """The pipeline options' types and choices, for every strategy; the strategies that
-        run pipelines check the rest (engine/strategies/pipeline/strategy.py)."""
-        for name in ("partitions", "microbatches", "virtual_stages"):
-            _check_int(self, name, minimum=1)
-        _check_choice(self, "schedule", SCHEDULES)
-        _check_choice(self, "partition_by", PARTITION_METHODS)
-        object.__setattr__(self, "cuts", parse_cuts(self.cuts))
-        if self.cuts and self.partition_by != "manual":
-            raise ConfigError("cuts", self.cuts, "is used only with --partition-by manual")
-        if self.memory_budget is not None:
-            _check_positive(self, "memory_budget")
 
     def forward_size(self, engines: int) -> int:
         """Samples in one forward of one engine on `engines` engines: the global batch cut
@@ -498,7 +398,7 @@ class EngineConfig:
     def to_flags(self) -> str:
         """The `%%smp_train` line that gives this config (defaults left out)."""
         parts = [
-            _flag_for(option, self.option(option.name))
+            option.flag(self.option(option.name))
             for option in every_option(type(self))
             if self.option(option.name) != option.default
         ]
@@ -570,7 +470,7 @@ class TrainConfig(EngineConfig):
         starts: validation reads no file."""
         super().__post_init__()
         if self.price_per_hour is not None:
-            _check_positive(self, "price_per_hour")
+            check_positive(self, "price_per_hour")
         if not (isinstance(self.spot_discount, (int, float)) and 0 <= self.spot_discount <= 0.95):
             raise ConfigError("spot_discount", self.spot_discount, "must be between 0 and 0.95")
         if not isinstance(self.instance, str) or not self.instance:
@@ -580,35 +480,8 @@ class TrainConfig(EngineConfig):
         for name in ("price_table", "hardware_table"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
                 raise ConfigError(name, getattr(self, name), "must be a JSON file's path")
-        _check_out(self.out)
-        _check_choice(self, "if_busy", IF_BUSY)
-
-
-#: the names IPython's shell keeps in the notebook's namespace (besides those starting with
-#: "_": _, __, ___, _i, _ii, _iN, _N, _ih, _oh, _dh): a result stored there replaces them
-SHELL_NAMES = frozenset({"In", "Out", "get_ipython", "exit", "quit"})
-
-
-def _check_out(out: Any) -> None:
-    """--out names a variable of the notebook: one that shadows nothing. A builtin's name
-    (`len`) or IPython's own (`Out`, `_oh`) would break later cells, and `__builtins__` every
-    later cell: the kernel looks `len` up in it. Every name starting with "_" is refused:
-    IPython's history names (`_`, `_i3`, `_12`) and Python's dunders are all of that form."""
-    if (
-        not isinstance(out, str)
-        or not out.isidentifier()
-        or keyword.iskeyword(out)
-        or out.startswith("_")
-        or out in SHELL_NAMES
-        or hasattr(builtins, out)
-    ):
-        raise ConfigError(
-            "out",
-            out,
-            "must be a Python identifier that is neither a keyword nor a builtin's name, "
-            f"does not start with '_' and is not one of IPython's {', '.join(sorted(SHELL_NAMES))} "
-            "(the result would shadow it in the notebook)",
-        )
+        check_out(self.out)
+        check_choice(self, "if_busy", IF_BUSY)
 
 
 def _fields(config: Any) -> tuple[dataclasses.Field, ...]:
@@ -616,34 +489,29 @@ def _fields(config: Any) -> tuple[dataclasses.Field, ...]:
 
 
 def option_owners(name: str) -> tuple[str, ...]:
-    """The strategies that list option `name` in their `own_options` or declare it (their
-    `options`): the others refuse any value but its default; none: every strategy accepts it."""
+    """The strategies that declare option `name` (their `options`): the others refuse any
+    value but its default; none (a field of the config): every strategy accepts it."""
     declared = declared_options()
-    if name in declared:
-        return declared[name][1]
-    return tuple(n for n in strategy_names() if name in describe(n).own_options)
+    return declared[name][1] if name in declared else ()
 
 
 # -- every option: the config's fields and the options the strategies declare --------------
 
 
 def every_option(config: type = TrainConfig) -> tuple[Option, ...]:
-    """Every option `config` takes, as Options, in its fields' order: each field's own and,
-    where the field `strategy_options` stands, those the registered strategies declare. The
-    flags, to_flags, the flag reference, the export and the control panel all read this."""
-    out: list[Option] = []
-    for option in _field_options(config):
-        out += _declared().values() if option is None else [option]
-    return tuple(out)
+    """Every option `config` takes, as Options, section by section (SECTIONS order): the
+    section's fields in their order, then the options the registered strategies declare in it
+    (in --strategy's order). The flags, to_flags, the flag reference, the export and the
+    control panel all read this."""
+    options = (*_field_options(config), *_declared().values())
+    return tuple(option for section in SECTIONS for option in options if option.section == section)
 
 
 @functools.cache
-def _field_options(config: type) -> tuple[Option | None, ...]:
-    """The fields of `config` as Options (None: `strategy_options`, which holds others), once
+def _field_options(config: type) -> tuple[Option, ...]:
+    """The fields of `config` as Options (but `strategy_options`, which holds others), once
     per class: reading the type hints of every field costs a few milliseconds."""
-    return tuple(
-        None if f.name == _HOLDER else _field_option(f, config) for f in dataclasses.fields(config)
-    )
+    return tuple(_field_option(f, config) for f in dataclasses.fields(config) if f.name != _HOLDER)
 
 
 def _field_option(f: dataclasses.Field, config: type) -> Option:
@@ -717,9 +585,6 @@ def _unknown(name: str, config: type, declared: Mapping[str, Option]) -> str:
     )
 
 
-# -- flags: one spelling per option, from its type and default -----------------------------
-
-
 def field_type(f: dataclasses.Field, config: type = TrainConfig) -> Any:
     """The type a flag's text converts to: `int` for `int | None` (`config`: the dataclass
     that declares `f`, for a field TrainConfig lacks)."""
@@ -728,127 +593,3 @@ def field_type(f: dataclasses.Field, config: type = TrainConfig) -> Any:
     if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
         return args[0]
     return hint
-
-
-def _is_switch(option: Option) -> bool:
-    return isinstance(option.default, bool)
-
-
-def _help(option: Option) -> str:
-    """Its help, and for an option a strategy declares, the strategy (its fields' help texts
-    name theirs in their own words)."""
-    if option.name in TrainConfig.__dataclass_fields__:
-        return option.help
-    return f"{option.help} (--strategy {' or '.join(option_owners(option.name))})"
-
-
-def flag_arguments(option: Option) -> tuple[tuple[str, ...], dict[str, Any]]:
-    """argparse's option strings and keywords for `option` (every_option): a bool that is off
-    by default is a `--x` switch, one that is on is `--x/--no-x` (BooleanOptionalAction); any
-    other option takes a value, converted by its `parse` or its type."""
-    if _is_switch(option):
-        action: Any = "store_true" if option.default is False else argparse.BooleanOptionalAction
-        return (flag_name(option.name),), dict(
-            dest=option.name, action=action, default=option.default, help=_help(option)
-        )
-    choices = option.allowed()
-    extra = {"choices": choices} if choices else {}
-    convert: Callable[[str], Any] = option.parse or option.type
-    return (flag_name(option.name),), dict(
-        dest=option.name,
-        type=convert,
-        default=option.default,
-        help=_help(option),
-        metavar=option.name.upper(),
-        **extra,
-    )
-
-
-def _flag_for(option: Option, value: Any) -> str:
-    """The flag that sets `option` to `value`: `--resume`, `--no-dashboard`, `--cuts 2,4`."""
-    if _is_switch(option):
-        return flag_name(option.name) if value else "--no-" + flag_name(option.name)[2:]
-    if isinstance(value, tuple):
-        value = ",".join(map(str, value))
-    return f"{flag_name(option.name)} {value}"
-
-
-def notebook_only_flags() -> list[str]:
-    """The flags of the notebook-only sections (display, cost, output), spelled as given
-    when they change something: what an exported script leaves out."""
-    return [
-        _flag_for(o, not o.default) if _is_switch(o) else flag_name(o.name)
-        for o in every_option(TrainConfig)
-        if not SECTIONS[o.section].engines
-    ]
-
-
-# -- the flag reference (docs/flags.md) ----------------------------------------------------
-
-
-def flag_reference() -> str:
-    """Markdown tables of every flag, one per section in SECTIONS order: flag, default and
-    meaning, from the options themselves, the registered strategies' own included
-    (docs/flags.md holds this; a test keeps it so)."""
-    out = []
-    for name, section in SECTIONS.items():
-        where = "sent to the engines" if section.engines else "the notebook's own"
-        out += [f"## {section.title}", "", f"{section.about} ({where}).", ""]
-        out += ["| flag | default | meaning |", "|---|---|---|"]
-        for option in every_option(TrainConfig):
-            if option.section == name:
-                row = (_reference_flags(option), _shown(option), _meaning(option))
-                out.append("| {} | {} | {} |".format(*row))
-        out.append("")
-    return "\n".join(out)
-
-
-def _reference_flags(option: Option) -> str:
-    if _is_switch(option) and option.default is True:
-        return f"`{flag_name(option.name)}`, `--no-{flag_name(option.name)[2:]}`"
-    return f"`{flag_name(option.name)}`"
-
-
-def _shown(option: Option) -> str:
-    if option.shown is not None:
-        return str(option.shown)
-    if _is_switch(option):
-        return "on" if option.default else "off"
-    if isinstance(option.default, str):
-        return f"`{option.default}`"
-    return f"{option.default:g}" if isinstance(option.default, float) else str(option.default)
-
-
-def _meaning(option: Option) -> str:
-    text = _help(option).replace("%%", "%").replace("|", "\\|")
-    values = option.allowed() or ()
-    if values and not all(v in text for v in values):
-        text += ": " + ", ".join(f"`{v}`" for v in values)
-    return text
-
-
-def _check_choice(cfg: EngineConfig, name: str, choices: tuple[str, ...]) -> None:
-    value = getattr(cfg, name)
-    if value not in choices:
-        raise ConfigError(name, value, f"must be one of {', '.join(choices)}")
-
-
-def _check_int(cfg: EngineConfig, name: str, *, minimum: int, maximum: int | None = None) -> None:
-    value = getattr(cfg, name)
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        bound = f"from {minimum} to {maximum}" if maximum is not None else f">= {minimum}"
-        raise ConfigError(name, value, f"must be an integer {bound}")
-    if maximum is not None and value > maximum:
-        raise ConfigError(name, value, f"must be an integer from {minimum} to {maximum}")
-
-
-def _check_positive(
-    cfg: EngineConfig, name: str, *, allow_zero: bool = False, maximum: float | None = None
-) -> None:
-    value = getattr(cfg, name)
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    too_big = ok and maximum is not None and value > maximum
-    if not ok or value < 0 or (value == 0 and not allow_zero) or too_big:
-        bound = ">= 0" if allow_zero else "> 0"
-        most = f" and at most {maximum:g}" if maximum is not None else ""
-        raise ConfigError(name, value, f"must be a finite number {bound}{most}")

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from sagenb.config.errors import ConfigError
+from sagenb.config.errors import ConfigError, flag_name
 
 __all__ = ["Option"]
 
@@ -54,6 +54,20 @@ class Option:
             if self.default is None:
                 raise ValueError(f"option {self.name!r}: a default of None needs type=...")
             object.__setattr__(self, "type", builtins.type(self.default))
+
+    @property
+    def is_switch(self) -> bool:
+        """A bool: a `--x` switch (off by default) or `--x/--no-x` (on), taking no value."""
+        return isinstance(self.default, bool)
+
+    def flag(self, value: Any) -> str:
+        """The flag that sets this option to `value`: `--resume`, `--no-dashboard`,
+        `--cuts 2,4` (what `to_flags` and the flags' messages write)."""
+        if self.is_switch:
+            return flag_name(self.name) if value else "--no-" + flag_name(self.name)[2:]
+        if isinstance(value, tuple):
+            value = ",".join(map(str, value))
+        return f"{flag_name(self.name)} {value}"
 
     def allowed(self) -> tuple[Any, ...] | None:
         """Its choices (asked now, where a function gives them), or None: any value of its

@@ -28,14 +28,9 @@ from typing import Any
 import torch
 
 from sagenb.config.errors import ConfigError
+from sagenb.config.flags import notebook_only_flags
 from sagenb.config.job import Job, JobError
-from sagenb.config.options import (
-    EngineConfig,
-    TrainConfig,
-    describe,
-    every_option,
-    notebook_only_flags,
-)
+from sagenb.config.options import EngineConfig, TrainConfig, describe, every_option
 from sagenb.pool import cluster
 from sagenb.sizing.cost import InstancePrice, check_price, meter_for, price_table
 

@@ -19,8 +19,9 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 
 from sagenb.config.errors import ConfigError
+from sagenb.config.flags import flag_arguments
 from sagenb.config.job import JobError
-from sagenb.config.options import TrainConfig, describe, every_option, flag_arguments
+from sagenb.config.options import TrainConfig, describe, every_option
 from sagenb.metrics.result import TrainResult
 from sagenb.notebook.export import TARGETS, ExportError, export
 from sagenb.pool import cluster

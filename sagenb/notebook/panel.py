@@ -9,8 +9,8 @@ instance cost, and the cut points when the panel was given the cell (`ControlPan
 Its widgets come from the config's options (config/options.py `every_option`: its fields and
 the options strategies declare of their own), as the magic's flags do: one tab per section of
 SECTIONS, one widget per option chosen by its type and spec, its help as the tooltip. An option
-declared `panel=False` is left out; an option only some strategies use (their `own_options`,
-or one they declare) is greyed out, and left at its default, under the others. An option added
+declared `panel=False` is left out; an option only some strategies use (one they declare) is
+greyed out, and left at its default, under the others. An option added
 to the config, or declared by a new strategy, therefore appears here with nothing to edit.
 This module owns ipywidgets.
 """
@@ -95,7 +95,7 @@ class Control:
         self.option, self.kind, self.suggested = option, option.type, suggested
         self._made = (look or _Look()).made
         self.is_text = option.default is None or option.parse is not None
-        #: the strategies that use this option, when not all do (own_options, or declared)
+        #: the strategies that declare this option, when not all use it
         self.owners = option_owners(option.name)
         self.widget = self._widget()
         self.widget.description = option.name.replace("_", " ")
@@ -255,7 +255,7 @@ class ControlPanel:
         return {**self._fixed, **out}
 
     def _follow_strategy(self) -> None:
-        """Grey out the options only other strategies use (their descriptions' own_options)."""
+        """Grey out the options only other strategies declare (their descriptions' options)."""
         strategy = self._strategy()
         for control in self.options.values():
             control.widget.disabled = bool(control.owners) and strategy not in control.owners
@@ -327,7 +327,7 @@ class ControlPanel:
         cfg = self.config
         if cfg is None:
             return f"fix the options first: {self.error}"
-        from sagenb.engine.strategies.pipeline import bubble_fraction
+        from sagenb.engine.strategies.pipeline import PipelineOptions, bubble_fraction
         from sagenb.sizing.cost import meter_for
 
         meter = meter_for(cfg, cfg.engines_to_start())
@@ -337,8 +337,8 @@ class ControlPanel:
             f"{meter.price.as_of}: ${meter.cost(3600):.2f} per hour of training"
         ]
         if describe(cfg.strategy).pipelined:
-            virtual = cfg.stages // cfg.partitions
-            bubble = bubble_fraction(cfg.partitions, cfg.microbatches, virtual)
+            pipe = PipelineOptions.of(cfg)
+            bubble = bubble_fraction(pipe.partitions, pipe.microbatches, pipe.chunks)
             lines.append(f"pipeline bubble (p-1)/(v m+p-1): {bubble:.1%}")
             if self.job is not None:
                 from sagenb.sizing.planner import plan

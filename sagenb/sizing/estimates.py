@@ -462,7 +462,9 @@ def _assumptions(
         + (f" ({hw.note})" if hw.note else ""),
     ]
     if step.bubble:
-        out.append(f"pipeline bubble {step.bubble:.1%} ({config.schedule}, GPipe/1F1B formula)")
+        out.append(
+            f"pipeline bubble {step.bubble:.1%} ({config.option('schedule')}, GPipe/1F1B formula)"
+        )
     if steps is not None:
         out.append(f"{steps:,} optimizer steps of {config.batch_size} samples")
     return out + list(fp.notes)

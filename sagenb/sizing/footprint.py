@@ -30,7 +30,7 @@ from torch import nn
 
 from sagenb.config.errors import ConfigError
 from sagenb.config.job import Job, JobError
-from sagenb.config.options import EngineConfig, describe, strategy_names
+from sagenb.config.options import EngineConfig
 from sagenb.engine.data.order import fetch
 from sagenb.engine.data.stream import readable
 from sagenb.engine.loop import default_optimizer
@@ -39,6 +39,8 @@ from sagenb.engine.model.kv_cache import cache_off
 from sagenb.engine.model.recompute import checkpoint_blocks
 from sagenb.engine.objective import batch_size_of, model_inputs
 from sagenb.engine.precision import autocast
+from sagenb.engine.strategies import describe
+from sagenb.engine.strategies import names as strategy_names
 from sagenb.engine.strategies.attribution import (
     MIB,
     Attribution,

@@ -18,6 +18,7 @@ from sagenb.config.options import TrainConfig, describe, strategy_names
 from sagenb.engine.strategies.pipeline import (
     MEMORY_FACTOR,
     BlockProfile,
+    PipelineOptions,
     engine_of,
     plan_on_engine,
 )
@@ -65,7 +66,7 @@ class Plan:
         return self.starts[1:]
 
     def table(self) -> str:
-        cfg = self.config
+        pipe = PipelineOptions.of(self.config)
         timing = (
             f"balance (slowest/mean stage) {self.balance:.2f}, "
             f"estimated {self.estimated_step_s * 1e3:.1f} ms per optimizer step"
@@ -73,8 +74,8 @@ class Plan:
             else "times not measured (--delay-init: meta parameters are not run)"
         )
         lines = [
-            f"{cfg.partitions} partitions x {cfg.stages // cfg.partitions} chunk(s), "
-            f"{cfg.microbatches} microbatches, {cfg.schedule}, partition by {self.method}: "
+            f"{pipe.partitions} partitions x {pipe.chunks} chunk(s), "
+            f"{pipe.microbatches} microbatches, {pipe.schedule}, partition by {self.method}: "
             f"cut before blocks {list(self.cuts)}",
             f"bubble {self.bubble:.1%}, {timing}",
             f"{'stage':>5} {'engine':>6} {'blocks':<24} {'params MiB':>10} {'train MiB':>10} "
@@ -148,7 +149,7 @@ def plan(job: Any, config: TrainConfig | None = None, *, pool=None, **options: A
         raise ConfigError("strategy", config.strategy, f"the planner is for {pipelines}")
     check_price(config)  # as sagenb.train: the same line must be refused the same way
     prepared = Job.of(job)
-    pool = pool or cluster.ensure_pool(config.partitions)
+    pool = pool or cluster.ensure_pool(PipelineOptions.of(config).partitions)
     pool.heal()  # engines lost in a failed run are replaced first (session.train does too)
     engines = strategy.engines_for(config, pool.size)
     config = config.with_engines(engines)
@@ -175,13 +176,14 @@ def _assemble(config: TrainConfig, raw: dict[str, Any]) -> Plan:
             seconds=unknown,
             activation_bytes=unknown,  # type: ignore[arg-type]
         )
+    pipe = PipelineOptions.of(config)
     starts = raw["starts"]
     sums = profile.stage_sums(starts)
     bounds = [*starts, len(raw["blocks"])]
     stages = tuple(
         StagePlan(
             stage=s,
-            engine=engine_of(config.schedule, config.partitions, s),
+            engine=engine_of(pipe.schedule, pipe.partitions, s),
             blocks=tuple(raw["blocks"][bounds[s] : bounds[s + 1]]),
             params_mib=sums["param_bytes"][s] / MIB,
             training_state_mib=sums["param_bytes"][s] * MEMORY_FACTOR / MIB,
@@ -190,7 +192,7 @@ def _assemble(config: TrainConfig, raw: dict[str, Any]) -> Plan:
         )
         for s in range(len(starts))
     )
-    per_engine = [0.0] * config.partitions
+    per_engine = [0.0] * pipe.partitions
     for s in stages:
         per_engine[s.engine] += s.seconds_per_microbatch
     bubble = describe(config.strategy).bubble(config)
@@ -202,7 +204,7 @@ def _assemble(config: TrainConfig, raw: dict[str, Any]) -> Plan:
         stages=stages,
         bubble=bubble,
         balance=slowest / mean if raw["measured"] else float("nan"),
-        estimated_step_s=config.grad_accum * config.microbatches * slowest / (1 - bubble),
+        estimated_step_s=config.grad_accum * pipe.microbatches * slowest / (1 - bubble),
         alternatives=raw["alternatives"],
         measured=raw["measured"],
     )

@@ -27,7 +27,7 @@ from typing import Any
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from sagenb.engine.strategies.pipeline import SCHEDULES, schedule_bubble
+from sagenb.engine.strategies.pipeline import SCHEDULES, PipelineOptions, schedule_bubble
 from sagenb.metrics import keys
 from sagenb.metrics.stream import StepMetrics
 
@@ -93,7 +93,7 @@ def span_idle_share(metrics: Iterable[StepMetrics], *, skip: int = 1) -> dict[in
 
 def measure(result: Any, *, skip: int = 1) -> LabPoint:
     """The point of one finished pipeline run (a sagenb TrainResult)."""
-    config = result.config
+    pipe = PipelineOptions.of(result.config)
     shares = span_idle_share(result.metrics, skip=skip)
     key = keys.MEMORY_ACTIVATIONS
     last = max(m.step for m in result.metrics if key in m.values)
@@ -101,10 +101,10 @@ def measure(result: Any, *, skip: int = 1) -> LabPoint:
         m.rank: float(m.values[key]) for m in result.metrics if m.step == last and key in m.values
     }
     return LabPoint(
-        partitions=config.partitions,
-        schedule=config.schedule,
-        microbatches=config.microbatches,
-        virtual=config.stages // config.partitions,
+        partitions=pipe.partitions,
+        schedule=pipe.schedule,
+        microbatches=pipe.microbatches,
+        virtual=pipe.chunks,
         idle_share=sum(shares.values()) / len(shares),
         activations=dict(sorted(activations.items())),
     )

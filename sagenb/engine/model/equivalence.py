@@ -96,7 +96,8 @@ def _forwards_in_pieces(config: EngineConfig) -> bool:
     """Whether a global batch goes through the model in more than one forward."""
     engines = config.engines if config.engines is not None else 2  # unknown: assume several
     pieces = describe(config.strategy).split(config, engines)[0]
-    return pieces > 1 or (describe(config.strategy).pipelined and config.microbatches > 1)
+    pipelined = describe(config.strategy).pipelined
+    return pieces > 1 or (pipelined and config.option("microbatches") > 1)
 
 
 def _collated_in_pieces(config: EngineConfig) -> bool:
@@ -108,10 +109,11 @@ def _collated_in_pieces(config: EngineConfig) -> bool:
 def _batchnorm_warnings(what: str, config: EngineConfig) -> list[str]:
     out = []
     strategy = describe(config.strategy)
-    if strategy.pipelined and config.microbatches > 1:
+    microbatches = config.option("microbatches")
+    if strategy.pipelined and microbatches > 1:
         out.append(
             f"{what} normalises each pipeline microbatch on its own (--microbatches "
-            f"{config.microbatches}), as in GPipe, so its batch statistics and running stats "
+            f"{microbatches}), as in GPipe, so its batch statistics and running stats "
             "differ from one process's over the whole batch: use --microbatches 1, "
             f"{NORM_FIX}"
         )

@@ -1,11 +1,11 @@
 """Parallelism strategies: each module describes one strategy (`Description`) and implements
 how one engine takes part in a step (`Strategy`).
 
-`describe(name)` answers for the strategy called `name`; `names()` lists them;
-`declared_options()` gives the options strategies declare of their own (`Description.options`).
-All find the strategies by importing every module of this package and collecting its
-`DESCRIPTIONS`, so a new strategy, its options included, is one new module or folder
-(docs/architecture.md).
+`describe(name)` answers for the strategy called `name`; `names()` lists them. Both find the
+strategies by importing every module of this package and collecting its `DESCRIPTIONS`, so a
+new strategy, its options included, is one new module or folder (docs/architecture.md). The
+config asks the same registry through its seam (config/registry.py), which this package fills
+as it loads: the config imports nothing of the engine side.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from sagenb.config import registry
 from sagenb.config.errors import ConfigError
 
 from .base import Strategy
@@ -25,9 +26,8 @@ from .description import Description
 
 if TYPE_CHECKING:
     from sagenb.config.options import EngineConfig
-    from sagenb.config.spec import Option
 
-__all__ = ["Description", "Strategy", "declared_options", "describe", "make_strategy", "names"]
+__all__ = ["Description", "Strategy", "describe", "make_strategy", "names"]
 
 
 @functools.cache
@@ -64,26 +64,11 @@ def describe(name: str) -> Description:
         raise ConfigError("strategy", name, f"must be one of {', '.join(names())}") from None
 
 
-def declared_options() -> dict[str, tuple[Option, tuple[str, ...]]]:
-    """The options strategies declare of their own, by name, each with the strategies that
-    declare it (in --strategy's order). Strategies may share an option (as model and hybrid
-    share --partitions) by declaring the same Option; two different ones of a name would make
-    its flag mean two things, and are refused."""
-    found: dict[str, tuple[Option, tuple[str, ...]]] = {}
-    for name, description in _registry().items():
-        for option in description.options:
-            known, owners = found.get(option.name, (option, ()))
-            if known != option:
-                raise RuntimeError(
-                    f"strategies {owners[0]!r} and {name!r} declare different options named "
-                    f"{option.name!r}: share one Option, or give each its own name"
-                )
-            found[option.name] = (option, (*owners, name))
-    return found
-
-
 def make_strategy(
     config: EngineConfig, *, rank: int, world_size: int, device: torch.device
 ) -> Strategy:
     """The engine-side implementation of `config.strategy` for one rank."""
     return describe(config.strategy).build(config, rank=rank, world_size=world_size, device=device)
+
+
+registry.provide(_registry)

@@ -5,10 +5,11 @@ Each strategy module (data_parallel.py, pipeline.py, sharded.py, tensor.py) defi
 module-level `DESCRIPTIONS`; the package finds them (strategies/__init__.py `describe`). The
 rest of sagenb asks the description instead of comparing strategy names:
 
-- the config: the options it declares of its own (`options`: each a flag, a keyword, a row of
-  the flag reference and a widget, with nothing to edit elsewhere), which options only it
-  accepts and their checks (`own_options`, `check`), how the global batch splits (`split`),
-  engines to start and replicas;
+- the config: the options it owns (`options`: each a flag, a keyword, a row of the flag
+  reference and a widget, with nothing to edit elsewhere; the other strategies refuse any
+  value but the default), their checks (`check`), how the global batch splits (`split`),
+  engines to start and replicas. The config asks through its registry
+  (config/registry.py `Described`), which the package fills (strategies/__init__.py);
 - the notebook: the layout line of the dashboard (`layout`), whether the schedule panel and
   the planner apply (`pipelined`), the engines a run or an export uses (`engines_for`);
 - the engines: the implementation that trains (`build`);
@@ -23,8 +24,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, ClassVar
 
-#: engines a pool starts with when nothing says otherwise
-DEFAULT_ENGINES = 2
+from sagenb.config.registry import DEFAULT_ENGINES
 
 if TYPE_CHECKING:
     import torch
@@ -70,9 +70,6 @@ class Description:
     #: every rank holds the whole model and its optimizer state: where it does not fit, the
     #: estimate suggests --strategy sharded
     whole_model_per_rank: ClassVar[bool] = False
-    #: options only this strategy (and others listing them) accepts; any other strategy
-    #: refuses a value other than the default
-    own_options: ClassVar[tuple[str, ...]] = ()
     #: options of its own, declared here rather than as fields of the config (sagenb.config's
     #: Option, in an engine section): each becomes a keyword of the config and sagenb.train, a
     #: flag, a row of the flag reference and a widget of the control panel; the config holds

@@ -183,7 +183,6 @@ class ShardedDescription(Description):
     summary = "sharded data parallel (FSDP2, ZeRO-3 or ZeRO-2; hybrid with --replicas)"
     menu_order = 30
     syncs_norm = True
-    own_options = ("reshard_after_forward",)
     options = (
         EXPERT_PARALLEL,
         Option(
@@ -193,6 +192,14 @@ class ShardedDescription(Description):
             "groups of engines that each hold the whole model sharded among their own (hybrid "
             "sharding, HSDP): shards within a group, gradients all-reduced across the groups "
             "(1: every engine shares one sharding)",
+        ),
+        Option(
+            "reshard_after_forward",
+            "memory",
+            True,
+            "free each block's gathered parameters after its forward and gather them again "
+            "for backward (ZeRO-3); --no-reshard-after-forward keeps them (ZeRO-2: more "
+            "memory, less communication)",
         ),
     )
 
@@ -219,7 +226,7 @@ class ShardedDescription(Description):
         return engines // replicas, ("all_gather", "reduce_scatter")
 
     def layout(self, config: EngineConfig, engines: int) -> str:
-        zero = "ZeRO-3" if config.reshard_after_forward else "ZeRO-2"
+        zero = "ZeRO-3" if config.option("reshard_after_forward") else "ZeRO-2"
         replicas = config.option("replicas")
         if replicas == 1:
             return f"sharded ({zero}) on {plural(engines, 'engine')}{experts_layout(config)}"
@@ -236,7 +243,7 @@ class ShardedDescription(Description):
             world_size=world_size,
             device=device,
             seed=config.seed,
-            reshard_after_forward=config.reshard_after_forward,
+            reshard_after_forward=config.option("reshard_after_forward"),
             replicas=config.option("replicas"),
             expert_parallel=config.option("expert_parallel"),
         )
@@ -267,7 +274,7 @@ class ShardedAttribution(Attribution):
             for r in range(N):
                 held[r][p] = rows[r % S] * (p.numel() // max(p.shape[0], 1) if p.dim() else 1)
         whole = {p: p.numel() for p in sharded}
-        gathers = (2 if cfg.reshard_after_forward else 1) * cfg.grad_accum
+        gathers = (2 if cfg.option("reshard_after_forward") else 1) * cfg.grad_accum
         send = {  # frozen parameters are gathered too, only gradients are reduce-scattered
             "all_gather": gathers * ring("all_gather", param_bytes(whole), S),
             "reduce_scatter": ring("reduce_scatter", grad_bytes(whole), S),

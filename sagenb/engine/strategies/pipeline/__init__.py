@@ -5,19 +5,21 @@ every helper it needs. The model is split into stages at block boundaries (by to
 schedules do (`orders`), and stepped by those schedules (GPipe and 1F1B by `prefetch_schedule`
 on gloo) whose messages carry tensors only (`tensor_messages`);
 `metadata_inference` keeps the shape-finding pass PipelineStage makes at the first step from
-changing the model or raising.
+changing the model or raising. Its options (--partitions, --schedule, the cut options ...) are
+its own, declared and checked in `options`.
 
 What others may use of it is named here, and nothing else: the registry's DESCRIPTIONS, the
-options' choices, and what the planner and the estimate (sagenb/sizing/) ask of a pipeline: the
-cuts, the split and the profile the trainer itself would use.
+options and their choices, and what the planner and the estimate (sagenb/sizing/) ask of a
+pipeline: the cuts, the split and the profile the trainer itself would use.
 """
 
 from .balance import BlockProfile, static_profile
-from .cuts import MEMORY_FACTOR, PARTITION_METHODS, choose_cuts
+from .cuts import MEMORY_FACTOR, choose_cuts
+from .options import MULTI_STAGE, PARTITION_METHODS, SCHEDULES, PipelineOptions, parse_cuts
 from .orders import engine_of
 from .partition import split_model
 from .planning import plan_on_engine
-from .strategy import DESCRIPTIONS, MULTI_STAGE, SCHEDULES, bubble_fraction, schedule_bubble
+from .strategy import DESCRIPTIONS, bubble_fraction, schedule_bubble
 
 __all__ = [
     "DESCRIPTIONS",
@@ -26,9 +28,11 @@ __all__ = [
     "PARTITION_METHODS",
     "SCHEDULES",
     "BlockProfile",
+    "PipelineOptions",
     "bubble_fraction",
     "choose_cuts",
     "engine_of",
+    "parse_cuts",
     "plan_on_engine",
     "schedule_bubble",
     "split_model",

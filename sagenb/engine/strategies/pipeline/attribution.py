@@ -25,6 +25,7 @@ from sagenb.engine.strategies.attribution import (
 )
 from sagenb.engine.strategies.pipeline.balance import static_profile
 from sagenb.engine.strategies.pipeline.cuts import choose_cuts
+from sagenb.engine.strategies.pipeline.options import PipelineOptions
 from sagenb.engine.strategies.pipeline.orders import rank_order, stages_on
 from sagenb.engine.strategies.pipeline.partition import split_model
 
@@ -37,7 +38,7 @@ __all__ = ["PipelineAttribution"]
 class PipelineAttribution(Attribution):
     def prepare(self, m: FakeModel) -> tuple[dict[nn.Module, str], Any]:
         cfg, model = m.config, m.ws.model
-        method = cfg.partition_by
+        method = PipelineOptions.of(cfg).partition_by
         if method == "auto":  # auto times the blocks; fake tensors cannot be timed
             method = "parameters"
             m.notes.append(
@@ -52,7 +53,8 @@ class PipelineAttribution(Attribution):
     def ranks(self, m: FakeModel, trace: Trace, layout: Any) -> Ranks:
         starts, stages = layout
         cfg, N = m.config, m.world
-        P, S = cfg.partitions, len(starts)
+        pipe = PipelineOptions.of(cfg)
+        P, S = pipe.partitions, len(starts)
         D = N // P
         per_stage = _stage_bytes(trace, starts)
         held_here = set(m.params)  # every parameter, frozen ones too
@@ -63,7 +65,7 @@ class PipelineAttribution(Attribution):
         held, acts, comm = [], [], []
         for r in range(N):
             position = r % P
-            mine = stages_on(cfg.schedule, P, S // P, position)
+            mine = stages_on(pipe.schedule, P, S // P, position)
             params = {
                 by_name.get(name, p) for s in mine for name, p in stages[s].named_parameters()
             }
@@ -71,7 +73,7 @@ class PipelineAttribution(Attribution):
             held.append({p: p.numel() for p in params})
             acts.append(_held(cfg, position, per_stage) * m.scale)
             p2p = sum(_boundary(trace, starts, s) for s in mine)
-            slices = cfg.microbatches * cfg.grad_accum
+            slices = pipe.microbatches * cfg.grad_accum
             comm.append(
                 {
                     "p2p": p2p * slices * m.scale,
@@ -127,9 +129,10 @@ def _held(cfg: EngineConfig, position: int, per_stage: list[float]) -> float:
     The engines once counted one microbatch more on the first stage, at the first step: the
     shape inference PipelineStage runs there (a forward with grad, then dropped) was kept
     alive by the memory meter's own hooks, a leak engine/memory.py no longer has (issue 31)."""
-    M, P = cfg.microbatches, cfg.partitions
+    pipe = PipelineOptions.of(cfg)
+    M, P = pipe.microbatches, pipe.partitions
     held = most = 0.0
-    for op, stage, _ in rank_order(cfg.schedule, P, cfg.stages // P, M, position):
+    for op, stage, _ in rank_order(pipe.schedule, P, pipe.chunks, M, position):
         if op == "F":
             held += per_stage[stage]
         elif op in "BW":  # zero bubble's I keeps what its W needs: all of it, here

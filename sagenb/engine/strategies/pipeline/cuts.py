@@ -25,21 +25,18 @@ from sagenb.engine.strategies.pipeline.balance import (
     profile_blocks,
     static_profile,
 )
+from sagenb.engine.strategies.pipeline.options import PipelineOptions
 
 if TYPE_CHECKING:
     from sagenb.config.options import EngineConfig
 
 __all__ = [
     "MEMORY_FACTOR",
-    "PARTITION_METHODS",
     "check_blocks",
     "partition_method",
     "cut_profile",
     "choose_cuts",
 ]
-
-#: --partition-by: how the cuts are chosen (balance.py holds each method)
-PARTITION_METHODS = ("auto", "parameters", "uniform", "manual")
 
 #: bytes held per parameter byte, for the memory budget: the parameter, its gradient and
 #: AdamW's two moments (an upper bound for SGD with momentum, which keeps one)
@@ -52,15 +49,16 @@ PROFILED = ("auto", "parameters")
 def check_blocks(config: EngineConfig, blocks: int) -> None:
     """The stages and `--cuts` must fit the model's `blocks`: checked on every rank (and by
     the planner) before any profiling, so a bad value costs no measurement."""
-    stages = config.stages
+    pipe = PipelineOptions.of(config)
+    stages = pipe.stages
     if blocks < stages:
         raise JobError(
             f"the model has {blocks} blocks, fewer than the {stages} pipeline stages asked "
-            f"for: lower --partitions{' or --virtual-stages' if stages > config.partitions else ''}"
+            f"for: lower --partitions{' or --virtual-stages' if pipe.chunks > 1 else ''}"
         )
-    if config.partition_by == "manual" and config.cuts[-1] >= blocks:
+    if pipe.partition_by == "manual" and pipe.cuts[-1] >= blocks:
         raise JobError(
-            f"--cuts {','.join(map(str, config.cuts))}: the model has only {blocks} blocks "
+            f"--cuts {','.join(map(str, pipe.cuts))}: the model has only {blocks} blocks "
             f"(0..{blocks - 1}); give {stages - 1} increasing block indices from 1 to "
             f"{blocks - 1}"
         )
@@ -69,7 +67,7 @@ def check_blocks(config: EngineConfig, blocks: int) -> None:
 def partition_method(config: EngineConfig, method: str | None = None) -> str:
     """The method that runs for `method` (default --partition-by): `auto` times the blocks,
     which meta parameters (--delay-init) cannot do, so it balances parameters instead."""
-    method = method or config.partition_by
+    method = method or PipelineOptions.of(config).partition_by
     if config.delay_init and method == "auto":
         return "parameters"
     return method
@@ -103,16 +101,17 @@ def choose_cuts(
     method = partition_method(config, method)
     if profile is None and method in PROFILED:
         profile = cut_profile(model, config, example, objective)
-    budget = config.memory_budget * 2**30 if config.memory_budget else None
+    pipe = PipelineOptions.of(config)
+    budget = pipe.memory_budget * 2**30 if pipe.memory_budget else None
     try:
         return choose_starts(
             method,
-            config.stages,
+            pipe.stages,
             profile,
             blocks=blocks,
-            cuts=config.cuts,
+            cuts=pipe.cuts,
             memory_budget_bytes=budget,
             memory_factor=MEMORY_FACTOR,
         )
     except ValueError as exc:
-        raise JobError(f"--memory-budget {config.memory_budget}: {exc}") from None
+        raise JobError(f"--memory-budget {pipe.memory_budget}: {exc}") from None

@@ -13,12 +13,12 @@ from sagenb.engine.data.order import fetch
 from sagenb.engine.data.stream import readable
 from sagenb.engine.model.kv_cache import cache_off
 from sagenb.engine.strategies.pipeline.cuts import (
-    PARTITION_METHODS,
     check_blocks,
     choose_cuts,
     cut_profile,
     partition_method,
 )
+from sagenb.engine.strategies.pipeline.options import PARTITION_METHODS, PipelineOptions
 from sagenb.engine.strategies.pipeline.partition import find_blocks
 from sagenb.engine.wire.output import text_output
 from sagenb.engine.workspace import build_workspace
@@ -64,7 +64,7 @@ def plan_on_engine(job: Job, config: EngineConfig, engines: int, threads: int) -
         "profile": asdict(profile),
         "measured": not config.delay_init,
         "method": partition_method(config),
-        "starts": cuts(config.partition_by),
+        "starts": cuts(PipelineOptions.of(config).partition_by),
         "alternatives": alternatives,
         "microbatch_size": mb,
     }

@@ -57,7 +57,15 @@ from sagenb.engine.strategies.pipeline.metadata_inference import (
     keep_buffers_through_inference,
     zero_indices_through_inference,
 )
-from sagenb.engine.strategies.pipeline.orders import V_SHAPED, engine_of, ideal_bubble, stages_on
+from sagenb.engine.strategies.pipeline.options import (
+    MULTI_STAGE,
+    OPTIONS,
+    SCHEDULES,
+    SPLIT_BACKWARD,
+    PipelineOptions,
+    check_options,
+)
+from sagenb.engine.strategies.pipeline.orders import engine_of, ideal_bubble, stages_on
 from sagenb.engine.strategies.pipeline.partition import split_model
 from sagenb.engine.strategies.pipeline.prefetch_schedule import PrefetchingSchedule
 from sagenb.engine.strategies.pipeline.tensor_messages import (
@@ -80,18 +88,6 @@ __all__ = [
     "schedule_bubble",
 ]
 
-#: --schedule: GPipe (all forwards, then all backwards), 1F1B; those that hold several stages
-#: (--virtual-stages) on each rank, round the ranks in a loop: interleaved 1F1B, looped
-#: breadth-first (Lamy-Poirier 2023, arXiv:2211.05953) and interleaved zero bubble (its
-#: backward split into the input's gradient and the weights', the latter filling the bubble:
-#: Qi et al. 2024, arXiv:2401.10241); and those that hold two stages per rank in a V: ZB-V
-#: (the same paper, section 6) and DualPipeV (DeepSeek-V3, arXiv:2412.19437). Each is torch's
-#: own schedule
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "looped-bfs", "zero-bubble", "zbv", "dualpipev")
-#: the schedules whose ranks hold --virtual-stages stages each (exactly 2 for the V-shaped)
-MULTI_STAGE = ("interleaved", "looped-bfs", "zero-bubble", *V_SHAPED)
-#: the schedules that run the weights' gradients on their own, apart from the input's
-SPLIT_BACKWARD = ("zero-bubble", *V_SHAPED)
 _MULTI_STAGE_CLASSES = {
     "interleaved": ScheduleInterleaved1F1B,
     "looped-bfs": ScheduleLoopedBFS,
@@ -122,10 +118,11 @@ class Pipeline:
 
     def __init__(self, config: EngineConfig, *, rank: int, world_size: int, device: torch.device):
         self.config, self.rank, self.world_size, self.device = config, rank, world_size, device
-        P = config.partitions
-        self.P, self.S, self.D = P, config.stages, world_size // P
+        self.pipe = pipe = PipelineOptions.of(config)
+        P = pipe.partitions
+        self.P, self.S, self.D = P, pipe.stages, world_size // P
         self.replica, self.position = divmod(rank, P)
-        self.stage_ids = stages_on(config.schedule, P, self.S // P, self.position)
+        self.stage_ids = stages_on(pipe.schedule, P, pipe.chunks, self.position)
         self.pp_group, self.dp_group = self._groups()
         self.events: list[tuple[str, int, int, float, float]] = []
         self._step_started = 0.0
@@ -145,7 +142,7 @@ class Pipeline:
         return pp, dp
 
     def _global(self, stage: int) -> int:
-        return self.replica * self.P + engine_of(self.config.schedule, self.P, stage)
+        return self.replica * self.P + engine_of(self.pipe.schedule, self.P, stage)
 
     # -- setup -----------------------------------------------------------------------------
     def setup(self, ws: Workspace) -> None:
@@ -240,7 +237,7 @@ class Pipeline:
             holders = [s for s, have in enumerate(held) if have.intersection(names)]
             for d in range(self.D):
                 ranks = sorted(
-                    {d * self.P + engine_of(self.config.schedule, self.P, s) for s in holders}
+                    {d * self.P + engine_of(self.pipe.schedule, self.P, s) for s in holders}
                 )
                 group = dist.new_group(ranks) if len(ranks) > 1 else None
                 mine = list({id(local[n]): local[n] for n in names if n in local}.values())
@@ -272,7 +269,7 @@ class Pipeline:
             self._reported.append(weighted(loss, count))
             return loss * (count * self._scale)
 
-        kind, M = self.config.schedule, self.config.microbatches
+        kind, M = self.pipe.schedule, self.pipe.microbatches
         if kind in MULTI_STAGE:
             cls = _MULTI_STAGE_CLASSES[kind]
             return cls(list(stages), M, loss_fn=scaled, scale_grads=False)
@@ -344,7 +341,7 @@ class Pipeline:
     @property
     def collated_parts(self) -> int:
         # each microbatch collated on its own, as the schedule will cut the batch
-        return self.config.microbatches
+        return self.pipe.microbatches
 
     def forward_backward(
         self, batch: Any, objective: Objective, *, scale: float, sync: bool
@@ -365,7 +362,7 @@ class Pipeline:
             return None
         # loss x counted targets, microbatches summed; the schedule's first step also runs the
         # loss once on placeholder tensors to infer shapes: only the last M are the microbatches'
-        return torch.stack(self._reported[-self.config.microbatches :]).sum()
+        return torch.stack(self._reported[-self.pipe.microbatches :]).sum()
 
     def _sync_grads(self) -> None:
         for copies, group, _ in self.tied:
@@ -527,47 +524,30 @@ class PipelineDescription(Description):
     """Pipelines: `model` (one pipeline) and `hybrid` (data parallel across pipelines)."""
 
     pipelined = True
-    #: every pipeline option: under another strategy a value other than its default would
-    #: silently change nothing, so it is refused (and greyed out in the control panel)
-    own_options = (
-        "partitions",
-        "microbatches",
-        "schedule",
-        "virtual_stages",
-        "partition_by",
-        "cuts",
-        "memory_budget",
-    )
+    #: every pipeline option (options.py): under another strategy a value other than its
+    #: default would silently change nothing, so it is refused (and greyed out in the panel)
+    options = OPTIONS
 
     def attribution(self) -> PipelineAttribution:
         return PipelineAttribution()
 
     def bubble(self, config: EngineConfig) -> float:
-        chunks = config.stages // config.partitions
-        return schedule_bubble(config.schedule, config.partitions, config.microbatches, chunks)
+        pipe = PipelineOptions.of(config)
+        return schedule_bubble(pipe.schedule, pipe.partitions, pipe.microbatches, pipe.chunks)
 
     def splits_backward(self, config: EngineConfig) -> bool:
-        return config.schedule in SPLIT_BACKWARD
+        return PipelineOptions.of(config).schedule in SPLIT_BACKWARD
 
     def check(self, config: EngineConfig) -> None:
-        P = config.partitions
+        P = PipelineOptions.of(config).partitions
         if P < 2:
             raise ConfigError("partitions", P, f"--strategy {self.name} needs at least 2")
-        if config.schedule == "1f1b" and config.microbatches < P:
-            raise ConfigError(
-                "microbatches",
-                config.microbatches,
-                f"1f1b needs at least one microbatch per stage: must be >= --partitions ({P}); "
-                f"raise --microbatches or use --schedule gpipe",
-            )
-        if config.schedule in MULTI_STAGE:
-            _check_multi_stage(config)
-        _check_cuts(config)
+        check_options(config)
         self.check_engines(config)
 
     def check_engines(self, config: EngineConfig) -> None:
         """--engines, when given, must be whole pipelines."""
-        P = config.partitions
+        P = PipelineOptions.of(config).partitions
         if config.engines is not None and config.engines % P:
             raise ConfigError(
                 "engines",
@@ -576,21 +556,22 @@ class PipelineDescription(Description):
             )
 
     def replicas(self, config: EngineConfig, engines: int) -> int:
-        return engines // config.partitions
+        return engines // PipelineOptions.of(config).partitions
 
     def split(self, config: EngineConfig, engines: int) -> tuple[int, str]:
+        pipe = PipelineOptions.of(config)
         replicas = self.replicas(config, engines)
-        pieces = replicas * config.grad_accum * config.microbatches
-        product = f"{replicas} x {config.grad_accum} x {config.microbatches}"
+        pieces = replicas * config.grad_accum * pipe.microbatches
+        product = f"{replicas} x {config.grad_accum} x {pipe.microbatches}"
         return pieces, f"replicas x grad-accum x microbatches = {product}"
 
     def layout(self, config: EngineConfig, engines: int) -> str:
-        chunks = config.stages // config.partitions
-        chunked = f" x {chunks} chunks" if chunks > 1 else ""
+        pipe = PipelineOptions.of(config)
+        chunked = f" x {pipe.chunks} chunks" if pipe.chunks > 1 else ""
         replicas = plural(self.replicas(config, engines), "replica")
         return (
-            f"{self.name}: {config.partitions} partitions{chunked} x {replicas}, "
-            f"{config.schedule}, {config.microbatches} microbatches"
+            f"{self.name}: {pipe.partitions} partitions{chunked} x {replicas}, "
+            f"{pipe.schedule}, {pipe.microbatches} microbatches"
         )
 
     def build(
@@ -605,22 +586,23 @@ class ModelParallelDescription(PipelineDescription):
     menu_order = 10
 
     def check_engines(self, config: EngineConfig) -> None:
-        if config.engines not in (None, config.partitions):
+        pipe = PipelineOptions.of(config)
+        if config.engines not in (None, pipe.partitions):
             raise ConfigError(
                 "engines",
                 config.engines,
                 f"--strategy model uses one engine per partition: must equal --partitions "
-                f"({config.partitions}); for data parallel across pipelines use --strategy "
+                f"({pipe.partitions}); for data parallel across pipelines use --strategy "
                 f"hybrid",
             )
         if config.engines is None:
-            config.check_split(config.partitions)
+            config.check_split(pipe.partitions)
 
     def engines_to_start(self, config: EngineConfig) -> int:
-        return config.partitions
+        return PipelineOptions.of(config).partitions
 
     def engines_for(self, config: EngineConfig, available: int) -> int:
-        return config.partitions
+        return PipelineOptions.of(config).partitions
 
 
 class HybridDescription(PipelineDescription):
@@ -629,7 +611,7 @@ class HybridDescription(PipelineDescription):
     menu_order = 20
 
     def engines_to_start(self, config: EngineConfig) -> int:
-        return 2 * config.partitions
+        return 2 * PipelineOptions.of(config).partitions
 
 
 def _refuse_block_masks(config: EngineConfig, example: Any) -> None:
@@ -638,7 +620,8 @@ def _refuse_block_masks(config: EngineConfig, example: Any) -> None:
     input's gradient for every tensor a stage takes, and a BlockMask is a bundle of index
     tensors, not an activation; torchtitan refuses the pair too (its pipeline parallel turns
     zero-bubble schedules away for FlexAttention models)."""
-    if config.schedule not in SPLIT_BACKWARD:
+    pipe = PipelineOptions.of(config)
+    if pipe.schedule not in SPLIT_BACKWARD:
         return
     from torch.nn.attention.flex_attention import BlockMask
 
@@ -647,7 +630,7 @@ def _refuse_block_masks(config: EngineConfig, example: Any) -> None:
         if isinstance(value, BlockMask):
             where = f"{key!r}" if isinstance(key, str) else f"item {key}"
             raise JobError(
-                f"--schedule {config.schedule}: the batch's {where} is a FlexAttention "
+                f"--schedule {pipe.schedule}: the batch's {where} is a FlexAttention "
                 "BlockMask (torch.nn.attention.flex_attention.BlockMask), which the "
                 "zero-bubble schedules cannot take as a stage input (they split each "
                 "backward into the input's gradient and the weights'; torchtitan refuses "
@@ -658,56 +641,6 @@ def _refuse_block_masks(config: EngineConfig, example: Any) -> None:
 
 def _as_tuple(example: Any) -> tuple[Any, ...]:
     return tuple(example) if isinstance(example, list | tuple) else (example,)
-
-
-def _check_multi_stage(config: EngineConfig) -> None:
-    kind = config.schedule
-    if kind in V_SHAPED:
-        _check_v_shaped(config)
-        return
-    if config.virtual_stages < 2:
-        raise ConfigError("virtual_stages", config.virtual_stages, f"{kind} needs at least 2")
-    rounds = max(1, config.microbatches // config.partitions)
-    if kind != "looped-bfs" and config.microbatches % rounds:  # torch's own check, earlier
-        raise ConfigError(
-            "microbatches",
-            config.microbatches,
-            f"{kind} needs a multiple of the rounds ({rounds}); try {rounds * config.partitions}",
-        )
-
-
-def _check_v_shaped(config: EngineConfig) -> None:
-    """torch's own checks (ScheduleZBVZeroBubble, ScheduleDualPipeV), before any engine starts."""
-    kind = config.schedule
-    if config.virtual_stages != 2:
-        raise ConfigError(
-            "virtual_stages",
-            config.virtual_stages,
-            f"{kind} holds exactly 2 stages per engine, in a V: must be 2",
-        )
-    stages = config.stages
-    if kind == "dualpipev" and config.microbatches < stages:
-        raise ConfigError(
-            "microbatches",
-            config.microbatches,
-            f"dualpipev needs at least one microbatch per stage: must be >= {stages} "
-            f"(2 stages x --partitions {config.partitions})",
-        )
-
-
-def _check_cuts(config: EngineConfig) -> None:
-    """--cuts: one increasing block index >= 1 per stage after the first (the model's block
-    count is checked on the engines, cuts.py check_blocks)."""
-    cuts = config.cuts
-    if config.partition_by != "manual":
-        return
-    if len(cuts) != config.stages - 1 or list(cuts) != sorted(set(cuts)) or cuts[0] < 1:
-        raise ConfigError(
-            "cuts",
-            ",".join(map(str, cuts)),
-            f"needs {config.stages - 1} increasing block indices >= 1 (one per stage after the "
-            f"first)",
-        )
 
 
 DESCRIPTIONS = (ModelParallelDescription(), HybridDescription())

@@ -45,7 +45,7 @@ SPLIT_DIMS: dict[str, dict[str, dict[str, int]]] = {
 
 class TensorAttribution(Attribution):
     def prepare(self, m: FakeModel) -> tuple[dict[nn.Module, str], Any]:
-        T = m.config.tensor_parallel or m.world
+        T = m.config.option("tensor_parallel") or m.world
         plan = plan_for(m.ws.model, T, m.ws.tp_plan, example=_example(m))
         split: dict[nn.Module, str] = {}
         for key, style in plan.styles.items():

@@ -25,6 +25,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from sagenb.config.errors import ConfigError
 from sagenb.config.job import JobError
+from sagenb.config.spec import Option
 from sagenb.engine.model.delayed import materialize
 from sagenb.engine.model.pretrained import load_local
 from sagenb.engine.objective import Objective, piece_loss
@@ -52,7 +53,7 @@ class TensorParallel(SplitParameters):
 
     def __init__(self, config: EngineConfig, *, rank: int, world_size: int, device: torch.device):
         super().__init__(rank=rank, world_size=world_size, device=device, seed=config.seed)
-        self.T = config.tensor_parallel or world_size
+        self.T = config.option("tensor_parallel") or world_size
         self.D = world_size // self.T
         self.replica = rank // self.T
 
@@ -121,13 +122,23 @@ class TensorDescription(Description):
     name = "tensor"
     summary = "tensor parallel: Linear layers split across --tensor-parallel engines"
     menu_order = 40
-    own_options = ("tensor_parallel",)
+    options = (
+        Option(
+            "tensor_parallel",
+            "parallelism",
+            None,
+            "engines each Linear layer is split across (default: every engine); data parallel "
+            "across the rest",
+            type=int,
+            shown="all engines",
+        ),
+    )
 
     def attribution(self) -> TensorAttribution:
         return TensorAttribution()
 
     def check(self, config: EngineConfig) -> None:
-        tp = config.tensor_parallel
+        tp = config.option("tensor_parallel")
         if tp is None:
             return
         if isinstance(tp, bool) or not isinstance(tp, int) or tp < 2:
@@ -138,10 +149,10 @@ class TensorDescription(Description):
         require_divides("tensor_parallel", tp, config.engines, groups)
 
     def engines_to_start(self, config: EngineConfig) -> int:
-        return config.tensor_parallel or DEFAULT_ENGINES
+        return config.option("tensor_parallel") or DEFAULT_ENGINES
 
     def replicas(self, config: EngineConfig, engines: int) -> int:
-        return engines // (config.tensor_parallel or engines)
+        return engines // (config.option("tensor_parallel") or engines)
 
     def layout(self, config: EngineConfig, engines: int) -> str:
         replicas = self.replicas(config, engines)
