@@ -15,6 +15,7 @@ split; they differ from an eager run's initial values, as with torchtitan's meta
 
 from __future__ import annotations
 
+import os
 import zlib
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -25,7 +26,10 @@ from torch import nn
 from sagenb.engine.model.pretrained import Checkpoint, name_aliases
 from sagenb.engine.torch_private import direct_parameters
 
-__all__ = ["meta_parameters", "materialize", "release_others"]
+__all__ = ["meta_parameters", "materialize", "release_others", "HUB_KERNELS"]
+
+#: transformers' switch for Hugging Face hub kernels (transformers/integrations/hub_kernels.py)
+HUB_KERNELS = "USE_HUB_KERNELS"
 
 
 @contextmanager
@@ -48,10 +52,19 @@ def meta_parameters() -> Iterator[set[int]]:
 
     # a patch of the class for the duration of the block, on purpose
     nn.Module.register_parameter = register  # type: ignore[method-assign]
+    kernels = os.environ.get(HUB_KERNELS)
+    # transformers 5.25's from_pretrained swaps layers for the `kernels` package's by
+    # default, which refuses modules on the meta device ("Unsupported device type 'meta'"):
+    # off while the cell builds its model here, as transformers' own tests turn them off
+    os.environ[HUB_KERNELS] = "NO"
     try:
         yield loaded
     finally:
         nn.Module.register_parameter = original  # type: ignore[method-assign]
+        if kernels is None:
+            os.environ.pop(HUB_KERNELS, None)
+        else:
+            os.environ[HUB_KERNELS] = kernels
 
 
 def materialize(
