@@ -12,9 +12,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["REQUIRED_NAMES", "OPTIONAL_NAMES", "Job", "JobError", "defined_names"]
+from sagenb.config import cell_module
+
+__all__ = ["REQUIRED_NAMES", "OPTIONAL_NAMES", "CELL_FILE", "Job", "JobError", "defined_names"]
 
 REQUIRED_NAMES = ("model", "dataset")
+#: the file name a cell's code is compiled under (its frames in tracebacks and stacks)
+CELL_FILE = "<smp_train cell>"
 #: loss_fn may be left out when batches are dicts with labels (the samples', or those the cell's
 #: collate_fn builds): the model's own loss is used
 OPTIONAL_NAMES = ("loss_fn", "make_optimizer", "make_scheduler", "eval_dataset", "collate_fn")
@@ -62,11 +66,19 @@ class Job:
         return cls(payload=cloudpickle.dumps(fn))
 
     def namespace(self) -> dict[str, Any]:
-        """Run the job (on an engine) and return its namespace."""
+        """Run the job (on an engine) and return its namespace: a cell's is the dict of a fresh
+        module registered in sys.modules (config/cell_module.py), removed when the
+        `cell_module.scope()` around the run ends, or at once if the cell raises."""
         if self.source is not None:
-            ns: dict[str, Any] = {"__name__": "__smp_cell__"}
-            exec(compile(self.source, "<smp_train cell>", "exec"), ns)
-            return ns
+            # dont_inherit: the cell's own compiler flags, not this module's `from __future__`
+            code = compile(self.source, CELL_FILE, "exec", dont_inherit=True)
+            module = cell_module.new_module()
+            try:
+                exec(code, vars(module))
+            except BaseException:
+                cell_module.remove(module.__name__)
+                raise
+            return vars(module)
         import cloudpickle
 
         result = cloudpickle.loads(self.payload)()
@@ -81,7 +93,7 @@ class Job:
 def defined_names(source: str) -> set[str]:
     """Names bound at the top level of `source` ('*' when a star import makes it unknowable)."""
     try:
-        tree = ast.parse(source, "<smp_train cell>")
+        tree = ast.parse(source, CELL_FILE)
     except SyntaxError as exc:
         raise JobError(f"the cell does not parse: {exc.msg} (line {exc.lineno})") from None
     names: set[str] = set()

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from sagenb.config import cell_module
 from sagenb.config.errors import ConfigError
 from sagenb.config.job import Job, JobError
 from sagenb.engine import clean_slate
@@ -144,7 +145,13 @@ def _tracer(spec: RankSpec) -> Tracer | None:
 
 def train_rank(spec: RankSpec, publish: Publisher) -> RankResult:
     """One rank's whole run (process group, the cell, the strategy, the loop), whoever
-    launched the process: an ipyparallel engine (run_rank) or torchrun (launch.py)."""
+    launched the process: an ipyparallel engine (run_rank) or torchrun (launch.py). The
+    cell's module (config/cell_module.py) lives as long as the run, and no longer."""
+    with cell_module.scope():
+        return _train_rank(spec, publish)
+
+
+def _train_rank(spec: RankSpec, publish: Publisher) -> RankResult:
     torch.set_num_threads(spec.threads)
     device = process_group.pick_device(spec.local_rank, spec.local_size)
     _join(spec, device)
