@@ -3,12 +3,15 @@
 cell's classes work on the engines, in the estimate, in DataLoader workers and in the kernel's
 rebuilt model; the module is fresh for every run and gone with it. A nanoGPT-style GPT (a
 dataclass config, tied embeddings, `(logits, loss)` out) trains to one process in every
-strategy."""
+strategy. And a module beside the notebook that was edited between two runs is imported again
+(sagenb/engine/edited_modules.py)."""
 
 from __future__ import annotations
 
+import os
 import pickle
 import sys
+import uuid
 
 import pytest
 import torch
@@ -16,6 +19,7 @@ import torch
 import sagenb
 from sagenb.config import cell_module
 from sagenb.config.job import Job
+from sagenb.engine import edited_modules
 from sagenb.engine.data import loader
 from sagenb.engine.data.order import plan_steps
 from sagenb.run.trained import CellModel
@@ -318,6 +322,80 @@ def _cell_modules_here() -> list[str]:
     import sys
 
     return [n for n in sys.modules if n.startswith("__smp_cell_")]
+
+
+# -- a module beside the notebook, edited between two runs ----------------------------------------
+
+BESIDE_CELL = """
+import torch
+from {user} import WIDTH
+model = torch.nn.Linear(4, WIDTH)
+dataset = torch.utils.data.TensorDataset(torch.randn(16, 4), torch.zeros(16, 1))
+def loss_fn(out, target):
+    return out.pow(2).mean()
+"""
+
+
+def test_only_the_folder_s_edited_modules_leave_and_all_of_them(tmp_path, monkeypatch):
+    """engine/edited_modules.py on its own: nothing leaves until a noted file changes; then
+    every module of the folder does (the one that imported the edited one too), and a
+    virtual environment inside the folder is left alone."""
+    (tmp_path / "venv" / "site-packages").mkdir(parents=True)
+    files = {
+        "beside_a": tmp_path / "beside_a.py",
+        "beside_b": tmp_path / "beside_b.py",
+        "installed_c": tmp_path / "venv" / "site-packages" / "installed_c.py",
+    }
+    for path in files.values():
+        path.write_text("X = 1\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path / "venv" / "site-packages"))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in files:
+        monkeypatch.setitem(sys.modules, name, None)  # so that it is gone after the test
+        del sys.modules[name]
+        __import__(name)
+    assert set(edited_modules.folder_modules()) == {"beside_a", "beside_b"}
+    edited_modules.note()
+    assert edited_modules.drop_edited() == [] and "beside_a" in sys.modules
+    files["beside_a"].write_text("X = 22\n")
+    files["installed_c"].write_text("X = 22\n")
+    assert edited_modules.drop_edited() == ["beside_a.py"]
+    assert {"beside_a", "beside_b"}.isdisjoint(sys.modules) and "installed_c" in sys.modules
+
+
+@pytest.fixture
+def beside(pool):
+    """Two modules in the engines' working directory (the notebook's folder): `<name>` holds
+    WIDTH, `<name>_user` imports it from there; removed with their bytecode afterwards."""
+    folder = pool.client[pool.engine_ids[0]].apply_sync(os.getcwd)
+    name = f"smp_beside_{uuid.uuid4().hex[:8]}"
+    files = [os.path.join(folder, f"{name}.py"), os.path.join(folder, f"{name}_user.py")]
+    with open(files[1], "w") as f:
+        f.write(f"from {name} import WIDTH  # the edited module's name, held here\n")
+    yield name, files[0]
+    for path in files:
+        os.remove(path)
+    cache = os.path.join(folder, "__pycache__")
+    for entry in os.listdir(cache) if os.path.isdir(cache) else []:
+        if entry.startswith(name):
+            os.remove(os.path.join(cache, entry))
+
+
+def test_a_module_beside_the_notebook_edited_between_runs_is_imported_again(beside, capsys):
+    name, path = beside
+    cell = BESIDE_CELL.format(user=f"{name}_user")
+    widths = []
+    for width in (3, 5, None):  # written, edited (another size), left as it is
+        if width is not None:
+            with open(path, "w") as f:
+                f.write(f"WIDTH = {width}\n" + "# edited\n" * (width == 5))
+        result = sagenb.train(cell, batch_size=8, steps=1, dashboard=False)
+        widths.append(result.state_dict()["weight"].shape[0])
+    assert widths == [3, 5, 5]
+    said = capsys.readouterr()
+    note = f"{name}.py changed since the engines imported it"
+    assert (said.out + said.err).count(note) == 1  # the second run, not the third
 
 
 @pytest.mark.pool  # starts a process of its own: the exported script

@@ -10,6 +10,7 @@ import torch
 
 from sagenb.config import cell_module
 from sagenb.config.job import Job, JobError
+from sagenb.engine import edited_modules
 from sagenb.engine.data.order import fetch
 from sagenb.engine.data.stream import readable
 from sagenb.engine.model.kv_cache import cache_off
@@ -44,8 +45,10 @@ def plan_on_engine(job: Job, config: EngineConfig, engines: int, threads: int) -
 
 
 def _plan(job: Job, config: EngineConfig, engines: int) -> dict[str, Any]:
+    edited_modules.drop_edited()  # the files beside the notebook as they are (training's too)
     with text_output():  # the cell's bars as text here too, no widget (engine/wire/output.py)
         ws = build_workspace(job, config.seed, delay_init=config.delay_init, read_pretrained=False)
+    edited_modules.note()
     cache_off(ws.model)  # profiled as it trains, without a key/value cache; built for this only
     blocks = find_blocks(ws.model)
     check_blocks(config, len(blocks))  # the trainer's errors, before anything is measured
