@@ -292,8 +292,7 @@ def test_workers_collate_as_the_training_thread(monkeypatch, method):
     """--data-workers: the cell's collate_fn (a function of the cell, by value when spawned)
     collates in the workers exactly what the training thread would."""
     monkeypatch.setattr(loader, "START_METHOD", method)
-    ns = {"__name__": "__smp_cell__"}  # as sagenb/config/job.py runs a cell: not importable
-    exec(cell("own"), ns)
+    ns = Job(source=cell("own")).namespace()  # in a module of its own, as on an engine
 
     def run(workers: int):
         plan = plan_steps(96, batch_size=16, epochs=1, steps=3, seed=0)

@@ -11,6 +11,7 @@ import torch
 
 import sagenb
 from sagenb.config import ConfigError
+from sagenb.config.job import Job
 from sagenb.engine.data import loader
 from sagenb.engine.data.order import plan_steps
 from sagenb.pool import cluster
@@ -166,9 +167,7 @@ class Pids(torch.utils.data.Dataset):
 
 
 def _cell_dataset():
-    ns = {"__name__": "__smp_cell__"}  # as sagenb/config/job.py runs a cell: not importable
-    exec(CELL_DATASET, ns)
-    return ns["Pids"]()
+    return Job(source=CELL_DATASET).namespace()["Pids"]()  # in a module, as on an engine
 
 
 @pytest.mark.parametrize("method", ["fork", "spawn"])

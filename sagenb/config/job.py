@@ -8,15 +8,18 @@ forgets to define `model` fails in the notebook, not on the engines.
 from __future__ import annotations
 
 import ast
-import hashlib
 import linecache
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["REQUIRED_NAMES", "OPTIONAL_NAMES", "Job", "JobError", "defined_names"]
+from sagenb.config import cell_module
+
+__all__ = ["REQUIRED_NAMES", "OPTIONAL_NAMES", "CELL_FILE", "Job", "JobError", "defined_names"]
 
 REQUIRED_NAMES = ("model", "dataset")
+#: the file name a cell's code is compiled under (its frames in tracebacks and stacks)
+CELL_FILE = "<smp_train cell>"
 #: loss_fn may be left out when batches are dicts with labels (the samples', or those the cell's
 #: collate_fn builds): the model's own loss is used
 OPTIONAL_NAMES = ("loss_fn", "make_optimizer", "make_scheduler", "eval_dataset", "collate_fn")
@@ -64,11 +67,19 @@ class Job:
         return cls(payload=cloudpickle.dumps(fn))
 
     def namespace(self) -> dict[str, Any]:
-        """Run the job (on an engine) and return its namespace."""
+        """Run the job (on an engine) and return its namespace: a cell's is the dict of a fresh
+        module registered in sys.modules (config/cell_module.py), removed when the
+        `cell_module.scope()` around the run ends, or at once if the cell raises."""
         if self.source is not None:
-            ns: dict[str, Any] = {"__name__": "__smp_cell__"}
-            exec(compile(self.source, _remembered(self.source), "exec"), ns)
-            return ns
+            # dont_inherit: the cell's own compiler flags, not this module's `from __future__`
+            code = compile(self.source, _remembered(self.source), "exec", dont_inherit=True)
+            module = cell_module.new_module()
+            try:
+                exec(code, vars(module))
+            except BaseException:
+                cell_module.remove(module.__name__)
+                raise
+            return vars(module)
         import cloudpickle
 
         result = cloudpickle.loads(self.payload)()
@@ -81,18 +92,19 @@ class Job:
 
 
 def _remembered(source: str) -> str:
-    """The cell's file name, under which linecache keeps its source, as IPython keeps a
+    """CELL_FILE, under which linecache now keeps this cell's source, as IPython keeps a
     cell's: tracebacks show the cell's lines, and `inspect.getsource` reads what the cell
-    defines (the model's own loss is read from its forward's code, engine/own_loss.py)."""
-    name = f"<smp_train cell {hashlib.sha1(source.encode()).hexdigest()[:12]}>"
-    linecache.cache[name] = (len(source), None, source.splitlines(keepends=True), name)
-    return name
+    defines (the model's own loss is read from its forward's code, engine/own_loss.py). One
+    name for every cell (run/stacks.py knows the cell's frames by it): the latest cell's source
+    is the one kept, which is the one a run or an estimate reads right after running it."""
+    linecache.cache[CELL_FILE] = (len(source), None, source.splitlines(keepends=True), CELL_FILE)
+    return CELL_FILE
 
 
 def defined_names(source: str) -> set[str]:
     """Names bound at the top level of `source` ('*' when a star import makes it unknowable)."""
     try:
-        tree = ast.parse(source, "<smp_train cell>")
+        tree = ast.parse(source, CELL_FILE)
     except SyntaxError as exc:
         raise JobError(f"the cell does not parse: {exc.msg} (line {exc.lineno})") from None
     names: set[str] = set()

@@ -20,9 +20,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from sagenb.config import cell_module
 from sagenb.config.errors import ConfigError
 from sagenb.config.job import Job, JobError
-from sagenb.engine import clean_slate
+from sagenb.engine import clean_slate, edited_modules
 from sagenb.engine.loop import train_loop
 from sagenb.engine.memory import check_offload
 from sagenb.engine.model.equivalence import EquivalenceWarning, equivalence_warnings
@@ -144,13 +145,32 @@ def _tracer(spec: RankSpec) -> Tracer | None:
 
 def train_rank(spec: RankSpec, publish: Publisher) -> RankResult:
     """One rank's whole run (process group, the cell, the strategy, the loop), whoever
-    launched the process: an ipyparallel engine (run_rank) or torchrun (launch.py)."""
+    launched the process: an ipyparallel engine (run_rank) or torchrun (launch.py). The
+    cell's module (config/cell_module.py) lives as long as the run, and no longer; the
+    modules beside the notebook whose files changed since are imported again
+    (edited_modules.py)."""
+    edited = edited_modules.drop_edited()
+    if edited and spec.rank == 0:  # said under the cell (rank 0's output)
+        print(
+            f"sagenb: {', '.join(edited)} changed since the engines imported "
+            f"{'it' if len(edited) == 1 else 'them'}: the modules beside the notebook are "
+            "imported again"
+        )
+    with cell_module.scope():
+        try:
+            return _train_rank(spec, publish)
+        finally:
+            edited_modules.note()  # what the run imported while it trained
+
+
+def _train_rank(spec: RankSpec, publish: Publisher) -> RankResult:
     torch.set_num_threads(spec.threads)
     device = process_group.pick_device(spec.local_rank, spec.local_size)
     _join(spec, device)
     check_supported(spec.config.precision, device)
     check_offload(spec.config.offload_activations, device.type)
     ws = build_workspace(spec.job, spec.config.seed, delay_init=spec.config.delay_init)
+    edited_modules.note()  # the files as the cell imported them
     # what keeps this run from training as one process would, from the model as the cell built it
     notes = (
         equivalence_warnings(ws.model, spec.config, collate_draws=ws.collate_draws)

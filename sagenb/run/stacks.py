@@ -18,6 +18,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+from sagenb.config.job import CELL_FILE
 from sagenb.engine.scratch import read_private
 from sagenb.engine.wire.tracing import (
     STACK_SIGNAL,
@@ -29,7 +30,6 @@ from sagenb.engine.wire.tracing import (
 
 __all__ = ["RankTrace", "collect", "describe", "CELL_FILE"]
 
-CELL_FILE = "<smp_train cell>"  # the file name config/job.py compiles a cell under
 DUMP_WAIT_S = 1.0  # the most a dump may take to appear (ten times an idle machine's: see
 # benchmarks/results/measured_in_code.md)
 _THREAD = re.compile(r"^(?:Current thread|Thread) (0x[0-9a-f]+)", re.M)

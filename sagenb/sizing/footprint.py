@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from sagenb.config import cell_module
 from sagenb.config.errors import ConfigError
 from sagenb.config.job import Job, JobError
 from sagenb.config.options import EngineConfig
@@ -97,6 +98,7 @@ def footprint(job: Any, config: EngineConfig, world_size: int) -> Footprint:
     attribute = _attribution(config)
     # real tensors may meet fake ones: the example's indices are real (see _build)
     with (
+        cell_module.scope(),  # the cell's module (config/cell_module.py) lasts the estimate
         FakeTensorMode(allow_non_fake_inputs=True),
         GroupedMatmulAnyDtype(),
         _unchanged_conversions_pass(),

@@ -12,16 +12,18 @@ per worker, pinned on CUDA, in order (`in_order=True`, the default), so the batc
 the training are the same as without workers.
 
 Worker processes are forked on Linux, on purpose. An engine is a long-lived ipyparallel process
-and the cell's Dataset class lives in the cell's namespace (`__smp_cell__`,
-sagenb/config/job.py), a module no fresh interpreter can import: a spawned or forkserver worker
+and the cell's Dataset class lives in the cell's module (sagenb/config/cell_module.py), which
+the engine registered and no fresh interpreter can import: a spawned or forkserver worker
 could not unpickle the dataset by reference (see "Platform-specific behaviors" in the
 torch.utils.data docs). A fork inherits it (copy-on-write, nothing pickled, no per-run
 interpreter start); the worker runs nothing but `__getitem__` and collation (the cell's
 collate_fn too) on the CPU, with one torch thread (torch's worker loop sets it:
 torch/utils/data/_utils/worker.py), and never touches the parent's CUDA context, process group
 or sockets. Where fork is not safe or absent (macOS, Windows), workers are spawned and the
-dataset (and collate_fn) travel by value with cloudpickle (which pickles classes of modules
-that cannot be imported by value), the cost being a copy of the dataset per worker.
+dataset (and collate_fn) travel by value with cloudpickle (a cell's module is registered with
+it by value), the cost being a copy of the dataset per worker; the cell's top-level classes go
+with them, and the worker registers a stand-in module of the cell's name holding them, so a
+batch of a cell's class (a collate_fn's dataclass) pickles back to the engine by reference.
 
 The DataLoader draws its workers' base seed from `generator`; left None it would draw from
 torch's global RNG and shift the training's random stream (dropout), so it gets its own. A
@@ -53,6 +55,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from sagenb.config import cell_module
 from sagenb.engine.data.collation import Collate
 from sagenb.engine.data.order import Step, collated, fetch, to_device
 from sagenb.engine.data.stream import StreamSource
@@ -190,13 +193,16 @@ class _Samples(Dataset):
     def __reduce__(self):  # spawned workers only: the cell's classes and functions go by value
         import cloudpickle
 
-        return _unpickle, (cloudpickle.dumps((self.dataset, self.collating)),)
+        # the cell's classes with them, for the worker's stand-in of the cell's module
+        return _unpickle, (cloudpickle.dumps((self.dataset, self.collating, cell_module.live())),)
 
 
 def _unpickle(payload: bytes) -> _Samples:
     import cloudpickle
 
-    return _Samples(*cloudpickle.loads(payload))
+    dataset, collating, modules = cloudpickle.loads(payload)
+    cell_module.install(modules)  # batches of a cell's class pickle back by its module's name
+    return _Samples(dataset, collating)
 
 
 def _as_is(batch: Any) -> Any:

@@ -8,7 +8,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from sagenb.config import cell_module
 from sagenb.config.job import Job, JobError
+from sagenb.engine import edited_modules
 from sagenb.engine.data.order import fetch
 from sagenb.engine.data.stream import readable
 from sagenb.engine.model.kv_cache import cache_off
@@ -38,8 +40,15 @@ def plan_on_engine(job: Job, config: EngineConfig, engines: int, threads: int) -
     model is built on the meta device, as training builds it, so nothing is materialised and
     the profile holds parameter bytes only (`measured` False)."""
     torch.set_num_threads(threads)
+    with cell_module.scope():  # the cell's module (config/cell_module.py) lasts the plan
+        return _plan(job, config, engines)
+
+
+def _plan(job: Job, config: EngineConfig, engines: int) -> dict[str, Any]:
+    edited_modules.drop_edited()  # the files beside the notebook as they are (training's too)
     with text_output():  # the cell's bars as text here too, no widget (engine/wire/output.py)
         ws = build_workspace(job, config.seed, delay_init=config.delay_init, read_pretrained=False)
+    edited_modules.note()
     cache_off(ws.model)  # profiled as it trains, without a key/value cache; built for this only
     blocks = find_blocks(ws.model)
     check_blocks(config, len(blocks))  # the trainer's errors, before anything is measured
