@@ -25,6 +25,7 @@ from sagenb.engine.data.order import plan_steps
 from sagenb.run.trained import CellModel
 
 from .helpers import assert_params_equal, check_equal, run
+from .models import nanogpt_cell
 from .reference import train_reference
 
 #: what people paste from nanoGPT-style files, in one cell (no `from __future__` here: the
@@ -54,108 +55,10 @@ ANNOTATION = GPTConfig.__annotations__["block_size"]
 HINTS = typing.get_type_hints(GPTConfig)
 """
 
-#: a GPT in the style of nanoGPT's model.py, written for these tests: a dataclass config,
-#: tied embeddings, forward(idx, targets=None) -> (logits, loss). Without targets it returns
-#: the logits of every position (nanoGPT's returns the last one only, an inference shortcut), and
-#: the cell trains it through a wrapper and its own loss_fn: what these tests prove is the
-#: module the cell runs in, not the model's own loss
-GPT_CELL = """
-import math
-from dataclasses import dataclass, field
-import torch
-from torch import nn
-from torch.nn import functional as F
-
-@dataclass
-class GPTConfig:
-    block_size: int = 8
-    vocab_size: int = 32
-    n_layer: int = 2
-    n_head: int = 2
-    n_embd: int = 16
-    notes: list = field(default_factory=list)
-
-class CausalSelfAttention(nn.Module):
-    def __init__(self, config: GPTConfig):
-        super().__init__()
-        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd)
-        self.c_proj = nn.Linear(config.n_embd, config.n_embd)
-        self.n_head, self.n_embd = config.n_head, config.n_embd
-    def forward(self, x):
-        B, T, C = x.size()
-        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
-
-class MLP(nn.Module):
-    def __init__(self, config: GPTConfig):
-        super().__init__()
-        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd)
-        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd)
-    def forward(self, x):
-        return self.c_proj(F.gelu(self.c_fc(x)))
-
-class Block(nn.Module):
-    def __init__(self, config: GPTConfig):
-        super().__init__()
-        self.ln_1, self.attn = nn.LayerNorm(config.n_embd), CausalSelfAttention(config)
-        self.ln_2, self.mlp = nn.LayerNorm(config.n_embd), MLP(config)
-    def forward(self, x):
-        x = x + self.attn(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))
-
-class GPT(nn.Module):
-    def __init__(self, config: GPTConfig):
-        super().__init__()
-        self.config = config
-        self.transformer = nn.ModuleDict(dict(
-            wte=nn.Embedding(config.vocab_size, config.n_embd),
-            wpe=nn.Embedding(config.block_size, config.n_embd),
-            h=nn.ModuleList([Block(config) for _ in range(config.n_layer)]),
-            ln_f=nn.LayerNorm(config.n_embd),
-        ))
-        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
-        self.transformer.wte.weight = self.lm_head.weight  # tied, as nanoGPT ties them
-    def forward(self, idx, targets=None):
-        pos = torch.arange(idx.size(1), device=idx.device)
-        x = self.transformer.wte(idx) + self.transformer.wpe(pos)
-        for block in self.transformer.h:
-            x = block(x)
-        logits = self.lm_head(self.transformer.ln_f(x))
-        if targets is None:
-            return logits, None
-        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-1)
-        return logits, loss
-
-class Logits(nn.Module):
-    \"\"\"The GPT's logits alone, for the cell's loss_fn.\"\"\"
-    def __init__(self, gpt: GPT):
-        super().__init__()
-        self.gpt = gpt
-    def forward(self, idx):
-        return self.gpt(idx)[0]
-
-class Tokens(torch.utils.data.Dataset):
-    \"\"\"Next-token pairs: a Dataset class of the cell's own (DataLoader workers load it).\"\"\"
-    def __init__(self, config: GPTConfig, n: int):
-        g = torch.Generator().manual_seed(0)
-        self.ids = torch.randint(0, config.vocab_size, (n, config.block_size + 1), generator=g)
-    def __len__(self):
-        return len(self.ids)
-    def __getitem__(self, i):
-        return self.ids[i, :-1], self.ids[i, 1:]
-
-config = GPTConfig(notes=["tiny"])
-model = Logits(GPT(config))
-dataset = Tokens(config, 32)
-
-def loss_fn(logits, targets):
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-1)
-
-def make_optimizer(params):  # SGD: rounding is not amplified into full-size updates (Adam)
-    return torch.optim.SGD(params, lr=0.1)
-"""
+#: nanoGPT's model.py as people paste it (tests/models.py): a dataclass config, tied
+#: embeddings, forward(idx, targets=None) -> (logits, loss) trained on its own loss, a Dataset
+#: class of the cell's own (DataLoader workers load it), SGD
+GPT_CELL = nanogpt_cell("dict")
 
 
 def cell_modules() -> set[str]:
@@ -213,7 +116,7 @@ def test_the_kernel_s_rebuilt_model_pickles_with_its_dataclass_config():
     assert type(model).__module__ != type(again).__module__  # both pickle, each by its module
     for built in (model, again):
         copy = pickle.loads(pickle.dumps(built))
-        assert type(copy) is type(built) and copy.gpt.config == built.gpt.config
+        assert type(copy) is type(built) and copy.config == built.config
         assert_params_equal(copy.state_dict(), built)
 
 
@@ -306,8 +209,8 @@ def test_a_nanogpt_style_cell_trains_as_one_process(pool, strategy, tmp_path):
     if strategy == "data":
         assert any(tmp_path.iterdir())
         model = pickle.loads(pickle.dumps(result.model()))
-        assert model.gpt.config.notes == ["tiny"] and type(model.gpt.config).__name__ == "GPTConfig"
-        assert model.gpt.lm_head.weight is model.gpt.transformer.wte.weight
+        assert model.config.n_layer == 2 and type(model.config).__name__ == "GPTConfig"
+        assert model.lm_head.weight is model.transformer.wte.weight
         assert_params_equal(model.state_dict(), result.state_dict(), tol=0)
     # the run's module is gone from every engine with the run
     left = pool.client[pool.engine_ids].apply_sync(_cell_modules_here)
