@@ -56,6 +56,8 @@ CONTROLLER_CHECK_S = 1.0  # how often a run checks that the pool's controller st
 OUTPUT_S = 10.0  # how long to wait for the last published metrics after a rank returns
 STOP_S = 4.0  # after an interrupt, how long ranks get to stop at a step boundary
 INTERRUPTED_S = 2.0  # how long the ranks of a stalled run get to end once interrupted
+#: what the engines say that is no equivalence warning: --resume's notes, the optimizer's mapping
+NOTICES = ("--resume:", "make_optimizer's")
 LAST_OUTPUT_S = 2.0  # after a failure, how long the ended ranks' last metrics get to arrive
 
 
@@ -332,11 +334,12 @@ class TrainingRun:
         through `warnings` for scripts (sagenb registers its category "always", so a second
         run in the same kernel warns again). --resume's notes travel the same way, for what
         only the engines found (a checkpoint whose data fails to load): RuntimeWarnings, as
-        the notebook's own (run/checkpoints.py)."""
+        the notebook's own (run/checkpoints.py); so does what was done with the cell's
+        make_optimizer (engine/user_optimizer.py), which keeps the run equal to one process."""
         for note in notes:
             if note not in self.warnings:
                 self.warnings.append(note)
-                kind = RuntimeWarning if note.startswith("--resume:") else EquivalenceWarning
+                kind = RuntimeWarning if note.startswith(NOTICES) else EquivalenceWarning
                 # no source line of sagenb's under the cell: the warning is about the cell
                 warnings.warn_explicit(note, kind, "sagenb", 0, module="sagenb")
 
