@@ -225,6 +225,28 @@ def test_a_checkpoint_dir_that_is_a_file_is_refused_before_training(tmp_path):
 
 
 @pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(checkpoint_dir=""), "--checkpoint-dir '': must be a directory's path"),
+        (dict(checkpoint_dir="  "), "--checkpoint-dir '  ': must be a directory's path"),
+        (dict(log_dir="/dev/null"), "--log-dir '/dev/null': exists and is not a directory"),
+    ],
+)
+def test_a_folder_option_that_names_no_folder_is_refused(options, message):
+    """--checkpoint-dir "" was taken as no folder (the run wrote no checkpoint, silently), and
+    --log-dir /dev/null failed at the first write with a raw OSError."""
+    with pytest.raises(ConfigError) as caught:
+        sagenb.TrainConfig(**options)
+    assert str(caught.value).startswith(message)
+
+
+def test_a_log_dir_that_is_a_file_is_refused_before_training(tmp_path):
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(ConfigError, match="--log-dir .*exists and is not a directory"):
+        sagenb.TrainConfig(log_dir=str(tmp_path / "a_file"))
+
+
+@pytest.mark.parametrize(
     "content, message",
     [
         ("[1, 2]", 'must be a JSON object with "instances"'),

@@ -17,6 +17,7 @@ from sagenb.config.errors import ConfigError
 __all__ = [
     "SHELL_NAMES",
     "check_checkpoint_dir",
+    "check_writable_dir",
     "check_choice",
     "check_int",
     "check_out",
@@ -81,17 +82,22 @@ def check_out(out: Any) -> None:
 def check_checkpoint_dir(checkpoint_dir: str | None) -> None:
     """A directory, or one that can be made: found out now, not when the finished run
     writes its final checkpoint."""
-    if not checkpoint_dir:
+    check_writable_dir("checkpoint_dir", checkpoint_dir)
+
+
+def check_writable_dir(name: str, value: str | None) -> None:
+    """Option `name` names a directory, or one that can be made (None: the option is left
+    out). "" used to be taken as no folder at all, and a run wrote no checkpoint without a
+    word; a file or a device (/dev/null) failed at the run's first write with a raw OSError."""
+    if value is None:
         return
-    path = os.path.abspath(os.path.expanduser(checkpoint_dir))
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError(name, value, "must be a directory's path (leave the option out for none)")
+    path = os.path.abspath(os.path.expanduser(value))
     if os.path.exists(path) and not os.path.isdir(path):
-        raise ConfigError("checkpoint_dir", checkpoint_dir, "exists and is not a directory")
+        raise ConfigError(name, value, "exists and is not a directory: name a folder")
     parent = path
     while not os.path.exists(parent):
         parent = os.path.dirname(parent)
     if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
-        raise ConfigError(
-            "checkpoint_dir",
-            checkpoint_dir,
-            f"cannot be written: {parent} is not writable",
-        )
+        raise ConfigError(name, value, f"cannot be written: {parent} is not writable")

@@ -39,6 +39,7 @@ from sagenb.config.checks import (
     check_int,
     check_out,
     check_positive,
+    check_writable_dir,
 )
 from sagenb.config.errors import ConfigError, flag_name
 from sagenb.config.registry import DEFAULT_ENGINES, declared_options, describe
@@ -475,8 +476,7 @@ class TrainConfig(EngineConfig):
             raise ConfigError("spot_discount", self.spot_discount, "must be between 0 and 0.95")
         if not isinstance(self.instance, str) or not self.instance:
             raise ConfigError("instance", self.instance, "must be an instance type's name")
-        if self.log_dir is not None and (not isinstance(self.log_dir, str) or not self.log_dir):
-            raise ConfigError("log_dir", self.log_dir, "must be a directory's path")
+        check_writable_dir("log_dir", self.log_dir)
         for name in ("price_table", "hardware_table"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), str):
                 raise ConfigError(name, getattr(self, name), "must be a JSON file's path")
