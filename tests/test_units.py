@@ -58,6 +58,22 @@ def test_syntax_error_is_a_job_error():
         Job.from_cell("model = (")
 
 
+@pytest.mark.parametrize(
+    "line, says",
+    [
+        ("%pip install einops", "is IPython syntax (a magic), which the engines do not run"),
+        ("!nvidia-smi", "is IPython syntax (a shell command), which the engines do not run"),
+        ("x = await asyncio.sleep(0)", "awaits at the top level, which only a kernel's own"),
+    ],
+)
+def test_what_only_a_kernel_runs_is_refused_in_the_notebook_saying_so(line, says):
+    """Such lines failed as "invalid syntax (line 1)", and a top-level await only on the
+    engines, once they had started."""
+    with pytest.raises(JobError) as caught:
+        Job.from_cell(f"import asyncio\n{line}\nmodel = 1\ndataset = 2\n")
+    assert str(caught.value).startswith(f"the cell's line 2: `{line}` {says}")
+
+
 def test_cost_follows_the_formula():
     price = instance_price("ml.g5.xlarge")  # 1 GPU per instance
     meter = CostMeter(price, engines=3)

@@ -102,14 +102,37 @@ def _remembered(source: str) -> str:
 
 
 def defined_names(source: str) -> set[str]:
-    """Names bound at the top level of `source` ('*' when a star import makes it unknowable)."""
+    """Names bound at the top level of `source` ('*' when a star import makes it unknowable).
+    The cell is compiled here too, as the engines will: what only a kernel accepts (IPython's
+    `%magic` and `!shell` lines, a top-level `await`) is refused in the notebook, saying so."""
     try:
         tree = ast.parse(source, CELL_FILE)
+        compile(tree, CELL_FILE, "exec", dont_inherit=True)
     except SyntaxError as exc:
-        raise JobError(f"the cell does not parse: {exc.msg} (line {exc.lineno})") from None
+        raise JobError(_syntax(exc, source)) from None
     names: set[str] = set()
     _collect(tree.body, names)
     return names
+
+
+def _syntax(exc: SyntaxError, source: str) -> str:
+    """What is wrong with the cell, in a kernel user's words where the cause is IPython's."""
+    lines = source.splitlines()
+    line = lines[exc.lineno - 1].strip() if exc.lineno and exc.lineno <= len(lines) else ""
+    where = f"line {exc.lineno}: `{line}`" if line else f"line {exc.lineno}"
+    if line.startswith(("%", "!")):
+        kind = "a magic" if line[0] == "%" else "a shell command"
+        return (
+            f"the cell's {where} is IPython syntax ({kind}), which the engines do not run: "
+            f"they run the cell as plain Python. Move it to a cell of its own above this one"
+        )
+    if "outside" in exc.msg and "await" in line:
+        return (
+            f"the cell's {where} awaits at the top level, which only a kernel's own cells may: "
+            f"the engines run the cell as plain Python, with no event loop. Wrap it in a "
+            f"function and run it with asyncio.run(...)"
+        )
+    return f"the cell does not parse: {exc.msg}, at {where}"
 
 
 def _collect(body: list[ast.stmt], names: set[str]) -> None:
