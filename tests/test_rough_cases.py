@@ -67,6 +67,37 @@ def test_a_loss_cut_from_the_model_says_nothing_would_train(loss_fn):
         piece_loss(objective, model, batch, 1.0)
 
 
+def test_a_loss_per_sample_is_refused_naming_the_mean():
+    """Before: autograd's "grad can be implicitly created only for scalar outputs"."""
+    model = nn.Linear(8, 1)
+    batch = (torch.randn(4, 8), torch.randn(4, 1))
+    per_sample = lambda out, y: nn.functional.mse_loss(out, y, reduction="none")  # noqa: E731
+    objective = Objective.build(model, per_sample, (batch[0][0], batch[1][0]))
+    with pytest.raises(JobError) as caught:
+        piece_loss(objective, model, batch, 1.0)
+    assert str(caught.value).startswith(
+        "loss_fn returned a tensor of shape (4, 1), not one number: return the mean"
+    )
+
+
+def test_samples_of_three_are_refused_naming_the_pairs_sagenb_reads():
+    """Before: "too many values to unpack (expected 2)" at the first step, on every rank."""
+    with pytest.raises(JobError) as caught:
+        Objective.build(nn.Linear(8, 1), None, (torch.zeros(8), torch.ones(8), torch.zeros(1)))
+    assert str(caught.value).startswith(
+        "its samples are tuples of 3, and sagenb reads a tuple as (input, target)"
+    )
+
+
+def test_ragged_samples_without_a_collate_fn_name_the_collate_fn():
+    """Before: torch.stack's "stack expects each tensor to be equal size", with no hint."""
+    from sagenb.engine.data.order import collated
+
+    samples = [{"input_ids": torch.arange(n)} for n in (3, 5)]
+    with pytest.raises(JobError, match=r"differ in shape .*Define collate_fn\(samples\)"):
+        collated(samples)
+
+
 @pytest.mark.parametrize(
     ("action", "said"),
     [

@@ -81,6 +81,7 @@ class Objective:
         the first samples (engine/data/collation.py example_batch): what the model will be given
         is what is checked, so labels a collator builds count."""
         dict_samples = isinstance(first, Mapping)
+        _check_pair(first, collated=collate_fn is not None)
         if loss_fn is not None:
             return cls(loss_fn=loss_fn, dict_samples=dict_samples, collate_fn=collate_fn)
         key = _own_targets(model, first, collated=collate_fn is not None)
@@ -110,7 +111,7 @@ class Objective:
     def loss(self, output: Any, target: Any) -> torch.Tensor:
         """The mean-reduced loss of one piece, from the model's output on it."""
         if self.loss_fn is not None:
-            return self.loss_fn(logits_of(output) if self.dict_samples else output, target)
+            return _scalar(self.loss_fn(logits_of(output) if self.dict_samples else output, target))
         own = own_loss.loss_in(output)
         if own is None:
             raise JobError(
@@ -176,6 +177,31 @@ def _own_targets(model: nn.Module, first: Any, *, collated: bool) -> str:
         f"'labels' to use the model's own loss. (input, target) pairs go in as "
         f"model(input, target) only when forward takes exactly those two parameters "
         f"({type(model).__name__}.forward takes {own_loss.parameter_names(model)})"
+    )
+
+
+def _scalar(loss: Any) -> Any:
+    """loss_fn's value, when it is one number: a loss per sample (reduction="none") failed in
+    backward with autograd's "grad can be implicitly created only for scalar outputs"."""
+    if isinstance(loss, torch.Tensor) and loss.dim() != 0 and loss.numel() != 1:
+        raise JobError(
+            f"loss_fn returned a tensor of shape {tuple(loss.shape)}, not one number: return "
+            f"the mean over the batch (loss.mean(), or reduction='mean', torch's default), "
+            f"which sagenb weights by the targets each piece counts"
+        )
+    return loss
+
+
+def _check_pair(first: Any, *, collated: bool) -> None:
+    """A tuple sample (or batch) is (input, target): any other length is refused naming the
+    fix, not unpacked into "too many values to unpack"."""
+    if isinstance(first, Mapping) or not isinstance(first, (tuple, list)) or len(first) == 2:
+        return
+    given = "its collate_fn returns" if collated else "its samples are"
+    raise JobError(
+        f"{given} {type(first).__name__}s of {len(first)}, and sagenb reads a tuple as "
+        f"(input, target): give (input, target) pairs, or dicts of the model's keyword "
+        f"inputs (model(**batch)), or define collate_fn(samples) that returns one of them"
     )
 
 

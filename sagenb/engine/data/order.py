@@ -194,7 +194,17 @@ def collated(samples: list[Any], collate_fn: Collate | None = None, parts: int =
     (a pipeline's microbatches, data/collation.py); without one, by default_collate."""
     if collate_fn is not None:
         return collate_samples(samples, collate_fn, parts)
-    return default_collate(samples)
+    try:
+        return default_collate(samples)
+    except RuntimeError as err:
+        if "stack expects each tensor to be equal size" not in str(err):
+            raise
+        raise JobError(
+            f"the samples cannot be stacked into a batch: their tensors differ in shape "
+            f"({err}). Define collate_fn(samples) -> batch that pads them to one length "
+            f"(transformers' DataCollatorWithPadding(tokenizer) does, with an attention_mask), "
+            f"or give samples of one shape"
+        ) from None
 
 
 def to_device(batch: Any, device: torch.device) -> Any:
