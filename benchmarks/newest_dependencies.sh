@@ -30,7 +30,7 @@ report=benchmarks/results/newest_dependencies.md
     echo '```'
     "$venv/bin/python" -m pip list --format=freeze | while IFS='==' read -r name _ version; do
         pinned=$(grep -iE "^${name}==" scripts/constraints.txt | cut -d= -f3 || true)
-        if [ -n "$pinned" ] && [ "$pinned" != "$version" ]; then
+        if [ -n "$pinned" ] && [ "$pinned" != "${version%%+*}" ]; then  # torch's +cpu
             echo "$name $version (CI: $pinned)"
         fi
     done
@@ -46,6 +46,7 @@ lane() {  # a pytest run in the venv, its closing line into the report
         status=1
     fi
     echo "pytest $*: $(grep -E '(passed|failed|error)' "$venv.log" | tail -1)" | tee -a "$report"
+    grep -E '^(FAILED|ERROR) ' "$venv.log" | tee -a "$report" || true
 }
 lane -m "not pool"
 lane tests/test_pretrained.py

@@ -28,6 +28,28 @@ def test_a_model_defined_on_rank_0_only_names_the_other_rank(pool):
         sagenb.train(RANK0_ONLY, batch_size=16, steps=2, dashboard=False)
 
 
+UNUSED_CELL = REGRESSION_CELL + """
+class WithSpare(nn.Module):
+    def __init__(self, inner):
+        super().__init__()
+        self.inner, self.spare = inner, nn.Linear(8, 2)
+    def forward(self, x):
+        return self.inner(x)
+model = WithSpare(model)
+"""
+
+
+def test_a_parameter_the_forward_never_uses_is_named_under_data(pool):
+    """Before: DDP's "Expected to have finished reduction in the prior iteration", with
+    parameter indices and find_unused_parameters, which sagenb gives no way to set."""
+    with pytest.raises(JobError) as caught:
+        sagenb.train(UNUSED_CELL, batch_size=16, steps=3, dashboard=False)
+    assert str(caught.value).startswith(
+        "the model's forward used none of 2 of its trainable parameters (spare.weight, "
+        "spare.bias) for the loss"
+    )
+
+
 def test_a_cells_child_in_a_session_of_its_own_ends_with_the_pool(pool, tmp_path):
     """`start_new_session=True` takes the child out of its engine's process group, and the
     engine's stop re-parents it to init: the pool notes its engines' descendants first."""

@@ -13,6 +13,7 @@ experts/groups.py instead of DDP, which would average the different experts of a
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Iterator
 from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any
@@ -23,6 +24,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
+from sagenb.config.job import JobError
 from sagenb.engine.data.order import eval_batches, fetch, to_device
 from sagenb.engine.model.delayed import materialize
 from sagenb.engine.model.sync_batchnorm import sync_batchnorm
@@ -144,8 +146,11 @@ class DataParallel:
             if sync and self.experts is not None:
                 self.experts.reduce(self.module)
             return loss
-        with nullcontext() if sync else self._ddp.no_sync():
-            return piece_loss(objective, self._ddp, batch, scale)
+        try:
+            with nullcontext() if sync else self._ddp.no_sync():
+                return piece_loss(objective, self._ddp, batch, scale)
+        except RuntimeError as err:
+            raise _unused(err, self.module) from None
 
     def clip_grad_norm(self, max_norm: float) -> float:
         if self.experts is not None:
@@ -225,6 +230,24 @@ def eval_sums(
         module(*args, **kwargs)
     module.train(was_training)
     return total
+
+
+def _unused(err: RuntimeError, module: nn.Module) -> Exception:
+    """DDP's error for parameters that received no gradient (it reads the indices of its
+    trainable parameters), said with their names and what to do; any other error as it is."""
+    text = str(err)
+    found = re.search(r"did not receive grad for rank \d+: ([\d ]+)", text)
+    if "Expected to have finished reduction" not in text or found is None:
+        return err
+    trainable = [name for name, p in module.named_parameters() if p.requires_grad]
+    names = [trainable[int(i)] for i in found.group(1).split() if int(i) < len(trainable)]
+    shown = ", ".join(names[:6]) + (", ..." if len(names) > 6 else "")
+    return JobError(
+        f"the model's forward used none of {len(names)} of its trainable parameters "
+        f"({shown}) for the loss, and data parallel (DDP) waits for a gradient of every "
+        f"trainable parameter each step: set requires_grad=False on those it does not use "
+        f"(or remove them from the model)"
+    )
 
 
 class DataParallelDescription(Description):
