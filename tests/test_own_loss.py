@@ -1,4 +1,4 @@
-"""The model's own loss by the model's own convention (sagenb/engine/own_loss.py): nanoGPT's
+"""The model's own loss by the model's own convention (sagenb/engine/model/own_loss.py): nanoGPT's
 `forward(idx, targets=None)` returning `(logits, loss)` with `ignore_index=-1`, in dict and tuple
 samples, trains to one process's parameters in every strategy; what cannot be read is refused
 with what was looked for and what was found."""
@@ -14,7 +14,7 @@ from torch import nn
 
 import sagenb
 from sagenb.config.job import Job
-from sagenb.engine import own_loss
+from sagenb.engine.model import own_loss
 from sagenb.engine.objective import Objective
 
 from .helpers import check_equal

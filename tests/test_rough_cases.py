@@ -28,7 +28,9 @@ def test_a_model_defined_on_rank_0_only_names_the_other_rank(pool):
         sagenb.train(RANK0_ONLY, batch_size=16, steps=2, dashboard=False)
 
 
-UNUSED_CELL = REGRESSION_CELL + """
+UNUSED_CELL = (
+    REGRESSION_CELL
+    + """
 class WithSpare(nn.Module):
     def __init__(self, inner):
         super().__init__()
@@ -37,6 +39,7 @@ class WithSpare(nn.Module):
         return self.inner(x)
 model = WithSpare(model)
 """
+)
 
 
 def test_a_parameter_the_forward_never_uses_is_named_under_data(pool):

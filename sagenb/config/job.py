@@ -94,7 +94,7 @@ class Job:
 def _remembered(source: str) -> str:
     """CELL_FILE, under which linecache now keeps this cell's source, as IPython keeps a
     cell's: tracebacks show the cell's lines, and `inspect.getsource` reads what the cell
-    defines (the model's own loss is read from its forward's code, engine/own_loss.py). One
+    defines (the model's own loss is read from its forward's code, engine/model/own_loss.py). One
     name for every cell (run/stacks.py knows the cell's frames by it): the latest cell's source
     is the one kept, which is the one a run or an estimate reads right after running it."""
     linecache.cache[CELL_FILE] = (len(source), None, source.splitlines(keepends=True), CELL_FILE)

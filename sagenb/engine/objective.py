@@ -9,7 +9,7 @@
   the model computes it, whatever its head: `labels` goes in and the output's `loss` is read.
   A model that names its targets otherwise (nanoGPT's `forward(idx, targets=None)` returning
   `(logits, loss)`) is read by its own convention, for dict and tuple samples alike
-  (engine/own_loss.py).
+  (engine/model/own_loss.py).
   A pipeline does the same: the labels travel with the inputs to the last stage, which
   computes the loss the traced forward computes there (the head's own code, its signature and
   its `config.problem_type` included), so no head needs a rule of sagenb's.
@@ -40,9 +40,9 @@ import torch
 from torch import nn
 
 from sagenb.config.job import JobError
-from sagenb.engine import own_loss
 from sagenb.engine.data.collation import Collate
-from sagenb.engine.own_loss import IGNORE_INDEX, LABELS
+from sagenb.engine.model import own_loss
+from sagenb.engine.model.own_loss import IGNORE_INDEX, LABELS
 
 __all__ = [
     "Objective",
@@ -70,7 +70,7 @@ class Objective:
     collate_fn: Collate | None = None
     #: the key of dict batches' targets: "labels", or the model's own keyword for them
     target_key: str = LABELS
-    #: the target value a mean-reduced loss leaves out of its mean (engine/own_loss.py)
+    #: the target value a mean-reduced loss leaves out of its mean (engine/model/own_loss.py)
     ignore_index: int = IGNORE_INDEX
 
     @classmethod
@@ -149,7 +149,7 @@ class Objective:
 
 
 def _own_targets(model: nn.Module, first: Any, *, collated: bool) -> str:
-    """Without a loss_fn, where the model's own loss takes the targets (engine/own_loss.py):
+    """Without a loss_fn, where the model's own loss takes the targets (engine/model/own_loss.py):
     a dict batch's key, or "" for (input, target) pairs that go in as model(input, target).
     Anything else is refused in the words of samples or of the collate_fn's batches."""
     if isinstance(first, Mapping):
