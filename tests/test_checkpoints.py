@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 import shutil
 import time
 from pathlib import Path
@@ -286,3 +287,55 @@ def test_a_crafted_checkpoint_runs_nothing(pool, tmp_path, monkeypatch, where):
         )
     time.sleep(0.5)  # a shell started by a payload would have touched it by now
     assert not marker.exists()
+
+
+# -- `latest`: a small file naming a folder inside the checkpoint directory -------------------
+
+
+def one_process_checkpoint(path: Path, value: float) -> None:
+    """A checkpoint load_checkpoint reads: one model entry and the key order."""
+    state = {"model/w": torch.full((2,), value), "key_order": ["w"], "step": 1}
+    dcp.save(state, checkpoint_id=path, no_dist=True)
+
+
+LATEST_KINDS = {
+    "device": "a character device",
+    "fifo": "a FIFO",
+    "oversized": "2147483648 bytes",
+    "outside": "'../elsewhere' is not a folder inside",
+    "absolute": "is not a folder inside",
+    "linked outside": "'step-00000002' is not a folder inside",
+}
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("kind", sorted(LATEST_KINDS))
+def test_latest_must_be_a_small_file_naming_a_folder_inside(tmp_path, kind):
+    """/dev/zero as `latest` grew load_checkpoint and --resume until MemoryError, a FIFO hung
+    both, and a folder outside the checkpoint directory was followed (and loaded)."""
+    from sagenb.run.checkpoints import resume_warnings
+
+    ckpt, elsewhere = tmp_path / "ckpt", tmp_path / "elsewhere"
+    one_process_checkpoint(ckpt / "step-00000001", 1.0)
+    one_process_checkpoint(elsewhere, 2.0)
+    pointer = ckpt / "latest"
+    if kind == "device":
+        pointer.symlink_to("/dev/zero")
+    elif kind == "fifo":
+        os.mkfifo(pointer)
+    elif kind == "oversized":
+        with open(pointer, "wb") as f:
+            f.truncate(2 * 2**30)  # sparse
+    elif kind == "linked outside":
+        (ckpt / "step-00000002").symlink_to(elsewhere)
+        pointer.write_text("step-00000002")
+    else:
+        pointer.write_text("../elsewhere" if kind == "outside" else str(elsewhere))
+    message = f"{re.escape(str(pointer))}: must be a (regular|small) file.*{LATEST_KINDS[kind]}"
+    started = time.monotonic()
+    with pytest.raises(CheckpointError, match=message):
+        sagenb.load_checkpoint(ckpt)
+    config = sagenb.TrainConfig(checkpoint_dir=str(ckpt), resume=True)
+    with pytest.raises(CheckpointError, match=message):
+        resume_warnings(config, 2)
+    assert time.monotonic() - started < 5  # refused, not read

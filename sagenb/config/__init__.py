@@ -1,6 +1,6 @@
 """What to train and how: every option once (`options`), in sections; the spec of one option,
 which a strategy declares its own with (`spec`); the job (`job`); the error of a bad option
-(`errors`).
+(`errors`); a small file a user names, read bounded (`files`).
 
 The options are plain, picklable, keyword-only dataclasses: `EngineConfig` (all that travels to
 the engines, the planner and an exported script) and `TrainConfig` (the notebook's own options

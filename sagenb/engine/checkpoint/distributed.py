@@ -36,6 +36,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
+from sagenb.config.files import read_small
 from sagenb.engine.checkpoint.reader import (
     CheckpointError,
     SafePlanner,
@@ -60,13 +61,45 @@ RESUME = "--resume"
 T = TypeVar("T")
 
 
+#: `latest` holds one folder's name (14 bytes): a larger one is not sagenb's
+MAX_POINTER_BYTES = 4096
+
+
 def latest(directory: str | os.PathLike) -> Path | None:
-    """The newest complete checkpoint in `directory`, or None."""
-    pointer = Path(directory) / LATEST
-    if not pointer.exists():
+    """The newest complete checkpoint in `directory`, or None (no `latest`, or one naming a
+    folder since removed). `latest` is read only as a small regular file naming a folder
+    inside `directory`: anything else (/dev/zero, a FIFO, a name or link leading out of
+    `directory`) raises CheckpointError, unread."""
+    root = Path(directory)
+    pointer = root / LATEST
+    if not pointer.exists() and not pointer.is_symlink():
         return None
-    path = Path(directory) / pointer.read_text().strip()
+    try:
+        name = read_small(pointer, MAX_POINTER_BYTES).strip()
+    except ValueError as exc:  # what it is, or its size: said by read_small
+        raise _bad_pointer(pointer, str(exc)) from None
+    except OSError as exc:
+        raise _bad_pointer(pointer, f"cannot be read ({reason(exc)})") from None
+    path = root / name
+    if not name or Path(name).name != name or name in (".", "..") or not _inside(path, root):
+        raise _bad_pointer(
+            pointer,
+            f"must be a small file naming a folder inside {root}; {name!r} is not a folder "
+            "inside it",
+        )
     return path if path.is_dir() else None
+
+
+def _bad_pointer(pointer: Path, why: str) -> CheckpointError:
+    return CheckpointError(
+        f"{pointer}: {why}: remove it (sagenb writes it; without it the step-* folders are "
+        "tried by step, newest first)"
+    )
+
+
+def _inside(path: Path, root: Path) -> bool:
+    """Whether `path`, its links followed, lies directly in `root` (its links followed)."""
+    return path.resolve().parent == root.resolve()
 
 
 def candidates(directory: str | os.PathLike) -> list[Path]:
@@ -75,7 +108,10 @@ def candidates(directory: str | os.PathLike) -> list[Path]:
     one `latest` names, then the others (kept for when the newest cannot be read). A step
     number alone does not say which is newest: a run without --resume may write into a
     directory holding a longer run's checkpoints."""
-    found = sorted((p for p in Path(directory).glob("step-*") if p.is_dir()), reverse=True)
+    root = Path(directory)
+    found = sorted(
+        (p for p in root.glob("step-*") if p.is_dir() and _inside(p, root)), reverse=True
+    )
     newest = latest(directory)
     if newest is None:
         return found
