@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 import shutil
 import time
 from pathlib import Path
@@ -18,6 +19,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 import sagenb
 from sagenb.config import ConfigError
+from sagenb.config.job import JobError
 from sagenb.engine.checkpoint.distributed import candidates, latest
 from sagenb.engine.checkpoint.reader import CheckpointError, SafePlanner, SafeReader
 from sagenb.metrics import keys
@@ -286,3 +288,89 @@ def test_a_crafted_checkpoint_runs_nothing(pool, tmp_path, monkeypatch, where):
         )
     time.sleep(0.5)  # a shell started by a payload would have touched it by now
     assert not marker.exists()
+
+
+# -- a checkpoint folder is one run's ---------------------------------------------------------
+
+WIDER = REGRESSION_CELL.replace(
+    "nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1)", "nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1)"
+)
+
+
+def test_a_run_keeps_its_own_checkpoints_and_refuses_another_runs(pool, tmp_path):
+    """A 3-step run into a folder holding a 6-step run's step 4 and step 6 pruned by step
+    number: it deleted its own step 3, `latest` named a folder that was gone, and
+    load_checkpoint handed back the 6-step run's parameters. A run of the same seed, batch
+    size and model starts over, says so, and its checkpoints replace the folder's; another
+    seed or model is refused before it trains, the folder left as it was; --resume goes on."""
+    ckpt = dict(checkpoint_dir=str(tmp_path), **SHORT)
+    sagenb.train(REGRESSION_CELL, steps=6, checkpoint_every=2, **ckpt)
+    short = sagenb.train(REGRESSION_CELL, steps=3, **ckpt)
+    assert latest(tmp_path) is not None and latest(tmp_path).name == "step-00000003"
+    assert_params_equal(sagenb.load_checkpoint(tmp_path), short.state_dict(), tol=0)
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-00000003"]
+    assert any(
+        "step-00000006 of an earlier run" in w and "starts over" in w for w in short.warnings
+    )
+    with pytest.raises(ConfigError, match=r"--checkpoint-dir .* written with --seed 0, not 1"):
+        sagenb.train(REGRESSION_CELL, steps=2, seed=1, **ckpt)
+    with pytest.raises(JobError, match="checkpoints of another model") as info:
+        sagenb.train(WIDER, steps=2, **ckpt)
+    assert "0.weight is [16, 8] in the checkpoint, [32, 8] in this model" in str(info.value)
+    assert "another --checkpoint-dir" in str(info.value)
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-00000003"]
+    resumed = sagenb.train(REGRESSION_CELL, steps=5, resume=True, **ckpt)
+    assert resumed.history[0]["step"] == 4 and latest(tmp_path).name == "step-00000005"
+    assert sorted(p.name for p in tmp_path.glob("step-*")) == ["step-00000003", "step-00000005"]
+
+
+# -- `latest`: a small file naming a folder inside the checkpoint directory -------------------
+
+
+def one_process_checkpoint(path: Path, value: float) -> None:
+    """A checkpoint load_checkpoint reads: one model entry and the key order."""
+    state = {"model/w": torch.full((2,), value), "key_order": ["w"], "step": 1}
+    dcp.save(state, checkpoint_id=path, no_dist=True)
+
+
+LATEST_KINDS = {
+    "device": "a character device",
+    "fifo": "a FIFO",
+    "oversized": "2147483648 bytes",
+    "outside": "'../elsewhere' is not a folder inside",
+    "absolute": "is not a folder inside",
+    "linked outside": "'step-00000002' is not a folder inside",
+}
+
+
+@pytest.mark.timeout(20)
+@pytest.mark.parametrize("kind", sorted(LATEST_KINDS))
+def test_latest_must_be_a_small_file_naming_a_folder_inside(tmp_path, kind):
+    """/dev/zero as `latest` grew load_checkpoint and --resume until MemoryError, a FIFO hung
+    both, and a folder outside the checkpoint directory was followed (and loaded)."""
+    from sagenb.run.checkpoints import resume_warnings
+
+    ckpt, elsewhere = tmp_path / "ckpt", tmp_path / "elsewhere"
+    one_process_checkpoint(ckpt / "step-00000001", 1.0)
+    one_process_checkpoint(elsewhere, 2.0)
+    pointer = ckpt / "latest"
+    if kind == "device":
+        pointer.symlink_to("/dev/zero")
+    elif kind == "fifo":
+        os.mkfifo(pointer)
+    elif kind == "oversized":
+        with open(pointer, "wb") as f:
+            f.truncate(2 * 2**30)  # sparse
+    elif kind == "linked outside":
+        (ckpt / "step-00000002").symlink_to(elsewhere)
+        pointer.write_text("step-00000002")
+    else:
+        pointer.write_text("../elsewhere" if kind == "outside" else str(elsewhere))
+    message = f"{re.escape(str(pointer))}: must be a (regular|small) file.*{LATEST_KINDS[kind]}"
+    started = time.monotonic()
+    with pytest.raises(CheckpointError, match=message):
+        sagenb.load_checkpoint(ckpt)
+    config = sagenb.TrainConfig(checkpoint_dir=str(ckpt), resume=True)
+    with pytest.raises(CheckpointError, match=message):
+        resume_warnings(config, 2)
+    assert time.monotonic() - started < 5  # refused, not read

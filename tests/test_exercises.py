@@ -6,6 +6,7 @@ publish them. tests/test_notebooks.py grades the real answers on the notebooks' 
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -124,3 +125,107 @@ def test_idle_share_leaves_out_the_warm_up_steps():
     assert idle_share(records, skip=0)[0] == pytest.approx(10 / 18)
     with pytest.raises(ValueError, match="no pipeline step after the first 3"):
         idle_share(records, skip=3)
+
+
+# -- wrong answers that looked right, or crashed the grader -----------------------------------
+
+
+class _EqualToAll:
+    """An answer whose __eq__ says yes to anything."""
+
+    def __eq__(self, other):
+        return True
+
+    __hash__ = object.__hash__
+
+
+def _run_state() -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    return {"weight": torch.randn(4, 4), "bias": torch.randn(4)}
+
+
+def _with(state, key, value):
+    return {**state, key: value}
+
+
+@pytest.mark.parametrize(
+    "case, says",
+    [
+        ("nan in the second entry", "bias holds NaN"),
+        ("nan in the run's", "bias holds NaN"),
+        ("a (1,) tensor for (4, 4)", r"weight is \[1\], the run's is \[4, 4\]"),
+        ("a (4, 4) tensor for (4,)", r"bias is \[4, 4\], the run's is \[4\]"),
+        ("numpy", "weight is a numpy.ndarray, not a torch.Tensor"),
+        ("meta", "weight is a meta tensor, which holds no values"),
+        ("huge", "weight differs from the run's past float64's range"),
+        ("not a tensor", "bias is a str, not a torch.Tensor"),
+    ],
+)
+def test_a_wrong_model_is_never_correct_and_never_crashes(case, says):
+    """NaN in any entry but the first passed (Python's max skips it), as did a (1,) tensor
+    broadcast against (4, 4); numpy arrays and meta tensors crashed the grader."""
+    state = _run_state()
+    expected = state
+    bias_nan = state["bias"].clone()
+    bias_nan[2] = float("nan")
+    answer = {
+        "nan in the second entry": _with(state, "bias", bias_nan),
+        "nan in the run's": state,
+        "a (1,) tensor for (4, 4)": _with(state, "weight", torch.zeros(1)),
+        "a (4, 4) tensor for (4,)": _with(state, "bias", state["bias"].expand(4, 4)),
+        "numpy": _with(state, "weight", state["weight"].numpy()),
+        "meta": _with(state, "weight", state["weight"].to("meta")),
+        "huge": _with(state, "weight", torch.full((4, 4), 1.5e308, dtype=torch.float64)),
+        "not a tensor": _with(state, "bias", "0.5"),
+    }[case]
+    if case == "nan in the run's":
+        expected = _with(state, "bias", bias_nan)
+    if case == "huge":  # finite on both sides, their difference is not
+        expected = _with(state, "weight", torch.full((4, 4), -1.5e308, dtype=torch.float64))
+    if case == "a (1,) tensor for (4, 4)":
+        expected = _with(state, "weight", torch.zeros(4, 4))
+    with pytest.raises(WrongAnswer, match=says):
+        check_same_model(1, answer, expected=expected, what="the run", atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "answer, expected, says",
+    [
+        (_EqualToAll(), 22, "is not the step"),
+        (np.array([22]), 22, "is not the step"),
+        (np.array([22, 22]), 22, "is not the step"),
+        (torch.tensor(22.0, device="meta"), 22, "is not the step"),
+        (10**5000, 22, "an int of 16610 bits is not the step"),
+        (True, 1, "is not the step"),
+        ([_EqualToAll()], {"params"}, "is not the step"),
+        (float("nan"), float("nan"), "is not the step"),
+    ],
+    ids=["always-equal", "numpy-1", "numpy-2", "meta", "huge", "bool", "set-of-odd", "nan"],
+)
+def test_an_exact_answer_is_compared_as_plain_values(answer, expected, says):
+    """An always-true __eq__ passed; a numpy array crashed ("truth value of an array is
+    ambiguous"), as did an int too long to print."""
+    with pytest.raises(WrongAnswer, match=says):
+        check_equal(1, answer, expected=expected, what="the step")
+
+
+def test_plain_answers_still_pass(capsys):
+    check_equal(1, 22.0, expected=22, what="the step")
+    check_equal(2, torch.tensor(22), expected=22, what="the step")
+    check_equal(3, np.int64(22), expected=22, what="the step")
+    check_equal(4, ("grads", "params"), expected={"params", "grads"}, what="the kinds")
+    assert capsys.readouterr().out.count("correct") == 4
+
+
+@pytest.mark.parametrize(
+    "answer, says",
+    [
+        (10**400, "is far from the measured MiB"),
+        (torch.tensor(1.0, device="meta"), "a meta tensor, which holds no value"),
+        (np.array([1.0, 2.0]), "expected a number"),
+    ],
+    ids=["huge", "meta", "numpy"],
+)
+def test_a_number_that_cannot_be_compared_is_wrong_not_a_crash(answer, says):
+    with pytest.raises(WrongAnswer, match=says):
+        check_number(1, answer, measured=1.0, what="the measured MiB", rel=0.05)

@@ -3,6 +3,9 @@ the same parameters as one process that loads them whole, and each engine reads 
 
 from __future__ import annotations
 
+import json
+import re
+
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -132,3 +135,68 @@ def test_from_pretrained_sharded_equals_one_process(pool, tmp_path):
     check_equal(result, cell, **OPTIONS)
     read = [rec.values["pretrained_read(MiB)"] for rec in result.metrics if rec.step == 1]
     assert len(read) == 2 and read[0] == pytest.approx(read[1], rel=0.1)
+
+
+# -- what a pretrained file may make sagenb read ----------------------------------------------
+
+SMALL_CELL = """
+import torch
+from torch import nn
+model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+dataset = torch.utils.data.TensorDataset(torch.randn(32, 8), torch.randn(32, 1))
+loss_fn = nn.functional.mse_loss
+pretrained = {folder!r}
+"""
+
+
+def _small_state(**replaced) -> dict[str, torch.Tensor]:
+    model = namespace(SMALL_CELL.format(folder=""), seed=1)["model"]
+    return {**{k: v.contiguous() for k, v in model.state_dict().items()}, **replaced}
+
+
+@pytest.mark.parametrize("name", ["../elsewhere/x.safetensors", "ABSOLUTE"])
+def test_an_index_names_only_files_in_its_folder(tmp_path, name):
+    """`../elsewhere/x.safetensors` or an absolute path in the index was read."""
+    folder, elsewhere = tmp_path / "model", tmp_path / "elsewhere"
+    folder.mkdir(), elsewhere.mkdir()
+    save_file(_small_state(), str(elsewhere / "x.safetensors"))
+    name = str(elsewhere / "x.safetensors") if name == "ABSOLUTE" else name
+    index = {"weight_map": dict.fromkeys(_small_state(), name)}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(JobError, match=f"names a file outside {folder}: {re.escape(repr(name))}"):
+        build_workspace(Job.of(SMALL_CELL.format(folder=str(folder))), 0)
+
+
+@pytest.mark.parametrize("delay_init", [False, True])
+def test_a_tensor_of_another_shape_is_refused(tmp_path, delay_init):
+    """A (1, 8) tensor broadcast into the (16, 8) weight, silently, loaded whole or under
+    --delay-init (read into the model as it is made)."""
+    file = tmp_path / "model.safetensors"
+    save_file(_small_state(**{"0.weight": torch.ones(1, 8)}), str(file))
+    message = rf"0.weight in {file} is \[1, 8\], the model's 0.weight is \[16, 8\]"
+    with pytest.raises(JobError, match=message):
+        ws = build_workspace(Job.of(SMALL_CELL.format(folder=str(file))), 0, delay_init=delay_init)
+        materialize(
+            ws.model, [ws.model], seed=0, device=torch.device("cpu"), checkpoint=ws.checkpoint
+        )
+
+
+@pytest.mark.parametrize("strategy", ["sharded", "tensor"])
+def test_a_larger_tensor_is_refused_not_cropped_on_the_engines(pool, tmp_path, strategy):
+    """Under sharded or tensor --delay-init each engine read its box of the file's tensor: a
+    (256, 64) tensor was cropped into the (128, 32) weight, and the run trained on."""
+    model = namespace(GPT_CELL, seed=123)["model"]
+    state = {k: v for k, v in model.state_dict().items() if k != "head.weight"}
+    state["blocks.0.mlp.0.weight"] = torch.ones(256, 64)
+    file = str(tmp_path / "model.safetensors")
+    save_file(state, file)
+    key = "blocks.0.mlp.0.weight"
+    message = rf"{key} in {file} is \[256, 64\], the model's {key} is \[128, 32\]"
+    with pytest.raises(JobError, match=message):
+        sagenb.train(
+            GPT_CELL + f"\npretrained = {file!r}\n",
+            strategy=strategy,
+            delay_init=True,
+            dashboard=False,
+            **OPTIONS,
+        )

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 import sagenb
 from sagenb.config.job import Job
-from sagenb.run.trained import CellModel
+from sagenb.run.trained import CellModel, save_pretrained
 
 from .helpers import TOL, check_equal
 from .models import LM_CELLS, SEQUENTIAL_CELL, llama_cell
@@ -178,3 +178,19 @@ def test_a_peft_adapter_saves_and_loads_on_its_base(pool, tmp_path):
     # W + scale * B @ A folded into one matrix rounds differently from adding the two products
     # (1.2e-7 measured in the logits): the equivalence bound
     torch.testing.assert_close(logits(back), logits(mine), rtol=0, atol=TOL)
+
+
+def test_save_pretrained_raises_when_nothing_was_written(tmp_path):
+    """Onto an existing file transformers logs "should be a directory", writes nothing, and
+    sagenb returned the path as if saved."""
+    source = CellModel(Job.from_cell(llama_cell()), seed=0)
+    model = source.build()
+    file = tmp_path / "out"
+    file.write_text("mine")
+    with pytest.raises(NotADirectoryError, match=f"save_pretrained: {file} is a file, not a"):
+        source.save_pretrained(model.state_dict(), file)
+    assert file.read_text() == "mine"
+    # a library whose save writes nothing, for whatever reason: said, never a saved path
+    model.save_pretrained = lambda directory, **kwargs: None
+    with pytest.raises(RuntimeError, match=r"wrote nothing to .*folder: see"):
+        save_pretrained(model, tmp_path / "folder")

@@ -1,7 +1,8 @@
 """What to train and how: every option once (`options`), in sections; the options as flags and
 their reference (`flags`); the spec of one option, which a strategy declares its own with
-(`spec`); the strategies as the config asks them (`registry`); the job (`job`); the error of a
-bad option (`errors`).
+(`spec`); the strategies as the config asks them (`registry`); the job (`job`) and the cell's
+module (`cell_module`); the error of a bad option (`errors`); a small file a user names, read
+bounded (`files`).
 
 The options are plain, picklable, keyword-only dataclasses: `EngineConfig` (all that travels to
 the engines, the planner and an exported script) and `TrainConfig` (the notebook's own options

@@ -106,7 +106,7 @@ def train_loop(
     optimizer, mapped = make_optimizer(ws, strategy, config.lr)
     scheduler = ws.make_scheduler(optimizer) if ws.make_scheduler is not None else None
     objects = _Saved(strategy=strategy, optimizer=optimizer, scheduler=scheduler, rank=rank)
-    start, notes = _resume(config, objects)
+    start, notes, written = _resume(config, objects)
     notes = mapped + notes
     if notes and rank == 0:  # with the first step's metrics, into the run's warnings
         publish = _first_step_with_warnings(notes, publish)
@@ -135,16 +135,25 @@ def train_loop(
             stop = last != total and should_stop(last)  # after the last step, none to skip
             every = config.checkpoint_every
             if config.checkpoint_dir and (stop or last == total or (every and last % every == 0)):
-                # timed for the step that wrote it: what choosing --checkpoint-every weighs
-                # (Young's and Daly's intervals, docs/reliability.md)
-                began = time.perf_counter()
-                unsaved = checkpoint.save(config.checkpoint_dir, last, options=options, **objects)
-                if unsaved is None:
-                    metrics[keys.CHECKPOINT_WRITE] = time.perf_counter() - began
+                unsaved = _save(config.checkpoint_dir, last, options, written, objects, metrics)
             publish(metrics)
             if stop or unsaved is not None:
                 break
     return last, unsaved
+
+
+def _save(
+    directory: str, step: int, options: str, written: list[str], objects: _Saved, metrics: dict
+) -> str | None:
+    """checkpoint.save of `step`, keeping this run's `written` ones (and adding it to them),
+    timed into `metrics` for the step that wrote it: what choosing --checkpoint-every weighs
+    (Young's and Daly's intervals, docs/reliability.md)."""
+    began = time.perf_counter()
+    unsaved = checkpoint.save(directory, step, options=options, kept=written, **objects)
+    if unsaved is None:
+        metrics[keys.CHECKPOINT_WRITE] = time.perf_counter() - began
+        written.append(checkpoint.step_name(step))
+    return unsaved
 
 
 def _plan(ws: Workspace, config: EngineConfig, start: int) -> Iterator[Step]:
@@ -159,13 +168,20 @@ def _plan(ws: Workspace, config: EngineConfig, start: int) -> Iterator[Step]:
     )
 
 
-def _resume(config: EngineConfig, objects: _Saved) -> tuple[int, list[str]]:
+def _resume(config: EngineConfig, objects: _Saved) -> tuple[int, list[str], list[str]]:
     """The step to continue after (with --resume, the newest readable checkpoint's; else 0),
-    and the notes on what resuming skipped or changed (checkpoint/resume.py)."""
+    the notes on what resuming skipped or changed (checkpoint/resume.py), and the checkpoints
+    that are this run's so far (the one it resumed from): those its pruning keeps. Without
+    --resume, checkpoints of another run in --checkpoint-dir are refused before any step."""
     if not config.resume:
-        return 0, []
+        if config.checkpoint_dir:
+            checkpoint.check_fresh(
+                config.checkpoint_dir, strategy=objects["strategy"], config=config
+            )
+        return 0, [], []
     assert config.checkpoint_dir, "the config refuses --resume without --checkpoint-dir"
-    return checkpoint.load(config.checkpoint_dir, config=config, **objects)
+    start, notes, name = checkpoint.load(config.checkpoint_dir, config=config, **objects)
+    return start, notes, [name]
 
 
 def _first_step_with_warnings(

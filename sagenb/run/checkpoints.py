@@ -14,7 +14,12 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 
 from sagenb.engine.checkpoint.distributed import choose, load_newest
 from sagenb.engine.checkpoint.reader import CheckpointError, SafePlanner, SafeReader
-from sagenb.engine.checkpoint.resume import check_options, saved_options
+from sagenb.engine.checkpoint.resume import (
+    check_options,
+    check_replaceable,
+    replaced_note,
+    saved_options,
+)
 
 __all__ = ["load_checkpoint", "resume_warnings", "CheckpointError"]
 
@@ -55,12 +60,33 @@ def resume_warnings(config: Any, engines: int) -> list[str]:
     engines is skipped with a RuntimeWarning, whose text is returned for the run's result, as
     is each option that differs from the checkpoint's and is honoured. None readable raises
     CheckpointError naming --checkpoint-dir and what it holds; an option that cannot be
-    resumed with (engine/checkpoint/resume.py) ConfigError; both before any engine works."""
+    resumed with (engine/checkpoint/resume.py) ConfigError; both before any engine works.
+    Without --resume, a --checkpoint-dir holding another run's checkpoints (another seed or
+    batch size) raises ConfigError, and one of the same options is said to be replaced."""
     if not getattr(config, "resume", False):
-        return []
+        return _fresh_run_notes(config)
     path, metadata, notes = choose(config.checkpoint_dir, world_size=engines)
     notes += check_options(saved_options(path, metadata), config, path)
     for note in notes:
         # no source line of sagenb's under the cell: the warning is about the run
         warnings.warn_explicit(note, RuntimeWarning, "sagenb", 0, module="sagenb")
     return notes
+
+
+def _fresh_run_notes(config: Any) -> list[str]:
+    """A run without --resume starts over, and its checkpoints replace those in its
+    --checkpoint-dir (engine/checkpoint/distributed.py, save): refused when they are another
+    run's, said when they are an earlier run's of the same options. The engines check the
+    model before they train (check_fresh: only they build it)."""
+    directory = getattr(config, "checkpoint_dir", None)
+    if not directory or not Path(directory).is_dir():
+        return []
+    try:
+        path, metadata, _ = choose(directory)
+    except CheckpointError:
+        return []  # nothing readable that this run would lose
+    saved = saved_options(path, metadata)
+    check_replaceable(saved, config, path)
+    note = replaced_note(saved, path)
+    warnings.warn_explicit(note, RuntimeWarning, "sagenb", 0, module="sagenb")
+    return [note]

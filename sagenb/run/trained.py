@@ -87,7 +87,8 @@ class CellModel:
 def save_pretrained(
     model: nn.Module, directory: str | Path, *, merge: bool = False, **kwargs: Any
 ) -> Path:
-    """Write `model` in its library's own format to `directory`; returns it as a Path.
+    """Write `model` in its library's own format to `directory`; returns it as a Path, only
+    once something was written there (NotADirectoryError for a file, RuntimeError otherwise).
 
     A transformers model: its config and safetensors. A peft.PeftModel: its adapter, or, with
     `merge`, the base with the adapter merged in (merge_and_unload) as a transformers model.
@@ -106,8 +107,32 @@ def save_pretrained(
         )
     elif not _is_transformers(model):
         raise TypeError(_not_pretrained(model))
+    path = Path(directory)
+    if path.exists() and not path.is_dir():
+        # transformers only logs "should be a directory" and writes nothing
+        raise NotADirectoryError(
+            f"save_pretrained: {path} is a file, not a directory: name a directory (made if "
+            "it is not there; files of the same names in it are replaced)"
+        )
+    before = _written(path)
     model.save_pretrained(directory, **kwargs)  # type: ignore[operator]
-    return Path(directory)
+    if not path.is_dir() or _written(path) == before:
+        raise RuntimeError(
+            f"save_pretrained: {type(model).__name__}.save_pretrained wrote nothing to {path}: "
+            "see what the library logged above"
+        )
+    return path
+
+
+def _written(path: Path) -> dict[str, tuple[int, int]]:
+    """Each file in `path` with its size and modification time (ns): what a save changes."""
+    if not path.is_dir():
+        return {}
+    written = {}
+    for entry in path.iterdir():
+        info = entry.lstat()  # a link's own: one that leads nowhere is no error
+        written[entry.name] = (info.st_size, info.st_mtime_ns)
+    return written
 
 
 def _check_merge(merge: object) -> None:

@@ -11,12 +11,12 @@ import dataclasses
 import datetime
 import json
 import math
-import os
-import stat
 from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
 from typing import Any, Protocol, TypeGuard
+
+from sagenb.config.files import read_small
 
 __all__ = [
     "InstancePrice",
@@ -56,35 +56,7 @@ def read_table(packaged: str, path: str | None) -> Any:
     if path is None:
         table = resources.files("sagenb.sizing").joinpath(f"tables/{packaged}")
         return json.loads(table.read_text())
-    return json.loads(_read_bounded(path, MAX_TABLE_BYTES))
-
-
-def _read_bounded(path: str, limit: int) -> str:
-    """The text of the regular file at `path`, or a ValueError saying what is allowed: a
-    device (/dev/zero never ends) or a FIFO (blocks until a writer comes) is refused before
-    anything is read, and a file over `limit` bytes by its size, never read whole."""
-    allowed = f"must be a regular file of at most {limit // 2**20} MiB"
-    # O_NONBLOCK: opening a FIFO without a writer would block; a regular file ignores it
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    with os.fdopen(fd, "rb") as f:
-        info = os.fstat(fd)  # of what was opened: no swap between a check and the open
-        if not stat.S_ISREG(info.st_mode):
-            raise ValueError(f"{allowed}; this is {_kind(info.st_mode)}")
-        data = f.read(limit + 1)  # bounded even if the file grows after the fstat
-        if info.st_size > limit or len(data) > limit:
-            raise ValueError(f"{allowed}; this one has {max(info.st_size, len(data))} bytes")
-    return data.decode()
-
-
-def _kind(mode: int) -> str:
-    kinds = {
-        stat.S_ISDIR: "a directory",
-        stat.S_ISFIFO: "a FIFO",
-        stat.S_ISCHR: "a character device",
-        stat.S_ISBLK: "a block device",
-        stat.S_ISSOCK: "a socket",
-    }
-    return next((name for test, name in kinds.items() if test(mode)), "not a regular file")
+    return json.loads(read_small(path, MAX_TABLE_BYTES))
 
 
 @lru_cache(maxsize=8)

@@ -89,11 +89,16 @@ def check_number(
     measurement (or its distance from it, when that is zero), not the measurement itself."""
     if _blank(exercise, answer):
         return
+    if isinstance(answer, torch.Tensor) and answer.is_meta:
+        raise _wrong(exercise, f"a meta tensor, which holds no value: give the number ({what})")
     if isinstance(answer, torch.Tensor) and answer.numel() == 1:
         answer = answer.item()
     if isinstance(answer, bool) or not isinstance(answer, numbers.Real):
-        raise _wrong(exercise, f"expected a number ({what}), got {answer!r}")
-    answer = float(answer)
+        raise _wrong(exercise, f"expected a number ({what}), got {_shown(answer)}")
+    try:
+        answer = float(answer)
+    except (OverflowError, ValueError):  # an int past float's range: no ratio to give
+        raise _wrong(exercise, f"{_shown(answer)} is far from {what}{_hint(hint)}") from None
     tolerance = max(rel * abs(measured), absolute)
     if math.isfinite(answer) and abs(answer - measured) <= tolerance:
         _say(exercise, f"correct: {answer:.4g} against {what} of {measured:.4g}")
@@ -134,11 +139,67 @@ def check_equal(
     A set given as a list or tuple counts as that set when `expected` is a set."""
     if _blank(exercise, answer):
         return
-    given = set(answer) if isinstance(expected, set) and isinstance(answer, Iterable) else answer
-    if given == expected:
+    if _plain_equal(answer, expected):
         _say(exercise, f"correct: {what} is {expected!r}")
         return
-    raise _wrong(exercise, f"{answer!r} is not {what}{_hint(hint)}")
+    raise _wrong(exercise, f"{_shown(answer)} is not {what}{_hint(hint)}")
+
+
+class _NotPlain(Exception):
+    """An answer that is not plain data (numbers, text, sequences, sets, dicts of them)."""
+
+
+def _plain_equal(answer: Any, expected: Any) -> bool:
+    """Whether `answer` is `expected` as plain values, compared by Python's own types: the
+    answer's own __eq__ is never asked (one that says yes to anything passed), a one-element
+    tensor or numpy scalar counts as its number, True is not 1, NaN is nothing, and a list or
+    tuple counts as a set where `expected` is one."""
+    try:
+        if isinstance(expected, (set, frozenset)):
+            if not isinstance(answer, (list, tuple, set, frozenset)):
+                return False
+            return frozenset(_plain(a) for a in answer) == _plain(expected)
+        return bool(_plain(answer) == _plain(expected))
+    except (_NotPlain, TypeError):  # TypeError: an unhashable member of a set
+        return False
+
+
+def _plain(value: Any) -> Any:
+    """`value` as builtin values only; _NotPlain for anything else (a numpy array, a meta
+    tensor, an object of its own)."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        return ("bool", value)  # tagged: True == 1 for Python, not for a grader
+    if isinstance(value, torch.Tensor):
+        if value.is_meta or value.numel() != 1:
+            raise _NotPlain
+        return _plain(value.item())
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        return float(value)  # OverflowError past float's range: a Fraction of 10**400
+    if isinstance(value, str):
+        return str.__str__(value)  # a str subclass's own __eq__ left behind
+    if isinstance(value, (list, tuple)):
+        return tuple(_plain(v) for v in value)
+    if isinstance(value, (set, frozenset)):
+        return frozenset(_plain(v) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted(((_plain(k), _plain(v)) for k, v in value.items()), key=repr))
+    raise _NotPlain
+
+
+def _shown(value: Any) -> str:
+    """The answer as its message shows it: repr, at most 60 characters; an int too long
+    for Python to print (over 4,300 digits) by its size."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 4096:
+        return f"an int of {value.bit_length()} bits"
+    try:
+        text = repr(value)
+    except Exception:  # an object whose repr raises: its type says enough
+        text = f"a {type(value).__name__}"
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def check_same_model(
@@ -161,11 +222,9 @@ def check_same_model(
     missing = sorted(set(expected) - set(answer))
     if missing:
         raise _wrong(exercise, f"the model has no {', '.join(missing[:3])}: not {what}'s model")
-    diff = max(
-        (answer[k].double() - v.double()).abs().max().item()
-        for k, v in expected.items()
-        if v.is_floating_point()
-    )
+    diff = 0.0
+    for key, value in expected.items():
+        diff = max(diff, _difference(exercise, key, answer[key], value))
     if diff <= atol:
         _say(exercise, f"correct: largest parameter difference from {what}: {diff:.1e}")
         return
@@ -174,6 +233,31 @@ def check_same_model(
         f"largest parameter difference from {what} is {diff:.1e} (at most {atol:g} needed): "
         "check the seed, the sample order, the batch and the optimizer against the run's config",
     )
+
+
+def _difference(exercise: int | str, key: str, given: Any, run: torch.Tensor) -> float:
+    """The largest difference of one entry from the run's, or WrongAnswer saying why it
+    cannot be one: not a tensor, a meta tensor, another shape (broadcasting a (1,) tensor
+    against (4, 4) passed), NaN or inf on either side (Python's max skipped a NaN)."""
+    if not isinstance(given, torch.Tensor):
+        kind = f"{type(given).__module__}.{type(given).__name__}".removeprefix("builtins.")
+        raise _wrong(exercise, f"the model's {key} is a {kind}, not a torch.Tensor")
+    if given.is_meta:
+        raise _wrong(exercise, f"the model's {key} is a meta tensor, which holds no values")
+    if given.shape != run.shape:
+        raise _wrong(
+            exercise, f"the model's {key} is {list(given.shape)}, the run's is {list(run.shape)}"
+        )
+    if not run.is_floating_point():
+        return 0.0
+    for side, tensor in (("the model's", given), ("the run's", run)):
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            bad = "NaN" if bool(torch.isnan(tensor).any()) else "inf"
+            raise _wrong(exercise, f"{side} {key} holds {bad}: not a trained model to compare")
+    diff = (given.double() - run.double()).abs().max().item()
+    if not math.isfinite(diff):  # finite values whose difference overflows float64
+        raise _wrong(exercise, f"the model's {key} differs from the run's past float64's range")
+    return diff
 
 
 # -- what the checks read from a result's metrics ---------------------------------------------

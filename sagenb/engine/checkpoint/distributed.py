@@ -10,7 +10,7 @@ de-duplication).
 Writes are atomic: all ranks write into `.step-N.tmp`, then rank 0 renames it to `step-N` and
 points `latest` at it (write, then rename), so a crash mid-write leaves the last good
 checkpoint untouched; a failed write removes its temporary directory, and a crash's leftover
-in a temporary's name is removed by the next write. The two newest checkpoints are kept, and
+in a temporary's name is removed by the next write. The two newest this run wrote are kept, and
 --resume falls back to the older one when the newest cannot be read (a disk that filled up, a
 copy cut short, a file damaged since) or was written on fewer engines than the run has:
 `choose` skips it, saying why and which steps are trained again.
@@ -25,7 +25,7 @@ import errno
 import os
 import shutil
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -36,6 +36,8 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.tensor import DTensor
 
+from sagenb.config.files import read_small
+from sagenb.config.job import JobError
 from sagenb.engine.checkpoint.reader import (
     CheckpointError,
     SafePlanner,
@@ -48,11 +50,23 @@ from sagenb.engine.checkpoint.resume import (
     RECORD,
     check_model,
     check_options,
+    check_replaceable,
     layout_problem,
+    model_difference,
     saved_options,
 )
 
-__all__ = ["save", "load", "latest", "candidates", "choose", "load_newest", "KEEP"]
+__all__ = [
+    "save",
+    "load",
+    "check_fresh",
+    "latest",
+    "candidates",
+    "choose",
+    "load_newest",
+    "step_name",
+    "KEEP",
+]
 
 KEEP = 2
 LATEST = "latest"
@@ -60,22 +74,57 @@ RESUME = "--resume"
 T = TypeVar("T")
 
 
+#: `latest` holds one folder's name (14 bytes): a larger one is not sagenb's
+MAX_POINTER_BYTES = 4096
+
+
 def latest(directory: str | os.PathLike) -> Path | None:
-    """The newest complete checkpoint in `directory`, or None."""
-    pointer = Path(directory) / LATEST
-    if not pointer.exists():
+    """The newest complete checkpoint in `directory`, or None (no `latest`, or one naming a
+    folder since removed). `latest` is read only as a small regular file naming a folder
+    inside `directory`: anything else (/dev/zero, a FIFO, a name or link leading out of
+    `directory`) raises CheckpointError, unread."""
+    root = Path(directory)
+    pointer = root / LATEST
+    if not pointer.exists() and not pointer.is_symlink():
         return None
-    path = Path(directory) / pointer.read_text().strip()
+    try:
+        name = read_small(pointer, MAX_POINTER_BYTES).strip()
+    except ValueError as exc:  # what it is, or its size: said by read_small
+        raise _bad_pointer(pointer, str(exc)) from None
+    except OSError as exc:
+        raise _bad_pointer(pointer, f"cannot be read ({reason(exc)})") from None
+    path = root / name
+    if not name or Path(name).name != name or name in (".", "..") or not _inside(path, root):
+        raise _bad_pointer(
+            pointer,
+            f"must be a small file naming a folder inside {root}; {name!r} is not a folder "
+            "inside it",
+        )
     return path if path.is_dir() else None
+
+
+def _bad_pointer(pointer: Path, why: str) -> CheckpointError:
+    return CheckpointError(
+        f"{pointer}: {why}: remove it (sagenb writes it; without it the step-* folders are "
+        "tried by step, newest first)"
+    )
+
+
+def _inside(path: Path, root: Path) -> bool:
+    """Whether `path`, its links followed, lies directly in `root` (its links followed)."""
+    return path.resolve().parent == root.resolve()
 
 
 def candidates(directory: str | os.PathLike) -> list[Path]:
     """The checkpoints in `directory`, newest first: any finished after `latest` was last
     written (renamed into place by a save that crashed before it replaced the pointer), the
     one `latest` names, then the others (kept for when the newest cannot be read). A step
-    number alone does not say which is newest: a run without --resume may write into a
-    directory holding a longer run's checkpoints."""
-    found = sorted((p for p in Path(directory).glob("step-*") if p.is_dir()), reverse=True)
+    number alone does not say which is newest: a run that resumed from an older checkpoint
+    than one it could not read writes lower step numbers than that one's."""
+    root = Path(directory)
+    found = sorted(
+        (p for p in root.glob("step-*") if p.is_dir() and _inside(p, root)), reverse=True
+    )
     newest = latest(directory)
     if newest is None:
         return found
@@ -158,6 +207,11 @@ def _skip_note(path: Path, why: str, chosen: Path, by: str) -> str:
     return note
 
 
+def step_name(step: int) -> str:
+    """The folder of the checkpoint of `step`."""
+    return f"step-{step:08d}"
+
+
 def _step_of(path: Path) -> int:
     digits = path.name.removeprefix("step-")
     return int(digits) if digits.isdigit() else 0
@@ -199,14 +253,16 @@ def save(
     scheduler: Any,
     rank: int,
     options: str | None = None,
+    kept: Sequence[str] = (),
 ) -> str | None:
     """Write the checkpoint of `step` (a collective: every rank calls it), with `options`
     (resume.record) when given. Returns None, or why it could not be written: this rank's
     error, or "" where only another rank failed. Every rank learns of a failure at each
     phase, so all of them stop together and the run keeps what it trained (loop.py); none is
-    left waiting in a collective, and no half-written directory is left behind."""
+    left waiting in a collective, and no half-written directory is left behind. `kept`: the
+    checkpoints this run wrote before, or resumed from, oldest first (`_publish`)."""
     root = Path(directory)
-    name = f"step-{step:08d}"
+    name = step_name(step)
     tmp = root / f".{name}.tmp"
 
     def prepare() -> None:
@@ -225,15 +281,7 @@ def save(
 
     def publish() -> None:
         if rank == 0:
-            final = root / name
-            shutil.rmtree(final, ignore_errors=True)
-            os.replace(tmp, final)
-            pointer = root / f".{LATEST}.tmp"
-            _remove(pointer)  # a crash's leftover
-            pointer.write_text(name)
-            os.replace(pointer, root / LATEST)
-            for old in sorted(root.glob("step-*"))[:-KEEP]:
-                shutil.rmtree(old, ignore_errors=True)
+            _publish(tmp, root / name, kept)
 
     for phase in (prepare, write, publish):
         error = _agreed(_attempt(phase))
@@ -242,6 +290,26 @@ def save(
                 _remove(tmp)
             return error
     return None
+
+
+def _publish(tmp: Path, final: Path, kept: Sequence[str]) -> None:
+    """Rename the written `tmp` into place as `final`, point `latest` at it, and prune: the
+    newest KEEP - 1 of `kept` (this run's earlier checkpoints) stay beside it, and every
+    other step-* folder goes. Pruned by step number, a 3-step run into a folder of a 6-step
+    run's deleted the checkpoint it had just written; another run's folder is refused before
+    the run starts (check_fresh), so what goes is this run's older ones, or an earlier run's
+    of the same options, which this one replaces."""
+    root = final.parent
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    pointer = root / f".{LATEST}.tmp"
+    _remove(pointer)  # a crash's leftover
+    pointer.write_text(final.name)
+    os.replace(pointer, root / LATEST)
+    ours = {final.name, *list(kept)[max(0, len(kept) - (KEEP - 1)) :]}
+    for old in root.glob("step-*"):
+        if old.name not in ours and old.is_dir() and not old.is_symlink():
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def _write(state: dict[str, Any], tmp: Path) -> None:
@@ -330,24 +398,48 @@ def load(
     scheduler: Any,
     rank: int,
     config: Any,
-) -> tuple[int, list[str]]:
+) -> tuple[int, list[str], str]:
     """Restore the newest checkpoint this run can read into this rank's objects; returns its
-    step and the notes the run's result shows (collective). One whose data fails to load is
-    skipped for the next older one: every object a failed load may have half written is
-    written again by the one that loads. An option that cannot be resumed with raises
-    ConfigError, a model that differs from the checkpoint's JobError (resume.py)."""
+    step, the notes the run's result shows and its folder's name (collective). One whose data
+    fails to load is skipped for the next older one: every object a failed load may have half
+    written is written again by the one that loads. An option that cannot be resumed with
+    raises ConfigError, a model that differs from the checkpoint's JobError (resume.py)."""
     objects = dict(strategy=strategy, optimizer=optimizer, scheduler=scheduler, rank=rank)
 
-    def read(path: Path, metadata: Metadata) -> tuple[int, list[str]]:
+    def read(path: Path, metadata: Metadata) -> tuple[int, list[str], str]:
         notes = check_options(saved_options(path, metadata), config, path)
         check_model(path, metadata, read_entry(path, metadata, "key_order"), strategy)
-        return _load_from(path, metadata, **objects), notes
+        return _load_from(path, metadata, **objects), notes, path.name
 
-    (step, notes), skips = load_newest(directory, read, world_size=dist.get_world_size())
+    (step, notes, name), skips = load_newest(directory, read, world_size=dist.get_world_size())
     if rank == 0:  # for a script under torchrun; the notebook warned before the engines started
         for note in skips + notes:
             warnings.warn(note, RuntimeWarning, stacklevel=2)
-    return step, skips + notes
+    return step, skips + notes, name
+
+
+def check_fresh(directory: str | os.PathLike, *, strategy: Any, config: Any) -> None:
+    """Before a run without --resume trains: the newest readable checkpoint in `directory`,
+    which its own checkpoints will replace, must be of the same seed, batch size (ConfigError)
+    and model (JobError naming the first differing key): another run's are refused, not lost.
+    The notebook checked the options before the engines started (run/checkpoints.py); this
+    is for a script under torchrun, and for the model, which only the engines build."""
+    if not Path(directory).is_dir():
+        return
+    try:
+        path, metadata, _ = choose(directory)
+    except CheckpointError:
+        return  # nothing readable to lose (a bad `latest` is replaced by the first write)
+    check_replaceable(saved_options(path, metadata), config, path)
+    order = read_entry(path, metadata, "key_order")
+    difference = model_difference(metadata, order, strategy)
+    if difference is not None:
+        raise JobError(
+            f"--checkpoint-dir {path.parent} holds the checkpoints of another model "
+            f"({path.name}: {difference.replace('in the model', 'in this model')}), which this "
+            "run (without --resume) would replace: choose another --checkpoint-dir, or empty "
+            "this one"
+        )
 
 
 def _load_from(

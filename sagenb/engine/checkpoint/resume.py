@@ -22,7 +22,17 @@ from sagenb.config.errors import ConfigError, flag_name
 from sagenb.config.job import JobError
 from sagenb.engine.checkpoint.reader import CheckpointError, read_entry
 
-__all__ = ["RECORD", "record", "saved_options", "layout_problem", "check_options", "check_model"]
+__all__ = [
+    "RECORD",
+    "record",
+    "saved_options",
+    "layout_problem",
+    "check_options",
+    "check_model",
+    "model_difference",
+    "check_replaceable",
+    "replaced_note",
+]
 
 RECORD = "options"
 
@@ -107,6 +117,18 @@ def check_model(path: Path, metadata: Metadata, saved_order: Any, strategy: Any)
     """JobError naming the first key where this rank's model differs from the checkpoint's:
     a key only one of them has, or a shape that differs. Without it, DCP reports a shape
     mismatch as a checkpoint it cannot read, and --resume would skip it."""
+    difference = model_difference(metadata, saved_order, strategy)
+    if difference is not None:
+        raise JobError(
+            f"--resume: the model differs from the checkpoint's ({path.name} in "
+            f"--checkpoint-dir {path.parent}): {difference}; resume with the cell that wrote "
+            "it, or train without --resume"
+        )
+
+
+def model_difference(metadata: Metadata, saved_order: Any, strategy: Any) -> str | None:
+    """The first key where this rank's model differs from the checkpoint's, said in words
+    ("0.weight is [16, 8] in the checkpoint, [32, 8] in the model"), or None."""
     difference = _key_difference(saved_order, list(strategy.key_order))
     sizes = {
         key.removeprefix("model/"): tuple(meta.size)
@@ -119,12 +141,47 @@ def check_model(path: Path, metadata: Metadata, saved_order: Any, strategy: Any)
             difference = (
                 f"{key} is {list(sizes[key])} in the checkpoint, {list(tensor.shape)} in the model"
             )
-    if difference is not None:
-        raise JobError(
-            f"--resume: the model differs from the checkpoint's ({path.name} in "
-            f"--checkpoint-dir {path.parent}): {difference}; resume with the cell that wrote "
-            "it, or train without --resume"
-        )
+    return difference
+
+
+def check_replaceable(saved: dict[str, Any] | None, config: Any, path: Path) -> None:
+    """A run without --resume into a folder holding checkpoints starts over, and its own
+    replace them (distributed.save prunes what this run did not write): ConfigError when they
+    are another run's, written with another seed or batch size, which the user would lose.
+    The same options: a rerun of the same cell, which replaces them (a note says so)."""
+    others = {
+        name: saved[name]
+        for name in _REFUSED
+        if saved is not None and name in saved and saved[name] != getattr(config, name)
+    }
+    if not others:
+        return
+    written = " and ".join(
+        f"{flag_name(n)} {v}, not {getattr(config, n)}" for n, v in others.items()
+    )
+    theirs = " ".join(f"{flag_name(n)} {v}" for n, v in others.items())
+    raise ConfigError(
+        "checkpoint_dir",
+        config.checkpoint_dir,
+        f"holds the checkpoints of another run ({path.name}, written with {written}), which "
+        f"this run would replace: choose another --checkpoint-dir, empty this one, or continue "
+        f"that run with --resume {theirs}",
+    )
+
+
+def replaced_note(saved: dict[str, Any] | None, path: Path) -> str:
+    """What a run without --resume says when it replaces the checkpoints of a run of the same
+    seed and batch size (or of one written before checkpoints recorded their options)."""
+    earlier = (
+        "an earlier run of the same seed and batch size"
+        if saved is not None
+        else "an earlier run (written before checkpoints recorded their options)"
+    )
+    return (
+        f"--checkpoint-dir {path.parent} holds {path.name} of {earlier}: this run starts "
+        "over (no --resume) and its checkpoints replace those; to continue that run instead, "
+        "train with --resume"
+    )
 
 
 def _key_difference(saved_order: Any, model_order: list[str]) -> str | None:

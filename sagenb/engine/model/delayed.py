@@ -109,7 +109,7 @@ def materialize(
             own[key] = fresh[id(p)]
         if any(keys[key] is None for key in direct):  # seeded values for what no file holds
             _initialise(owner, name, seed)
-        _read(own, {key: keys[key] for key in direct}, checkpoint)
+        _read(own, {key: keys[key] for key in direct}, checkpoint, name)
     for module in [*model.modules(), *(m for part in parts for m in part.modules())]:
         own = direct_parameters(module)
         for key, held in own.items():
@@ -122,10 +122,13 @@ def _file_key(checkpoint: Checkpoint | None, names: list[str]) -> str | None:
 
 
 @torch.no_grad()
-def _read(own: dict, keys: dict[str, str | None], checkpoint: Checkpoint | None) -> None:
+def _read(
+    own: dict, keys: dict[str, str | None], checkpoint: Checkpoint | None, owner: str
+) -> None:
     for key, file_key in keys.items():
         if file_key is not None and checkpoint is not None:
-            own[key].copy_(checkpoint.read(file_key))
+            name = f"{owner}.{key}" if owner else key
+            own[key].copy_(checkpoint.read(file_key, own[key].shape, name=name))
 
 
 @torch.no_grad()

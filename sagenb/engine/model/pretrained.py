@@ -31,6 +31,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from sagenb.config.files import read_small
 from sagenb.config.job import JobError
 from sagenb.engine.torch_private import direct_parameters
 
@@ -90,11 +91,24 @@ class Checkpoint:
                         return candidate
         return None
 
-    def read(self, key: str, index: tuple[slice, ...] | None = None) -> torch.Tensor:
-        """The tensor `key`, or only its `index` box: nothing else of the file is read."""
+    def read(
+        self, key: str, shape: Iterable[int], index: tuple[slice, ...] | None = None, *, name: str
+    ) -> torch.Tensor:
+        """The tensor `key`, or only its `index` box: nothing else of the file is read. Its
+        shape in the file must be `shape`, the model's parameter `name`'s, exactly (as
+        load_state_dict requires): a (1, 8) tensor would broadcast into a (16, 8) weight, and
+        the box of a larger one is a crop of it. JobError naming both, and the file."""
         # opened for each read, so the file's pages it mapped are let go straight after
         with _safe_open(self.files[key]) as f:
             part = f.get_slice(key)
+            found, wanted = list(part.get_shape()), list(shape)
+            if found != wanted:
+                raise JobError(
+                    f"pretrained: {key} in {self.files[key]} is {found}, the model's {name} is "
+                    f"{wanted}: shapes must match exactly, as load_state_dict requires; load "
+                    "a checkpoint saved from this model's architecture, or build the model with "
+                    "the checkpoint's config"
+                )
             tensor = part[index] if index is not None else part[:]
         self.bytes_read += tensor.numel() * tensor.element_size()
         return tensor
@@ -104,14 +118,40 @@ def _files(path: Path) -> dict[str, str]:
     if path.is_file() and path.suffix == ".safetensors":
         return _keys_of(path)
     if (path / INDEX).is_file():
-        weight_map = json.loads((path / INDEX).read_text())["weight_map"]
-        return {key: str(path / name) for key, name in weight_map.items()}
+        return _indexed(path)
     if (path / SINGLE).is_file():
         return _keys_of(path / SINGLE)
     raise JobError(
         f"pretrained checkpoint {str(path)!r}: no {SINGLE} or {INDEX} there (a folder of "
         "safetensors files as save_pretrained writes them, or one .safetensors file)"
     )
+
+
+#: the largest index read: a 405B-parameter model's is about 100 KiB
+MAX_INDEX_BYTES = 16 * 2**20
+
+
+def _indexed(folder: Path) -> dict[str, str]:
+    """Checkpoint key -> file, from the folder's index (transformers' sharded save_pretrained).
+    The index may name only files directly in `folder`, as DCP metadata may
+    (checkpoint/reader.py): `../elsewhere/x.safetensors` or an absolute path was read."""
+    index = folder / INDEX
+    try:
+        weight_map = json.loads(read_small(index, MAX_INDEX_BYTES))["weight_map"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise JobError(
+            f"pretrained index {index} cannot be read ({type(exc).__name__}: {exc}): it must be "
+            f'JSON with a "weight_map" of tensor names to file names, as save_pretrained writes'
+        ) from None
+    if not isinstance(weight_map, dict):
+        raise JobError(f'pretrained index {index}: its "weight_map" is not an object')
+    for name in weight_map.values():
+        if not isinstance(name, str) or Path(name).name != name or name in ("", ".", ".."):
+            raise JobError(
+                f"pretrained index {index} names a file outside {folder}: {name!r} (it may "
+                "name only files in its own folder, as save_pretrained writes them)"
+            )
+    return {key: str(folder / name) for key, name in weight_map.items()}
 
 
 def _keys_of(file: Path) -> dict[str, str]:
@@ -230,7 +270,7 @@ def load_local(model: nn.Module, checkpoint: Checkpoint, *, device: torch.device
         if key is None:
             raise JobError(f"pretrained: {names[0]} is not in {checkpoint.where!r}")
         param = model.get_parameter(names[0])
-        _local(param).copy_(checkpoint.read(key, local_index(param)))
+        _local(param).copy_(checkpoint.read(key, param.shape, local_index(param), name=names[0]))
 
 
 def _tie(model: nn.Module, names: list[str]) -> None:
@@ -250,4 +290,5 @@ def load_whole(model: nn.Module, checkpoint: Checkpoint) -> None:
     for names in name_aliases(model).values():
         key = checkpoint.key_of(names)
         if key is not None:
-            model.get_parameter(names[0]).copy_(checkpoint.read(key))
+            param = model.get_parameter(names[0])
+            param.copy_(checkpoint.read(key, param.shape, name=names[0]))
