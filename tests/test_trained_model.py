@@ -194,3 +194,13 @@ def test_save_pretrained_raises_when_nothing_was_written(tmp_path):
     model.save_pretrained = lambda directory, **kwargs: None
     with pytest.raises(RuntimeError, match=r"wrote nothing to .*folder: see"):
         save_pretrained(model, tmp_path / "folder")
+
+
+def test_a_cell_that_asks_its_rank_is_built_again_in_the_kernel_as_rank_0_of_1():
+    """Before: "Default process group has not been initialized" from result.model() of a cell
+    that prints on rank 0 only. The kernel's process group (it had none) is left as it was."""
+    import torch.distributed as dist
+
+    cell = SEQUENTIAL_CELL + "if dist.get_rank() == 0:\n    ASKED = dist.get_world_size()\n"
+    model = CellModel(Job.from_cell("import torch.distributed as dist\n" + cell), seed=0).build()
+    assert isinstance(model, torch.nn.Sequential) and not dist.is_initialized()

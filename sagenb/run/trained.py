@@ -51,7 +51,7 @@ class CellModel:
         (sagenb's checks of the job and its first batch are skipped). The kernel's own random
         state is left as it was.
         """
-        with _random_state_kept():
+        with _random_state_kept(), _one_rank():
             seed_everything(self.seed)
             with meta_parameters() if self.delay_init else nullcontext():
                 ns = self.job.namespace()
@@ -82,6 +82,24 @@ class CellModel:
         """`save_pretrained` of the job's model holding `state_dict`."""
         _check_merge(merge)
         return save_pretrained(self.trained(state_dict), directory, merge=merge, **kwargs)
+
+
+@contextmanager
+def _one_rank() -> Iterator[None]:
+    """A process group of one rank while the cell runs here, where it has none: a cell that
+    asks `dist.get_rank()` (to print on rank 0 only, say) failed with "Default process group
+    has not been initialized". Here it is rank 0 of 1, as one process is; a group the kernel
+    made itself is left as it is."""
+    import torch.distributed as dist
+
+    if dist.is_initialized() or not dist.is_available():
+        yield
+        return
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 def save_pretrained(
