@@ -7,14 +7,14 @@ import pytest
 import torch
 from peft import PeftModel
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import sagenb
 from sagenb.config.job import Job
 from sagenb.run.trained import CellModel, save_pretrained
 
 from .helpers import TOL, check_equal
-from .models import LM_CELLS, SEQUENTIAL_CELL, llama_cell
+from .models import LM_CELLS, SEQUENTIAL_CELL, TIED_LLAMA, llama_cell
 from .reference import namespace
 
 LORA = """
@@ -204,3 +204,16 @@ def test_a_cell_that_asks_its_rank_is_built_again_in_the_kernel_as_rank_0_of_1()
     cell = SEQUENTIAL_CELL + "if dist.get_rank() == 0:\n    ASKED = dist.get_world_size()\n"
     model = CellModel(Job.from_cell("import torch.distributed as dist\n" + cell), seed=0).build()
     assert isinstance(model, torch.nn.Sequential) and not dist.is_initialized()
+
+
+def test_a_one_file_save_over_a_sharded_one_is_read_as_transformers_reads_it(tmp_path):
+    """Before: the sharded save's index stayed beside the one file (transformers removes the
+    shards, not the index), and --delay-init's engines followed it: FileNotFoundError."""
+    from sagenb.engine.model.pretrained import INDEX, Checkpoint
+
+    model = LlamaForCausalLM(LlamaConfig(**TIED_LLAMA))
+    save_pretrained(model, tmp_path, max_shard_size="20KB")
+    save_pretrained(model, tmp_path)
+    assert (tmp_path / INDEX).exists()  # transformers' leftover
+    checkpoint = Checkpoint.open(tmp_path)
+    assert set(checkpoint.files.values()) == {str(tmp_path / "model.safetensors")}

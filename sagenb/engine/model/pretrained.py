@@ -115,12 +115,15 @@ class Checkpoint:
 
 
 def _files(path: Path) -> dict[str, str]:
+    """The checkpoint's files by key: the one file where the folder has it, else its index's,
+    in transformers' order (a sharded save_pretrained, then a one-file one into the same
+    folder, leaves the index of shards that transformers removed; it reads the one file)."""
     if path.is_file() and path.suffix == ".safetensors":
         return _keys_of(path)
-    if (path / INDEX).is_file():
-        return _indexed(path)
     if (path / SINGLE).is_file():
         return _keys_of(path / SINGLE)
+    if (path / INDEX).is_file():
+        return _indexed(path)
     raise JobError(
         f"pretrained checkpoint {str(path)!r}: no {SINGLE} or {INDEX} there (a folder of "
         "safetensors files as save_pretrained writes them, or one .safetensors file)"
