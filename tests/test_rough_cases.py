@@ -105,6 +105,29 @@ def test_a_loss_per_sample_is_refused_naming_the_mean():
     )
 
 
+@pytest.mark.parametrize("reduction, said", [("sum", True), ("mean", False)])
+def test_a_summed_loss_is_told_from_a_mean_one(reduction, said):
+    """Before: SGD parameters 0.0099 off one process on 2 engines, with no word."""
+    from sagenb.engine.objective import summed_note
+
+    model = nn.Sequential(nn.Linear(8, 4), nn.BatchNorm1d(4), nn.Linear(4, 1))
+    loss_fn = lambda out, y: nn.functional.mse_loss(out, y, reduction=reduction)  # noqa: E731
+    pair = [(torch.randn(8), torch.randn(1)) for _ in range(2)]
+    objective = Objective.build(model, loss_fn, pair[0])
+    note = summed_note(objective, model, pair)
+    assert (note is not None) == said and model.training  # the cell's modes put back
+    if said:
+        assert note.startswith("loss_fn sums over the batch (reduction='sum'): sagenb weights")
+
+
+def test_a_summed_loss_is_said_under_the_cell(pool):
+    cell = (
+        REGRESSION_CELL + "loss_fn = lambda o, y: nn.functional.mse_loss(o, y, reduction='sum')\n"
+    )
+    result = sagenb.train(cell, batch_size=16, steps=2, dashboard=False)
+    assert [w for w in result.warnings if w.startswith("loss_fn sums over the batch")]
+
+
 def test_samples_of_three_are_refused_naming_the_pairs_sagenb_reads():
     """Before: "too many values to unpack (expected 2)" at the first step, on every rank."""
     with pytest.raises(JobError) as caught:

@@ -24,11 +24,13 @@ from sagenb.config import cell_module
 from sagenb.config.errors import ConfigError
 from sagenb.config.job import Job, JobError
 from sagenb.engine import clean_slate, edited_modules
+from sagenb.engine.data.stream import readable
 from sagenb.engine.loop import train_loop
 from sagenb.engine.memory import check_offload
 from sagenb.engine.model.equivalence import EquivalenceWarning, equivalence_warnings
 from sagenb.engine.model.kv_cache import cache_off
 from sagenb.engine.model.recompute import checkpoint_blocks
+from sagenb.engine.objective import summed_note
 from sagenb.engine.precision import check_supported
 from sagenb.engine.scratch import UnsafeDirectory
 from sagenb.engine.strategies import make_strategy
@@ -173,7 +175,7 @@ def _train_rank(spec: RankSpec, publish: Publisher) -> RankResult:
     edited_modules.note()  # the files as the cell imported them
     # what keeps this run from training as one process would, from the model as the cell built it
     notes = (
-        equivalence_warnings(ws.model, spec.config, collate_draws=ws.collate_draws)
+        equivalence_warnings(ws.model, spec.config, collate_draws=ws.collate_draws) + _summed(ws)
         if spec.rank == 0
         else []
     )
@@ -205,6 +207,14 @@ def _train_rank(spec: RankSpec, publish: Publisher) -> RankResult:
         device=str(device),
         end_error=unsaved,
     )
+
+
+def _summed(ws: Workspace) -> list[str]:
+    """A loss_fn that sums over the batch, told from the first two samples (objective.py)."""
+    if readable(ws.dataset, 2) < 2:
+        return []
+    note = summed_note(ws.objective, ws.model, [ws.dataset[0], ws.dataset[1]])
+    return [note] if note else []
 
 
 def _join(spec: RankSpec, device: torch.device) -> None:
