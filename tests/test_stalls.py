@@ -158,3 +158,20 @@ def test_a_deadlock_is_named_and_ends_near_the_timeout(pool):
     assert late < TIMEOUT + MARGIN_S
     result = sagenb.train(REGRESSION_CELL, batch_size=16, steps=3, dashboard=False)
     assert len(result.history) == 3 and pool.size == 2
+
+
+ENDLESS_EVAL_CELL = REGRESSION_CELL + """
+import itertools
+class Endless(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        for i in itertools.count():
+            yield torch.zeros(8), torch.zeros(1)
+eval_dataset = Endless()
+"""
+
+
+def test_an_endless_eval_stream_is_named_as_what_the_ranks_read(pool):
+    """Before: "rank 0 did not finish step 2 (busy in its own code)" while every rank was
+    reading the eval stream whole at the first evaluation, which never ended."""
+    err, _ = stalled(ENDLESS_EVAL_CELL, eval_every=1)
+    assert "(reading eval_dataset, a stream read whole at its first evaluation" in str(err)

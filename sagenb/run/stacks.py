@@ -266,6 +266,20 @@ def culprits(traces: Mapping[int, RankTrace], steps: Mapping[int, int]) -> tuple
     return [r for r in traces if steps.get(r, 0) == lowest], waiting
 
 
+#: what a rank reading its eval stream is doing (engine/data/stream.py ReadOnce.items)
+READING_EVAL = (
+    "(reading eval_dataset, a stream read whole at its first evaluation: one that never ends "
+    "never lets the evaluation start; give it an end, e.g. itertools.islice(stream, N))"
+)
+
+
+def _reading_eval(trace: RankTrace | None) -> bool:
+    return trace is not None and any(
+        f.name == "items" and f.file.endswith(os.path.join("engine", "data", "stream.py"))
+        for f in trace.frames
+    )
+
+
 def summary(
     traces: Mapping[int, RankTrace],
     stuck: Sequence[int],
@@ -280,7 +294,13 @@ def summary(
 
     said = [
         f"rank {r} did not finish {step(r)} "
-        + ("(waiting in a collective too)" if r in waiting else "(busy in its own code)")
+        + (
+            "(waiting in a collective too)"
+            if r in waiting
+            else READING_EVAL
+            if _reading_eval(traces.get(r))
+            else "(busy in its own code)"
+        )
         for r in stuck
     ]
     for r in waiting:
