@@ -157,8 +157,9 @@ def test_ragged_samples_without_a_collate_fn_name_the_collate_fn():
             # a stall (tests/test_stalls.py)
             marks=pytest.mark.skipif(SHARED_MEMORY, reason="gradients reduced in shared memory"),
         ),
+        ("import os; os._exit(0)", r"not killed: its process called os._exit\(0\), which ends"),
     ],
-    ids=["segfault", "extra_all_reduce"],
+    ids=["segfault", "extra_all_reduce", "os_exit"],
 )
 def test_a_crashed_engine_names_the_signal_and_where(pool, action, said):
     """Before: "its engine process died (killed or crashed)", no signal, no line."""

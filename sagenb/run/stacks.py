@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from sagenb.config.job import CELL_FILE
 from sagenb.engine.scratch import read_private
 from sagenb.engine.wire.tracing import (
+    EXITED,
     STACK_SIGNAL,
     collectives_key,
     crash_path,
@@ -175,6 +176,13 @@ def crash_report(pid: int | None) -> str:
     text = _read_file(path)
     _quietly(os.remove, path)
     lines = text.splitlines()
+    if lines and lines[0].startswith(EXITED):
+        where = "\n".join(_crashed_thread(lines)[:CRASH_LINES])
+        return (
+            f"not killed: its process called {lines[0].removeprefix(EXITED).strip()}, which "
+            f"ends it at once, with no exception to report (sys.exit raises SystemExit, which "
+            f"is reported as the rank's error), in (most recent call first):\n{where}"
+        )
     if not lines or not lines[0].startswith("Fatal Python error: "):
         return ""
     what = lines[0].removeprefix("Fatal Python error: ").strip()

@@ -24,7 +24,9 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
+from typing import IO, NoReturn
 
 import torch.distributed as dist
 
@@ -77,6 +79,32 @@ def report_crashes() -> None:
     except OSError:  # UnsafeDirectory too: the engine runs without crash reports
         return
     faulthandler.enable(file=_crash_file[0], all_threads=True)
+    os._exit = _reporting_exit(os._exit, _crash_file[0])  # type: ignore[assignment]
+
+
+#: the first line of the report of an engine that called os._exit (run/stacks.py reads it)
+EXITED = "Exited: "
+
+
+def _reporting_exit(
+    exit_now: Callable[[int], NoReturn], file: IO[str]
+) -> Callable[[int], NoReturn]:
+    """os._exit, reporting first who called it: an engine ended so (by the cell, or a library
+    it calls) was reported as "killed, likely SIGKILL or the OOM killer". Set once per engine
+    before the state every run starts from is remembered (clean_slate.py), so it stays."""
+
+    def exit_reporting(status: int) -> NoReturn:
+        try:
+            file.seek(0)
+            file.truncate()
+            file.write(f"{EXITED}os._exit({status})\n")
+            file.flush()
+            faulthandler.dump_traceback(file, all_threads=True)
+        except Exception:  # noqa: BLE001 - the exit is what was asked for
+            pass
+        exit_now(status)
+
+    return exit_reporting
 
 
 def request_key(rank: int) -> str:
