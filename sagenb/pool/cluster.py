@@ -43,7 +43,7 @@ import ipyparallel as ipp
 import psutil
 
 from sagenb.config.options import DEFAULT_ENGINES
-from sagenb.pool import reaper, remote, stale, waits
+from sagenb.pool import reaper, remote, startup, waits
 from sagenb.pool.ipyparallel_private import client_config, iopub_guarded
 from sagenb.pool.launchers import (
     CONTROLLER_HEARTBEAT,
@@ -151,8 +151,8 @@ class EnginePool:
             os.makedirs(logs, exist_ok=True)
             name = os.path.join(logs, f"ipengine-{cluster.cluster_id}.sbatch")
             cluster.config.SlurmEngineSetLauncher.batch_file_name = name  # removed at stop
-        try:  # what pools ended by a kill left in the profile (stale.py)
-            stale.remove_stale(cluster.profile_dir)
+        try:  # what pools ended by a kill left in the profile (startup.py)
+            startup.remove_stale(cluster.profile_dir)
         except Exception:  # noqa: BLE001 - tidying never stops a start
             pass
         # all n engines are launched at once (ipyparallel's engine set launchers start them
