@@ -116,7 +116,31 @@ def train_loop(
     scaler = LossScaler(device=device) if config.precision == "fp16" else None
     plan = _plan(ws, config, start)
     last, unsaved = start, None
-    loading = batches_of(
+    with _loading(ws, strategy, config, plan, device, rank) as steps:
+        for data in steps:
+            metrics = _step(ws, strategy, config, data, optimizer, scheduler, meter, device, scaler)
+            last, total = data.step.number, data.step.total
+            stop = last != total and should_stop(last)  # after the last step, none to skip
+            every = config.checkpoint_every
+            if config.checkpoint_dir and (stop or last == total or (every and last % every == 0)):
+                unsaved = _save(config.checkpoint_dir, last, options, objects, metrics)
+            publish(metrics)
+            if stop or unsaved is not None:
+                break
+    return last, unsaved
+
+
+def _loading(
+    ws: Workspace,
+    strategy: Strategy,
+    config: EngineConfig,
+    plan: Iterator[Step],
+    device: torch.device,
+    rank: int,
+) -> Any:
+    """The steps' batches, loaded as the plan says (--data-workers: by worker processes,
+    which end with the `with` block that holds this)."""
+    return batches_of(
         ws.dataset,
         strategy,
         plan,
@@ -128,23 +152,19 @@ def train_loop(
         collate_fn=ws.collate_fn,
         parts=strategy.collated_parts,
     )
-    with loading as steps:  # --data-workers: worker processes end with the block
-        for data in steps:
-            metrics = _step(ws, strategy, config, data, optimizer, scheduler, meter, device, scaler)
-            last, total = data.step.number, data.step.total
-            stop = last != total and should_stop(last)  # after the last step, none to skip
-            every = config.checkpoint_every
-            if config.checkpoint_dir and (stop or last == total or (every and last % every == 0)):
-                # timed for the step that wrote it: what choosing --checkpoint-every weighs
-                # (Young's and Daly's intervals, docs/reliability.md)
-                began = time.perf_counter()
-                unsaved = checkpoint.save(config.checkpoint_dir, last, options=options, **objects)
-                if unsaved is None:
-                    metrics[keys.CHECKPOINT_WRITE] = time.perf_counter() - began
-            publish(metrics)
-            if stop or unsaved is not None:
-                break
-    return last, unsaved
+
+
+def _save(
+    directory: str, step: int, options: Any, objects: _Saved, metrics: dict[str, Any]
+) -> str | None:
+    """Step `step`'s checkpoint written (checkpoint.save: why it could not be, else None),
+    timed into its metrics: what choosing --checkpoint-every weighs (Young's and Daly's
+    intervals, docs/reliability.md)."""
+    began = time.perf_counter()
+    unsaved = checkpoint.save(directory, step, options=options, **objects)
+    if unsaved is None:
+        metrics[keys.CHECKPOINT_WRITE] = time.perf_counter() - began
+    return unsaved
 
 
 def _plan(ws: Workspace, config: EngineConfig, start: int) -> Iterator[Step]:
@@ -220,18 +240,7 @@ def _step(ws, strategy, config, data, optimizer, scheduler, meter, device, scale
     if loss is not None:
         metrics[keys.LOSS] = loss  # the mean over this engine's counted targets
         metrics[keys.COUNTED] = counted
-    finite = True
-    if scaler is not None:
-        metrics[keys.LOSS_SCALE] = loss_scale
-        finite = scaler.unscale(strategy.parameters())
-        metrics[keys.SKIPPED_STEP] = int(not finite)
-    if config.clip_grad_norm is not None and finite:
-        metrics[keys.GRAD_NORM] = strategy.clip_grad_norm(config.clip_grad_norm)
-    metrics[keys.LR] = optimizer.param_groups[0]["lr"]
-    if finite:
-        optimizer.step()
-    if scheduler is not None:
-        scheduler.step()
+    _update(strategy, config, optimizer, scheduler, scaler, metrics)
     metrics.update(meter.snapshot())
     optimizer.zero_grad(set_to_none=True)
     if _eval_due(ws, config, step.number, total):
@@ -248,6 +257,23 @@ def _step(ws, strategy, config, data, optimizer, scheduler, meter, device, scale
     metrics[keys.TIME] = time.time()  # when the step ended, for rates across steps
     metrics.update(strategy.step_metrics())
     return metrics
+
+
+def _update(strategy, config, optimizer, scheduler, scaler, metrics: dict[str, Any]) -> None:
+    """The optimizer's step on the accumulated gradients (unscaled under fp16, and skipped
+    where they are not finite; clipped with --clip-grad-norm), then the scheduler's."""
+    finite = True
+    if scaler is not None:
+        metrics[keys.LOSS_SCALE] = scaler.scale
+        finite = scaler.unscale(strategy.parameters())
+        metrics[keys.SKIPPED_STEP] = int(not finite)
+    if config.clip_grad_norm is not None and finite:
+        metrics[keys.GRAD_NORM] = strategy.clip_grad_norm(config.clip_grad_norm)
+    metrics[keys.LR] = optimizer.param_groups[0]["lr"]
+    if finite:
+        optimizer.step()
+    if scheduler is not None:
+        scheduler.step()
 
 
 def _counted_here(ws: Workspace, step: Step) -> torch.Tensor | None:

@@ -225,15 +225,7 @@ def save(
 
     def publish() -> None:
         if rank == 0:
-            final = root / name
-            shutil.rmtree(final, ignore_errors=True)
-            os.replace(tmp, final)
-            pointer = root / f".{LATEST}.tmp"
-            _remove(pointer)  # a crash's leftover
-            pointer.write_text(name)
-            os.replace(pointer, root / LATEST)
-            for old in sorted(root.glob("step-*"))[:-KEEP]:
-                shutil.rmtree(old, ignore_errors=True)
+            _publish(root, name, tmp)
 
     for phase in (prepare, write, publish):
         error = _agreed(_attempt(phase))
@@ -242,6 +234,20 @@ def save(
                 _remove(tmp)
             return error
     return None
+
+
+def _publish(root: Path, name: str, tmp: Path) -> None:
+    """The written checkpoint `tmp` becomes `root/name`, named the latest (each replace is
+    atomic: a crash leaves the previous latest readable), and only the newest KEEP stay."""
+    final = root / name
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    pointer = root / f".{LATEST}.tmp"
+    _remove(pointer)  # a crash's leftover
+    pointer.write_text(name)
+    os.replace(pointer, root / LATEST)
+    for old in sorted(root.glob("step-*"))[:-KEEP]:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def _write(state: dict[str, Any], tmp: Path) -> None:
