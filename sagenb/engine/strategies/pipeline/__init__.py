@@ -6,7 +6,7 @@ schedules do (`orders`), and stepped by those schedules (GPipe and 1F1B by `pref
 on gloo) whose messages carry tensors only (`tensor_messages`);
 `metadata_inference` keeps the shape-finding pass PipelineStage makes at the first step from
 changing the model or raising. Its options (--partitions, --schedule, the cut options ...) are
-its own, declared and checked in `options`.
+its own, declared and checked in `options`; what the registry asks of it, `description`.
 
 What others may use of it is named here, and nothing else: the registry's DESCRIPTIONS, the
 options and their choices, and what the planner and the estimate (sagenb/sizing/) ask of a
@@ -15,10 +15,10 @@ pipeline: the cuts, the split and the profile the trainer itself would use.
 
 from .balance import BlockProfile, static_profile
 from .cuts import MEMORY_FACTOR, choose_cuts, plan_on_engine
+from .description import DESCRIPTIONS, bubble_fraction, schedule_bubble
 from .options import MULTI_STAGE, PARTITION_METHODS, SCHEDULES, PipelineOptions, parse_cuts
 from .orders import engine_of
 from .partition import split_model
-from .strategy import DESCRIPTIONS, bubble_fraction, schedule_bubble
 
 __all__ = [
     "DESCRIPTIONS",
