@@ -254,3 +254,13 @@ def test_no_module_imports_what_only_a_cell_brings():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.stdout.strip() == "ok", out.stderr[-3000:]
+
+
+def test_each_role_has_its_row_in_the_architecture_table():
+    """docs/architecture.md's table has a row for each role MAY_IMPORT has: the package's face
+    as `sagenb/__init__.py`, a folder as `folder/`."""
+    page = (SAGENB.parent / "docs" / "architecture.md").read_text()
+    rows = {line.split("|")[1].strip() for line in page.splitlines() if line.startswith("| `")}
+    wanted = {"sagenb": "`sagenb/__init__.py` (the package's face)"}
+    missing = [r for r in MAY_IMPORT if wanted.get(r, f"`{r}/`") not in rows]
+    assert missing == []

@@ -32,12 +32,12 @@ ALLOWED = {
     ("engine/wire/traffic.py", "group.allreduce([buffer]).wait()"): "a gloo all-reduce",
     ("engine/wire/traffic.py", "group.barrier().wait()"): "a gloo barrier",
     # notebook side
-    ("pool/cluster.py", "cluster.start_cluster_sync()"): (
+    ("pool/startup.py", "cluster.start_cluster_sync()"): (
         "launches processes; ipyparallel waits for the controller's connection files within "
         "its connection_info_timeout"
     ),
-    ("pool/cluster.py", "cluster.connect_client_sync()"): "connection_info_timeout, as above",
-    ("pool/cluster.py", "self.cluster.start_engines_sync(n=missing)"): (
+    ("pool/startup.py", "cluster.connect_client_sync()"): "connection_info_timeout, as above",
+    ("pool/startup.py", "cluster.start_engines_sync(n=missing)"): (
         "launches engines and returns; their registration is awaited by waits.until"
     ),
     ("pool/cluster.py", "start.thread.join()"): (

@@ -116,3 +116,38 @@ def test_the_flag_reference_is_generated_from_the_config():
         for flag in action.option_strings:
             if flag.startswith("--") and flag != "--help":
                 assert f"`{flag}`" in reference, flag
+
+
+# -- docs/architecture.md names every module ---------------------------------------------------
+
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
+SAGENB = ROOT / "sagenb"
+#: a row of the page's "Every module" tables: | `pool/startup.py` | its role |
+MODULE_ROW = re.compile(r"^\| `([\w/]+\.py)` \| (.+?) \|$", re.M)
+
+
+def named_modules(page: str) -> dict[str, str]:
+    """{path from sagenb/: role} for each row of the page's "## Every module" section."""
+    section = page.partition("\n## Every module\n")[2].partition("\n## ")[0]
+    return dict(MODULE_ROW.findall(section))
+
+
+def test_the_checker_reads_a_module_row():
+    page = "x\n## Every module\n\n| module | role |\n|---|---|\n| `pool/a.py` | does a |\n\n## Next"
+    assert named_modules(page) == {"pool/a.py": "does a"}
+    assert named_modules(page.replace("## Every module", "## Other")) == {}
+
+
+def test_the_architecture_page_names_every_module_with_its_role():
+    """A module added, moved or removed without the page following fails here: an unnamed
+    module is one nobody knows where to find (STYLE.md)."""
+    modules = {p.relative_to(SAGENB).as_posix() for p in SAGENB.rglob("*.py")}
+    named = named_modules(ARCHITECTURE.read_text())
+    assert sorted(modules - set(named)) == [], "name these in docs/architecture.md"
+    assert sorted(set(named) - modules) == [], "docs/architecture.md names modules that are gone"
+    assert [path for path, role in named.items() if not role.strip()] == []
+
+
+def test_the_data_flow_line_names_the_run_the_projection_and_the_event_log():
+    flow = ARCHITECTURE.read_text().split("\n\n")[2]  # the indented block under "Data flows"
+    assert all(word in flow for word in ("run", "projection", "event log", "pool", "engine"))

@@ -53,6 +53,8 @@ def resolve(module: str, attribute: str) -> object:
     "entry", torch_private.PRIVATE_NAMES, ids=lambda e: f"{e.module}:{e.attribute}"
 )
 def test_each_private_torch_name_resolves(entry: torch_private.PrivateName):
+    if not _is_torch(entry.module):  # a torch type's subclass from a package cells bring
+        pytest.importorskip(entry.module.split(".")[0])
     try:
         resolve(entry.module, entry.attribute)
     except (ImportError, AttributeError) as exc:
@@ -263,3 +265,147 @@ def test_every_private_use_in_the_two_modules_is_listed():
     on_first_use = set(torch_private._ON_FIRST_USE.values())
     listed = {(m, a.split(".")[0]) for m, a, _ in torch_private.PRIVATE_NAMES}
     assert on_first_use - listed == set()
+
+
+# -- and no private attribute of another library reached, listed or not -----------------------
+#
+# The checks above find the names torch_private.py and ipyparallel_private.py list; a new
+# private name (`module._x` on a torch module) is listed nowhere, and a static check cannot
+# know `module`'s type. So the rule is stated the other way round: outside the two shims, a
+# private attribute (a leading underscore, not a dunder) may be reached on the object's own
+# class (`self._x`, `cls._x`, `super()._x()`), or by a name sagenb itself defines: a function,
+# class or global of its own, a class attribute, or an attribute its own code sets on
+# `self`/`cls`, and that none of torch's and ipyparallel's main types also has (a name both
+# define is no proof the object is sagenb's). Marks sagenb puts on another library's objects
+# start with `_sagenb_`. Anything else reaches some other library's private attribute, and
+# fails: it belongs in a shim, named with the public API it stands in for.
+
+OWN_MARK = "_sagenb_"
+#: the types sagenb's code holds most of torch's and ipyparallel's objects as
+FOREIGN_TYPES = (
+    "torch:Tensor",
+    "torch.nn:Module",
+    "torch.optim:Optimizer",
+    "torch.distributed:TCPStore",
+    "ipyparallel:Client",
+    "ipyparallel:Cluster",
+    "ipyparallel:AsyncResult",
+    "ipyparallel:DirectView",
+    "ipyparallel:LoadBalancedView",
+)
+SHIMS = (TORCH_PRIVATE, IPYPARALLEL_PRIVATE)
+#: the calls that reach an attribute by a string
+BY_NAME = ("getattr", "setattr", "hasattr", "delattr")
+
+
+def foreign_private_names() -> set[str]:
+    found: set[str] = set()
+    for entry in FOREIGN_TYPES:
+        module, _, name = entry.partition(":")
+        found |= {n for n in dir(getattr(importlib.import_module(module), name)) if _private(n)}
+    return found
+
+
+def own_private_names(sources: list[str]) -> set[str]:
+    """The private names sagenb's own code defines (see above)."""
+    own = set()
+    for source in sources:
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef):
+                own.add(node.name)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                own.add(node.id)
+            elif (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.ctx, ast.Store)
+                and _on_own_class(node.value)
+            ):
+                own.add(node.attr)
+    return {name for name in own if _private(name)}
+
+
+def _on_own_class(node: ast.AST) -> bool:
+    if isinstance(node, ast.Name):
+        return node.id in ("self", "cls")
+    return (
+        isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "super"
+    )
+
+
+def reached_privately(source: str, allowed: AbstractSet[str]) -> list[str]:
+    """Each private attribute `source` reaches on something other than its own class, by a
+    name not in `allowed` (nor a `_sagenb_` mark): "line: what"."""
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute):
+            target, name = node.value, node.attr
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in BY_NAME
+            and len(node.args) >= 2
+            and isinstance(node.args[1], ast.Constant)
+            and isinstance(node.args[1].value, str)
+        ):
+            target, name = node.args[0], node.args[1].value
+        else:
+            continue
+        if not _private(name) or name.startswith(OWN_MARK) or _on_own_class(target):
+            continue
+        if name not in allowed:
+            found.add(f"{node.lineno}: {ast.unparse(node)[:80]}")
+    return sorted(found, key=lambda use: int(use.split(":")[0]))
+
+
+def _sagenb_sources() -> dict[str, str]:
+    return {
+        path.relative_to(SAGENB.parent).as_posix(): path.read_text()
+        for path in sorted(SAGENB.rglob("*.py"))
+        if path not in SHIMS
+    }
+
+
+#: public APIs whose names start with an underscore, as their documentation names them:
+#: os._exit (docs.python.org/3/library/os.html#os._exit); a namedtuple's _replace, _asdict
+#: and _fields (collections.namedtuple's documented methods)
+PUBLIC_UNDERSCORED = {"_exit", "_replace", "_asdict", "_fields"}
+
+
+def _allowed() -> set[str]:
+    own = own_private_names(list(_sagenb_sources().values())) - foreign_private_names()
+    return own | PUBLIC_UNDERSCORED
+
+
+def test_the_fence_fails_a_planted_private_attribute_of_another_library():
+    allowed = _allowed()
+    planted = (
+        "def f(module, pool, client):\n"
+        "    module._x\n"  # a torch module's, listed nowhere
+        "    getattr(module, '_y')\n"  # by name
+        "    torch.nn.modules._utils\n"  # a chain from torch
+        "    client._config\n"  # a name sagenb defines too, but so does ipyparallel's Client
+        "    pool._remember()\n"  # sagenb's own EnginePool method
+        "    module._sagenb_out_spec\n"  # a mark sagenb sets on another library's object
+        "    self._x, cls._x, super()._x()\n"  # the object's own class
+    )
+    assert "_config" not in allowed and "_remember" in allowed
+    assert reached_privately(planted, allowed) == [
+        "2: module._x",
+        "3: getattr(module, '_y')",
+        "4: torch.nn.modules._utils",
+        "5: client._config",
+    ]
+
+
+def test_no_module_reaches_another_librarys_private_attribute():
+    allowed = _allowed()
+    found = {
+        path: uses
+        for path, source in _sagenb_sources().items()
+        if (uses := reached_privately(source, allowed))
+    }
+    assert found == {}, (
+        "a private attribute of torch's, ipyparallel's or another library's: reach it in "
+        "sagenb/engine/torch_private.py or sagenb/pool/ipyparallel_private.py, listed in their "
+        "PRIVATE_NAMES with the public API it stands in for (or use a public one)"
+    )

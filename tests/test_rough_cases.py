@@ -190,7 +190,7 @@ def test_files_of_pools_whose_controller_is_gone_are_removed(tmp_path):
     import subprocess
     import sys
 
-    from sagenb.pool.stale import remove_stale
+    from sagenb.pool.startup import remove_stale
 
     gone = subprocess.run(
         [sys.executable, "-c", "import os; print(os.getpid())"],

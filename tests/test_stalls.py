@@ -160,7 +160,9 @@ def test_a_deadlock_is_named_and_ends_near_the_timeout(pool):
     assert len(result.history) == 3 and pool.size == 2
 
 
-ENDLESS_EVAL_CELL = REGRESSION_CELL + """
+ENDLESS_EVAL_CELL = (
+    REGRESSION_CELL
+    + """
 import itertools
 class Endless(torch.utils.data.IterableDataset):
     def __iter__(self):
@@ -168,6 +170,7 @@ class Endless(torch.utils.data.IterableDataset):
             yield torch.zeros(8), torch.zeros(1)
 eval_dataset = Endless()
 """
+)
 
 
 def test_an_endless_eval_stream_is_named_as_what_the_ranks_read(pool):

@@ -116,19 +116,7 @@ def train_loop(
     scaler = LossScaler(device=device) if config.precision == "fp16" else None
     plan = _plan(ws, config, start)
     last, unsaved = start, None
-    loading = batches_of(
-        ws.dataset,
-        strategy,
-        plan,
-        grad_accum=config.grad_accum,
-        workers=config.data_workers,
-        device=device,
-        seed=config.seed,
-        rank=rank,
-        collate_fn=ws.collate_fn,
-        parts=strategy.collated_parts,
-    )
-    with loading as steps:  # --data-workers: worker processes end with the block
+    with _loading(ws, strategy, config, plan, device, rank) as steps:
         for data in steps:
             metrics = _step(ws, strategy, config, data, optimizer, scheduler, meter, device, scaler)
             last, total = data.step.number, data.step.total
@@ -140,6 +128,30 @@ def train_loop(
             if stop or unsaved is not None:
                 break
     return last, unsaved
+
+
+def _loading(
+    ws: Workspace,
+    strategy: Strategy,
+    config: EngineConfig,
+    plan: Iterator[Step],
+    device: torch.device,
+    rank: int,
+) -> Any:
+    """The steps' batches, loaded as the plan says (--data-workers: by worker processes,
+    which end with the `with` block that holds this)."""
+    return batches_of(
+        ws.dataset,
+        strategy,
+        plan,
+        grad_accum=config.grad_accum,
+        workers=config.data_workers,
+        device=device,
+        seed=config.seed,
+        rank=rank,
+        collate_fn=ws.collate_fn,
+        parts=strategy.collated_parts,
+    )
 
 
 def _save(
@@ -236,18 +248,7 @@ def _step(ws, strategy, config, data, optimizer, scheduler, meter, device, scale
     if loss is not None:
         metrics[keys.LOSS] = loss  # the mean over this engine's counted targets
         metrics[keys.COUNTED] = counted
-    finite = True
-    if scaler is not None:
-        metrics[keys.LOSS_SCALE] = loss_scale
-        finite = scaler.unscale(strategy.parameters())
-        metrics[keys.SKIPPED_STEP] = int(not finite)
-    if config.clip_grad_norm is not None and finite:
-        metrics[keys.GRAD_NORM] = strategy.clip_grad_norm(config.clip_grad_norm)
-    metrics[keys.LR] = optimizer.param_groups[0]["lr"]
-    if finite:
-        optimizer.step()
-    if scheduler is not None:
-        scheduler.step()
+    _update(strategy, config, optimizer, scheduler, scaler, metrics)
     metrics.update(meter.snapshot())
     optimizer.zero_grad(set_to_none=True)
     if _eval_due(ws, config, step.number, total):
@@ -264,6 +265,23 @@ def _step(ws, strategy, config, data, optimizer, scheduler, meter, device, scale
     metrics[keys.TIME] = time.time()  # when the step ended, for rates across steps
     metrics.update(strategy.step_metrics())
     return metrics
+
+
+def _update(strategy, config, optimizer, scheduler, scaler, metrics: dict[str, Any]) -> None:
+    """The optimizer's step on the accumulated gradients (unscaled under fp16, and skipped
+    where they are not finite; clipped with --clip-grad-norm), then the scheduler's."""
+    finite = True
+    if scaler is not None:
+        metrics[keys.LOSS_SCALE] = scaler.scale
+        finite = scaler.unscale(strategy.parameters())
+        metrics[keys.SKIPPED_STEP] = int(not finite)
+    if config.clip_grad_norm is not None and finite:
+        metrics[keys.GRAD_NORM] = strategy.clip_grad_norm(config.clip_grad_norm)
+    metrics[keys.LR] = optimizer.param_groups[0]["lr"]
+    if finite:
+        optimizer.step()
+    if scheduler is not None:
+        scheduler.step()
 
 
 def _counted_here(ws: Workspace, step: Step) -> torch.Tensor | None:

@@ -69,6 +69,7 @@ __all__ = [
     "DropoutBase",
     "FakeTensor",
     "FakeTensorMode",
+    "shipped_tp_plan",
     "GROUPED_MM",
     "unset_fake_temporarily",
     "PrivateName",
@@ -362,6 +363,15 @@ def exchange(tensor: torch.Tensor, receive: list[int], send: list[int], group: A
     return wait_tensor(all_to_all_single_autograd(tensor, receive, send, group))
 
 
+def shipped_tp_plan(model: nn.Module) -> dict[str, str] | None:
+    """The tensor-parallel plan a transformers model (an nn.Module) carries: its public
+    `PreTrainedModel.tp_plan` (transformers 5), else, on the older releases sagenb admits
+    (transformers>=4.46), which have no such property, the attribute it reads, `_tp_plan`
+    (set in post_init). None for a model that ships none."""
+    plan = getattr(model, "tp_plan", None)
+    return plan if plan is not None else getattr(model, "_tp_plan", None)
+
+
 def warm_dynamo() -> None:
     """Import torch._dynamo, which DDP's constructor would otherwise import on the first run."""
     # no public equivalent in torch 2.13: torch.compile imports it on its first call too
@@ -502,6 +512,12 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
         "engine.checkpoint.reader.SafePlanner (resuming a checkpoint)",
     ),
     PrivateName("torch._dynamo", "", "engine.entry.warm (the pool's warm-up)"),
+    PrivateName(
+        "transformers.modeling_utils",
+        "PreTrainedModel._tp_plan",
+        "engine.strategies.tensor.hf_plan (a transformers model's own plan, before 5.0's "
+        "public tp_plan)",
+    ),
     PrivateName(
         "torch.distributed.distributed_c10d",
         "_world.group_count",

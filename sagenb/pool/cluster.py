@@ -5,20 +5,15 @@ This module owns ipyparallel. A pool is started once (engines ready, torch impor
 position in the pool, never its id: ipyparallel does not reuse ids after a restart.
 
 Engines are started by ipyparallel's own launchers: `local` (the default; everything on
-127.0.0.1), or `mpi`, `slurm`, `ssh` for engines on other hosts, in which case (and only then)
-the controller listens beyond loopback. A pool someone started with `ipcluster start` is
-attached to by profile and cluster id, and left running when the notebook lets go of it.
-A pool started here ends with the process that started it, even one killed by a signal
-(reaper.py).
+127.0.0.1), or `mpi`, `slurm`, `ssh` for engines on other hosts (startup.py: the launch and the
+engines' registration). A pool someone started with `ipcluster start` is attached to by profile
+and cluster id, and left running when the notebook lets go of it. A pool started here ends
+with the process that started it, even one killed by a signal (reaper.py).
 
 Cold start: `%load_ext sagenb` starts the default pool in a background thread (`prewarm`; off
-with SAGENB_PREWARM=0; prewarm.py), so the seconds a pool takes to start
-(benchmarks/results/first_step.md) pass while the user writes the first cell; the first run that
-needs a pool waits for that one (`ensure_pool`), and starting, stopping or attaching another
-pool cancels it first, so two pools of ours never run at once. A start's time goes to the
-controller, the engines registering (imports, a nanny process each, and the controller noticing
-the heart beat) and torch and torch._dynamo imported on the engines:
-benchmarks/results/first_step.md and measured_in_code.md there.
+with SAGENB_PREWARM=0; prewarm.py); the first run that needs a pool waits for that one
+(`ensure_pool`), and starting, stopping or attaching another pool cancels it first, so two
+pools of ours never run at once. Where a start's seconds go: benchmarks/results/first_step.md.
 
 Placement: ranks are numbered host by host (engines on one host get consecutive ranks), so a
 pipeline replica's stages and a tensor-parallel group, which take consecutive ranks, share a
@@ -28,7 +23,6 @@ crosses hosts: the "keep a model replica together" placement that SageMaker call
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import signal
@@ -43,16 +37,10 @@ import ipyparallel as ipp
 import psutil
 
 from sagenb.config.options import DEFAULT_ENGINES
-from sagenb.pool import reaper, remote, stale, waits
-from sagenb.pool.ipyparallel_private import client_config, iopub_guarded
-from sagenb.pool.launchers import (
-    CONTROLLER_HEARTBEAT,
-    LAUNCHERS,
-    LOOPBACK,
-    controller_location,
-    launcher_config,
-)
+from sagenb.pool import reaper, remote, startup, waits
+from sagenb.pool.launchers import LAUNCHERS, LOOPBACK
 from sagenb.pool.prewarm import BackgroundStart, prewarm_wanted
+from sagenb.pool.startup import StartCancelled
 
 __all__ = [
     "EnginePool",
@@ -68,9 +56,6 @@ __all__ = [
     "prewarm_wanted",
     "StartCancelled",
 ]
-
-#: seconds between two reads of a batch job's state while its engines are awaited (squeue)
-JOB_POLL_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -127,98 +112,27 @@ class EnginePool:
         `timeout`: seconds for the engines to register; `say` is told what a batch job of
         engines waits for while it waits ("Slurm job 12: pending: Resources").
         Setting `cancel` (a background start) stops what was started and raises StartCancelled
-        at the next check (every 50 ms while waiting on the engines)."""
-        if n < 1:
-            raise ValueError(f"an engine pool needs at least 1 engine, got {n}")
-        if launcher not in LAUNCHERS:
-            raise ValueError(f"launcher {launcher!r}: must be one of {', '.join(LAUNCHERS)}")
-        # ERROR: at stop, ipyparallel logs each engine's whole output as a warning (engines
-        # stopped by SIGTERM exit with code 1), which buried the cell's own output.
-        cluster = ipp.Cluster(
-            n=n,
-            engine_launcher_class=launcher,
-            # beyond loopback only when engines may run on other hosts
-            controller_ip=LOOPBACK if launcher == "local" else "*",
-            controller_location=controller_location(launcher, options or {}),
-            controller_args=CONTROLLER_HEARTBEAT,
-            log_level=logging.ERROR,
-            config=launcher_config(launcher, options or {}),
-        )
-        if launcher == "slurm" and "SlurmEngineSetLauncher.batch_file_name" not in (options or {}):
-            # ipyparallel writes the job's script into the notebook's folder (its work_dir
-            # '.'); beside the job's output in the profile's log folder instead
-            logs = os.path.join(cluster.profile_dir, "log")
-            os.makedirs(logs, exist_ok=True)
-            name = os.path.join(logs, f"ipengine-{cluster.cluster_id}.sbatch")
-            cluster.config.SlurmEngineSetLauncher.batch_file_name = name  # removed at stop
-        try:  # what pools ended by a kill left in the profile (stale.py)
-            stale.remove_stale(cluster.profile_dir)
-        except Exception:  # noqa: BLE001 - tidying never stops a start
-            pass
-        # all n engines are launched at once (ipyparallel's engine set launchers start them
-        # without waiting on each other), once the controller has written its connection file
-        try:
-            cluster.start_cluster_sync()
-        except BaseException:  # an engine that could not be launched (ssh refused, say)
-            _stop_cluster(cluster, 30)  # leaves no controller behind
-            raise
+        at the next check (every 50 ms while waiting on the engines). pool/startup.py says
+        how each stage goes."""
+        cluster = startup.launch(n, launcher=launcher, options=options or {})
         pool = None
         try:
-            _owner_only(cluster)
-            client = _connect(cluster)
+            startup.owner_only(cluster)
+            client = startup.connect(cluster)
             pool = cls(cluster, client, n, launcher=launcher, options=options)
             pool._remember()  # controller and engines, watched from their launch on
-            pool._register(n, timeout, cancel, say)
+            warm, _ = _engine_side()
+            check = pool._check(cancel)
+            startup.register(client, cluster, n, timeout, warm=warm, check=check, say=say)
             pool._remember()  # and the nanny each engine started as it registered
             pool.warm(cancel=cancel)
         except BaseException:
             if pool is not None:
                 pool.stop()  # ends and forgets every process it noted
             else:
-                _stop_cluster(cluster, 30)
+                startup.stop_cluster(cluster, 30)
             raise
         return pool
-
-    def _register(
-        self,
-        n: int,
-        timeout: float,
-        cancel: threading.Event | None,
-        say: Callable[[str], None] | None = None,
-    ) -> None:
-        """Wait until n engines have registered, starting each one's warm-up imports (torch,
-        DDP's torch._dynamo: the longest part of a start) as soon as it has registered rather
-        than when the last one has. A batch job's state (Slurm's squeue) is read every few
-        seconds and said when it changes, and named if the wait times out."""
-        warm, _ = _engine_side()
-        waiting = self.client.wait_for_engines(n, timeout=timeout, block=False, interactive=False)
-        warming: set[int] = set()
-        jobs = remote.batch_jobs(self.cluster)
-        states: dict[str, str] = {}
-        asked = time.monotonic()
-        while not waiting.done():
-            for eid in set(self.client.ids) - warming:
-                self.client[eid].apply_async(warm)  # warm() below waits for it and checks it
-                warming.add(eid)
-            _check(cancel)
-            self.check_alive()  # a controller that died while engines start ends the wait
-            if jobs and time.monotonic() - asked > JOB_POLL_S:
-                asked, seen = time.monotonic(), remote.job_states(jobs)
-                for job, state in seen.items():
-                    if say is not None and states.get(job) != state:
-                        say(f"Slurm job {job}: {state}")
-                states.update(seen)
-            time.sleep(0.05)
-        try:
-            waiting.result(timeout=0)  # done: its value, or its TimeoutError
-        except TimeoutError:
-            queued = "; ".join(f"Slurm job {j}: {s}" for j, s in states.items())
-            raise TimeoutError(
-                f"{len(self.client.ids)} of {n} engines registered within {timeout:g} s"
-                + (f" ({queued})" if queued else "")
-                + ": allow longer with `%smp_cluster start --timeout SECONDS`; what was "
-                "started is stopped" + (" and the job cancelled" if jobs else "")
-            ) from None
 
     @classmethod
     def attach(
@@ -227,23 +141,7 @@ class EnginePool:
         """Connect to a pool started elsewhere (`ipcluster start --profile P --cluster-id C`)
         and use every engine it has; stopping lets go of it without stopping it. `profile` is
         a profile name, or a profile directory's path."""
-        where: dict[str, Any] = {"cluster_id": cluster_id}
-        if profile is not None and os.path.isdir(profile):
-            where["profile_dir"] = profile
-        else:
-            where["profile"] = profile
-        try:
-            cluster = ipp.Cluster.from_file(**where)
-        except FileNotFoundError:
-            named = f"profile {profile or 'default'!r}, cluster id {cluster_id!r}"
-            raise ValueError(f"no running ipyparallel cluster found for {named}") from None
-        client = _connect(cluster)
-        deadline = time.monotonic() + timeout
-        while not client.ids and time.monotonic() < deadline:
-            time.sleep(0.2)
-        if not client.ids:
-            client.close()
-            raise ValueError("the attached cluster has no engines (start some with ipcluster)")
+        cluster, client = startup.attach(profile, cluster_id, timeout)
         pool = cls(cluster, client, len(client.ids), launcher="attached", owned=False)
         pool.warm()
         return pool
@@ -252,14 +150,7 @@ class EnginePool:
     def controller_host(self) -> str:
         """The controller's address as the engines reach it: the location it was given or told
         them (this process's client may reach it through loopback)."""
-        if getattr(self.cluster, "controller_location", ""):
-            return str(self.cluster.controller_location)
-        config = _engine_connection(self.cluster) or client_config(self.client)
-        interface = config.get("interface", f"tcp://{LOOPBACK}")
-        host = interface.split("://", 1)[-1]
-        if host in ("*", "0.0.0.0", ""):
-            host = config.get("location") or LOOPBACK
-        return host
+        return startup.controller_host(self.cluster, self.client)
 
     @property
     def run_lock_path(self) -> str:
@@ -333,11 +224,17 @@ class EnginePool:
         a fraction of a second once the controller is gone, StartCancelled once `cancel` is
         set (pool/waits.py)."""
 
+        return waits.result(ar, timeout, check=self._check(cancel))
+
+    def _check(self, cancel: threading.Event | None) -> Callable[[], None]:
+        """What a wait on this pool checks between its slices: the cancel of a background
+        start, then the controller (pool/waits.py)."""
+
         def check() -> None:
-            _check(cancel)
+            startup.check_cancel(cancel)
             self.check_alive()
 
-        return waits.result(ar, timeout, check=check)
+        return check
 
     def check_alive(self) -> None:
         """Raise PoolDiedError when the controller is gone, after closing the pool (its
@@ -463,18 +360,8 @@ class EnginePool:
         if missing <= 0 or not self.owned:
             self.target_size = min(self.target_size, self.size)
             return
-        hosts = self.options.get("SSHEngineSetLauncher.engines")
-        where = None
-        if self.launcher == "ssh" and hosts:  # where they were lost, not on the first host
-            alive = [self.places.get(e, ("", ""))[1] for e in self.client.ids]
-            where = remote.replacements(hosts, alive, missing)
-        if where is not None:
-            self.cluster.config.SSHEngineSetLauncher.engines = where
-        try:
-            self.cluster.start_engines_sync(n=missing)
-        finally:
-            if where is not None:  # the next start (a restart) takes the user's setting
-                self.cluster.config.SSHEngineSetLauncher.engines = hosts
+        alive = [self.places.get(e, ("", ""))[1] for e in self.client.ids]
+        startup.start_engines(self.cluster, missing, self.launcher, self.options, alive=alive)
         self._remember()
         if not waits.until(lambda: self.size >= self.target_size, timeout, check=self.check_alive):
             raise TimeoutError(
@@ -499,7 +386,7 @@ class EnginePool:
         hosts = remote.enders(self.cluster, grace=reaper.GRACE_S)
         # a cell's child in a session of its own (start_new_session=True) is neither in an
         # engine's process group nor, once its engine has stopped, its descendant: noted now
-        known = {**self.known, **reaper.identities(procs + _descendants(procs))}
+        known = {**self.known, **reaper.identities(reaper.with_descendants(procs))}
         stopped = False
         try:
             self.client.close()
@@ -507,7 +394,7 @@ class EnginePool:
                 # engines on other hosts are ended through their launcher (ssh: a kill sent
                 # over ssh per engine, then polled), which takes longer than local signals
                 bound = timeout if self.launcher == "local" else max(timeout, 60.0)
-                stopped = _stop_cluster(self.cluster, bound)
+                stopped = startup.stop_cluster(self.cluster, bound)
         finally:
             if not stopped:  # a dead controller, or a stop that hung: over ssh from here
                 remote.end_remote(hosts)
@@ -521,10 +408,7 @@ class EnginePool:
             reaper.forget(procs)
             reaper.forget_remote(hosts)
             _remove(self.run_lock_path)  # no run can hold a lock on a stopped pool
-            if self.launcher == "slurm":  # the job's script sagenb placed (start)
-                script = self.cluster.config.SlurmEngineSetLauncher.get("batch_file_name", "")
-                if os.path.isabs(script) and script.endswith(".sbatch"):
-                    _remove(script)
+            startup.remove_batch_script(self.cluster, self.launcher)
             _remove_crash_files(self.pids.values())
 
 
@@ -540,42 +424,11 @@ def _remove_crash_files(pids: Iterable[int]) -> None:
             pass
 
 
-def _connect(cluster: ipp.Cluster) -> ipp.Client:
-    """The pool's client, whose IOPub handler survives a message it cannot handle: an engine's
-    widget in an IPython without a kernel stopped every later message of the run, its metrics
-    among them (ipyparallel_private.iopub_guarded; the engines draw no widgets during a run,
-    engine/wire/output.py, so this is the guard for the one that slips through)."""
-    with iopub_guarded(ipp.Client):
-        return cluster.connect_client_sync()
-
-
-def _engine_connection(cluster: ipp.Cluster) -> dict[str, Any] | None:
-    """What the controller told its engines (the connection file it wrote for them), if it
-    can be read here."""
-    name = f"ipcontroller-{cluster.cluster_id}-engine.json" if cluster.cluster_id else ""
-    path = os.path.join(cluster.profile_dir or "", "security", name or "ipcontroller-engine.json")
-    try:
-        with open(path) as f:
-            return dict(json.load(f))
-    except (OSError, ValueError):
-        return None
-
-
 def _remove(path: str) -> None:
     try:
         os.remove(path)
     except OSError:  # never made: no run trained on the pool
         pass
-
-
-def _stop_cluster(cluster: ipp.Cluster, timeout: float) -> bool:
-    """ipyparallel's stop, waited for at most `timeout` s (it waits on its controller, which
-    may be dead); whether it stopped. A stop that failed or hung leaves the processes to the
-    caller's ending by pid."""
-    try:
-        return waits.bounded(cluster.stop_cluster_sync, timeout)[0]
-    except Exception:  # noqa: BLE001 - ended by pid instead, as a hung stop is
-        return False
 
 
 #: held while this process imports the engine side (torch): `%load_ext` holds it while the
@@ -592,31 +445,6 @@ def _engine_side() -> tuple[Callable[[], None], Callable[[str], Any]]:
         from sagenb.engine.entry import warm
         from sagenb.engine.wire.rendezvous import locate
     return warm, locate
-
-
-class StartCancelled(Exception):
-    """A background pool start was cancelled (another pool was asked for, or none)."""
-
-
-def _check(cancel: threading.Event | None) -> None:
-    if cancel is not None and cancel.is_set():
-        raise StartCancelled("the background pool start was cancelled")
-
-
-def _owner_only(cluster: ipp.Cluster) -> None:
-    """The controller's connection files are written 0600; the cluster file too, here."""
-    if cluster.cluster_file and os.path.exists(cluster.cluster_file):
-        os.chmod(cluster.cluster_file, 0o600)
-
-
-def _descendants(procs: Sequence[psutil.Process]) -> list[psutil.Process]:
-    found = []
-    for proc in procs:
-        try:
-            found += proc.children(recursive=True)
-        except psutil.Error:
-            pass
-    return found
 
 
 def _pool_processes() -> list[psutil.Process]:

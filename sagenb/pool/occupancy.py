@@ -18,7 +18,6 @@ stall clock does not run, and no engine is signalled, while they wait behind ano
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -116,7 +115,7 @@ class Starts:
         self.own = dict(zip(ids, msg_ids))  # engine id -> the run's task there
         self.rank = {eid: r for r, eid in enumerate(ids)}
         self.started: set[int] = set()
-        self.note = note or _stderr_note
+        self.note = note or _STDERR_NOTE
         #: what the run waited for, once its tasks have all started (None: it did not wait)
         self.waited: str | None = None
         self._asked = -CHECK_S
@@ -212,13 +211,8 @@ class Starts:
         return [e for e in engine_ids if e not in blocked]
 
 
-def _stderr_note(text: str) -> None:
-    """One line under the cell, rewritten in place (as run_lock's), ended once it is over."""
-    if text:
-        sys.stderr.write(f"\r{text}")
-    else:
-        sys.stderr.write("\nsagenb: the run's tasks have all started\n")
-    sys.stderr.flush()
+#: one line under the cell, rewritten in place (pool/waits.py), ended once it is over
+_STDERR_NOTE = waits.stderr_note("the run's tasks have all started")
 
 
 def _task(msg_id: str, engine_id: int, running: bool | None, record: Mapping[str, Any]) -> Task:

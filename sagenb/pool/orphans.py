@@ -36,10 +36,10 @@ with both a task sent to it and a load-balanced one pending, which of them runs 
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Callable, Sequence
 
+from sagenb.pool import waits
 from sagenb.pool.cluster import EnginePool
 from sagenb.pool.occupancy import Task, pending
 from sagenb.pool.run_lock import Holder, PoolBusyError
@@ -47,8 +47,6 @@ from sagenb.pool.run_lock import Holder, PoolBusyError
 __all__ = ["settle", "whose", "listing", "ORPHAN_END_S"]
 
 ORPHAN_END_S = 5.0  # how long interrupted orphans get to end before their engines are killed
-POLL_S = 0.2  # how often a waiting run asks the controller again
-NOTE_S = 1.0  # how often its note under the cell is updated
 
 
 def settle(
@@ -69,7 +67,7 @@ def settle(
         return []
     orphans = [t for t in tasks if _orphan(t, pool, previous)]
     notes, aborted = _end(pool, orphans, previous) if orphans else ([], set())
-    waited = _wait_for_others(pool, engine_ids, previous, aborted, if_busy, note or _stderr_note)
+    waited = _wait_for_others(pool, engine_ids, previous, aborted, if_busy, note or _STDERR_NOTE)
     return notes + waited
 
 
@@ -154,7 +152,7 @@ def _still_running(pool: EnginePool, tasks: list[Task], timeout: float) -> list[
         tasks = [t for t in tasks if t.msg_id in ids]
         if not tasks or time.monotonic() > deadline:
             return tasks
-        time.sleep(POLL_S)
+        time.sleep(waits.BUSY_POLL_S)
     return tasks
 
 
@@ -166,41 +164,34 @@ def _wait_for_others(
     if_busy: str,
     note: Callable[[str], None],
 ) -> list[str]:
-    """Until no task but aborted ones is pending on the run's engines; or PoolBusyError."""
-    started, shown, busy = time.monotonic(), -NOTE_S, ""
-    while True:
+    """Until no task but aborted ones is pending on the run's engines (waits.while_busy);
+    or PoolBusyError."""
+    last = ""  # what the run waited for, last seen
+
+    def busy(waited: float) -> str:
+        nonlocal last
         found = pending(pool, [e for e in engine_ids if e in pool.client.ids])
         others = [t for ts in (found or {}).values() for t in ts if t.msg_id not in aborted]
         if not others:
-            break
-        busy = listing(others, pool, previous)
+            return ""
+        last = listing(others, pool, previous)
         engines = ", ".join(str(e) for e in sorted({t.engine_id for t in others}))
         if if_busy == "fail":
             raise PoolBusyError(
                 f"engine(s) {engines} of this run are busy with work that is not a sagenb "
-                f"run's: {busy}. --if-busy fail: this run did not wait and ran nothing on "
+                f"run's: {last}. --if-busy fail: this run did not wait and ran nothing on "
                 f"them. Run it again once that work has ended (or end it: the client that "
                 f"submitted it can abort it), or with --if-busy wait (the default)."
             )
-        waited = time.monotonic() - started
-        if waited - shown >= NOTE_S:
-            note(
-                f"sagenb: engine(s) {engines} busy with {busy}; this run waits for them "
-                f"(waited {waited:.0f} s; --if-busy wait; interrupt to give up)"
-            )
-            shown = waited
-        time.sleep(POLL_S)
-    if shown < 0:
+        return (
+            f"sagenb: engine(s) {engines} busy with {last}; this run waits for them "
+            f"(waited {waited:.0f} s; --if-busy wait; interrupt to give up)"
+        )
+
+    waited = waits.while_busy(busy, note)
+    if waited is None:
         return []
-    note("")
-    waited = time.monotonic() - started
-    return [f"this run waited {waited:.0f} s for work on its engines: {busy}"]
+    return [f"this run waited {waited:.0f} s for work on its engines: {last}"]
 
 
-def _stderr_note(text: str) -> None:
-    """One line under the cell, rewritten in place (as run_lock's note), ended once free."""
-    if text:
-        sys.stderr.write(f"\r{text}")
-    else:
-        sys.stderr.write("\nsagenb: the run's engines are free: this run starts\n")
-    sys.stderr.flush()
+_STDERR_NOTE = waits.stderr_note("the run's engines are free: this run starts")

@@ -146,6 +146,13 @@ def identities(processes: Iterable[psutil.Process]) -> dict[int, tuple[float, in
     return {e[0]: (e[1], e[2]) for e in entries if e is not None}
 
 
+def with_descendants(processes: Iterable[psutil.Process]) -> list[psutil.Process]:
+    """The processes and their descendants: a cell's child in a session of its own is in no
+    engine's process group, and once its engine has stopped no longer its descendant."""
+    procs = list(processes)
+    return procs + [child for proc in procs for child in _children(proc)]
+
+
 def end(watched: dict[int, tuple[float, int]], *, grace: float = GRACE_S) -> None:
     """End the `identities` here and now, as the watcher would: their groups and descendants
     too, SIGTERM then SIGKILL after `grace` seconds; bounded whatever state they are in."""

@@ -24,16 +24,19 @@ import shlex
 import socket
 import subprocess
 import threading
+import time
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-__all__ = ["enders", "end_remote", "replacements", "batch_jobs", "job_states"]
+__all__ = ["enders", "end_remote", "replacements", "batch_jobs", "job_states", "JobWatcher"]
 
 #: seconds ssh waits for a host that does not answer, when ending its engines
 CONNECT_TIMEOUT_S = 10
 #: what a batch command needs from this process's environment (SLURM_CONF: which cluster)
 _BATCH_ENV = ("SLURM_", "PATH")
+#: seconds between two reads of a batch job's state while its engines are awaited (squeue)
+JOB_POLL_S = 2.0
 
 
 def enders(cluster: Any, *, grace: float) -> list[list[Any]]:
@@ -91,6 +94,31 @@ def job_states(jobs: list[str]) -> dict[str, str]:
             why = f": {reason}" if reason and reason != "None" else ""
             states[job] = f"{state.lower()}{why}"
     return states
+
+
+class JobWatcher:
+    """A cluster's batch jobs of engines (Slurm) watched while their engines are awaited:
+    `poll` reads their queue state at most every JOB_POLL_S and tells `say` each change
+    ("Slurm job 12: pending: Resources"); `summary` names the last states seen. Nothing to
+    watch (no batch job) costs nothing."""
+
+    def __init__(self, cluster: Any, say: Callable[[str], None] | None) -> None:
+        self.jobs = batch_jobs(cluster)
+        self.say = say
+        self.states: dict[str, str] = {}
+        self._asked = time.monotonic()
+
+    def poll(self) -> None:
+        if not self.jobs or time.monotonic() - self._asked <= JOB_POLL_S:
+            return
+        self._asked, seen = time.monotonic(), job_states(self.jobs)
+        for job, state in seen.items():
+            if self.say is not None and self.states.get(job) != state:
+                self.say(f"Slurm job {job}: {state}")
+        self.states.update(seen)
+
+    def summary(self) -> str:
+        return "; ".join(f"Slurm job {j}: {s}" for j, s in self.states.items())
 
 
 def end_remote(entries: Iterable[list[Any]], *, timeout: float = 30.0) -> None:

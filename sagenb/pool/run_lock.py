@@ -47,10 +47,9 @@ from typing import IO
 
 import psutil
 
-__all__ = ["Holder", "PoolBusyError", "hold", "holder_of"]
+from sagenb.pool import waits
 
-POLL_S = 0.2  # how often a waiting run tries the lock again
-NOTE_S = 1.0  # how often its note under the cell is updated
+__all__ = ["Holder", "PoolBusyError", "hold", "holder_of"]
 
 
 class PoolBusyError(RuntimeError):
@@ -134,7 +133,7 @@ def hold(
     os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
     file = open(path, "a+", encoding="utf-8")  # noqa: SIM115 - held for the block
     try:
-        _acquire(file, path, me, if_busy, note or _stderr_note)
+        _acquire(file, path, me, if_busy, note or _STDERR_NOTE)
         previous = holder_of(path)  # a holder that let go cleared the file
         try:
             _write(file, me)
@@ -148,8 +147,11 @@ def hold(
 
 
 def _acquire(file: IO[str], path: str, me: Holder, if_busy: str, note: Callable) -> None:
-    waited_from, noted = time.monotonic(), -NOTE_S
-    while not _try(file):
+    """The lock, taken at once or once its holder lets go (waits.while_busy)."""
+
+    def busy(waited: float) -> str:
+        if _try(file):
+            return ""
         holder = holder_of(path)
         busy = holder.describe(me=me) if holder else "another run (it has not said whose yet)"
         if if_busy == "fail":
@@ -158,16 +160,12 @@ def _acquire(file: IO[str], path: str, me: Holder, if_busy: str, note: Callable)
                 f"and touched no engine. Run it again once that run has ended, or with "
                 f"--if-busy wait (the default) to start when the pool is free."
             )
-        waited = time.monotonic() - waited_from
-        if waited - noted >= NOTE_S:
-            note(
-                f"sagenb: the engine pool is busy with {busy}; waited {waited:.0f} s "
-                f"(--if-busy wait; interrupt to give up, or --if-busy fail)"
-            )
-            noted = waited
-        time.sleep(POLL_S)
-    if noted >= 0:
-        note("")
+        return (
+            f"sagenb: the engine pool is busy with {busy}; waited {waited:.0f} s "
+            f"(--if-busy wait; interrupt to give up, or --if-busy fail)"
+        )
+
+    waits.while_busy(busy, note)
 
 
 def _try(file: IO[str]) -> bool:
@@ -185,14 +183,7 @@ def _write(file: IO[str], me: Holder) -> None:
     file.flush()
 
 
-def _stderr_note(text: str) -> None:
-    """One line under the cell, rewritten in place (a carriage return: Jupyter's output area
-    and terminals both overwrite the line); ended with a newline once the wait is over."""
-    if text:
-        sys.stderr.write(f"\r{text}")
-    else:
-        sys.stderr.write("\nsagenb: the engine pool is free: this run starts\n")
-    sys.stderr.flush()
+_STDERR_NOTE = waits.stderr_note("the engine pool is free: this run starts")
 
 
 def _user() -> str:

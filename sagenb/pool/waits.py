@@ -8,19 +8,39 @@ on a task or a future is sliced: between slices the caller's `check` runs (the p
 `EnginePool.check_alive`, which raises PoolDiedError once its controller process is gone, and a
 background start adds its cancel), and the wait's own bound ends it with TimeoutError.
 tests/test_bounded_waits.py lists every wait in sagenb/ and fails on one without a bound.
+
+One wait has no bound by design: a run waiting for a pool busy with other work (another run's
+lock, run_lock.py; another client's tasks on its engines, orphans.py) waits until it is free,
+saying so under the cell each second, until the user interrupts it (`while_busy`, with the
+note `stderr_note` writes; --if-busy fail raises instead of waiting).
 """
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-__all__ = ["PoolDiedError", "result", "until", "bounded", "CHECK_S"]
+__all__ = [
+    "PoolDiedError",
+    "result",
+    "until",
+    "bounded",
+    "while_busy",
+    "stderr_note",
+    "CHECK_S",
+    "BUSY_POLL_S",
+    "NOTE_S",
+]
 
 #: how often a wait on the pool runs its check (a psutil read of the controller: microseconds)
 CHECK_S = 0.1
+#: how often a run waiting for a busy pool asks again (the lock, the controller's queues)
+BUSY_POLL_S = 0.2
+#: how often the note under the cell of a run that waits is rewritten
+NOTE_S = 1.0
 
 T = TypeVar("T")
 
@@ -75,3 +95,36 @@ def bounded(fn: Callable[[], T], timeout: float) -> tuple[bool, T | None]:
     if "error" in box:
         raise box["error"]
     return not worker.is_alive(), box.get("value")
+
+
+def while_busy(busy: Callable[[float], str], note: Callable[[str], None]) -> float | None:
+    """Wait while `busy(seconds waited)` says what the pool is busy with (the note's text; ""
+    once free), asking every BUSY_POLL_S; `busy` raises to give up (PoolBusyError under
+    --if-busy fail). The text goes to `note` at once and then every NOTE_S, and "" once the
+    pool is free. Returns the seconds waited, or None when it was free at once."""
+    started, shown = time.monotonic(), None
+    while text := busy(time.monotonic() - started):
+        waited = time.monotonic() - started
+        if shown is None or waited - shown >= NOTE_S:
+            note(text)
+            shown = waited
+        time.sleep(BUSY_POLL_S)
+    if shown is None:
+        return None
+    note("")
+    return time.monotonic() - started
+
+
+def stderr_note(free: str) -> Callable[[str], None]:
+    """A note of one line under the cell, rewritten in place (a carriage return: Jupyter's
+    output area and terminals both overwrite the line), ended by "sagenb: `free`" on a line of
+    its own once told "" (the wait is over)."""
+
+    def note(text: str) -> None:
+        if text:
+            sys.stderr.write(f"\r{text}")
+        else:
+            sys.stderr.write(f"\nsagenb: {free}\n")
+        sys.stderr.flush()
+
+    return note

@@ -54,13 +54,7 @@ def train(
     process while the engines train, or once they end where they fill this machine's cores
     (sagenb/sizing/projection.py).
     """
-    if config is None:
-        config = TrainConfig(**options)
-    elif options:
-        config = dataclasses.replace(config, **options)
-    check_price(config)  # reads the price table: not the config's validation, yet before engines
-    event_log.check_available(config)  # --log-dir without tensorboard: before any engine
-    _check_offload(config, pool or cluster.current_pool())
+    config = _checked(config, options, pool)
     prepared = Job.of(job)
     if pool is None:
         pool = cluster.ensure_pool(config.engines_to_start())
@@ -71,29 +65,43 @@ def train(
         pool.heal()  # engines lost in an earlier run's failure are replaced before this one
         config = _resolve_engines(config, pool)
         engines = config.engines or pool.size
-        # tasks still on its engines: a killed kernel's ranks are ended, anyone's work waited
-        # for (or PoolBusyError), before this run sends them anything (pool/orphans.py)
-        found = orphans.settle(
-            pool, pool.engine_ids[:engines], previous=previous, if_busy=config.if_busy
-        )
-        # what an earlier cell changed of the engines' processes is put back (pool/clean_slate.py)
-        replaced = clean_slate.start_clean(pool, engines)
+        notes = _engines_made_ready(pool, engines, previous, config.if_busy)
+        # on a machine whose cores the engines fill, the estimate waits for the run's end
+        defer = not pool.multi_host and saturates(engines)
+        projection = Projection.for_run(estimate, prepared, config, defer=defer)
         run = TrainingRun(
-            pool,
-            config,
-            prepared,
-            list(sinks),
-            live=live,
-            on_failure=on_failure,
-            # on a machine whose cores the engines fill, the estimate waits for the run's end
-            projection=Projection.for_run(
-                estimate, prepared, config, defer=not pool.multi_host and saturates(engines)
-            ),
-        )
-        for note in found + replaced:
+            pool, config, prepared, list(sinks), live=live, on_failure=on_failure,
+            projection=projection,
+        )  # fmt: skip
+        for note in notes:
             run.warnings.append(note)
             warnings.warn_explicit(note, RuntimeWarning, "sagenb", 0, module="sagenb")
         return run.execute()
+
+
+def _checked(
+    config: TrainConfig | None, options: dict[str, Any], pool: cluster.EnginePool | None
+) -> TrainConfig:
+    """The run's config, with what can be checked before any engine checked."""
+    if config is None:
+        config = TrainConfig(**options)
+    elif options:
+        config = dataclasses.replace(config, **options)
+    check_price(config)  # reads the price table: not the config's validation, yet before engines
+    event_log.check_available(config)  # --log-dir without tensorboard: before any engine
+    _check_offload(config, pool or cluster.current_pool())
+    return config
+
+
+def _engines_made_ready(
+    pool: cluster.EnginePool, engines: int, previous: run_lock.Holder | None, if_busy: str
+) -> list[str]:
+    """The run's engines cleared for it; what to say of what was done."""
+    # tasks still on its engines: a killed kernel's ranks are ended, anyone's work waited
+    # for (or PoolBusyError), before this run sends them anything (pool/orphans.py)
+    found = orphans.settle(pool, pool.engine_ids[:engines], previous=previous, if_busy=if_busy)
+    # what an earlier cell changed of the engines' processes is put back (pool/clean_slate.py)
+    return found + clean_slate.start_clean(pool, engines)
 
 
 def _check_offload(config: TrainConfig, pool: cluster.EnginePool | None) -> None:

@@ -2,8 +2,8 @@
 which rank's error to show.
 
 Everything the notebook does to engines when a run goes wrong (interrupt, kill, replace) is
-aimed at the engines of these tasks, by rank: run/training_run.py decides when, this module says
-which.
+aimed at the engines of these tasks, by rank: run/training_run.py decides when,
+run/containment.py how, and this module says which.
 """
 
 from __future__ import annotations

@@ -12,7 +12,6 @@ transformers model).
 
 from __future__ import annotations
 
-import random
 import sys
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, nullcontext
@@ -24,6 +23,7 @@ import torch
 from torch import nn
 
 from sagenb.config.job import Job, JobError
+from sagenb.engine.data.collation import RandomStateKept
 from sagenb.engine.model.delayed import meta_parameters
 from sagenb.engine.workspace import seed_everything
 
@@ -51,7 +51,7 @@ class CellModel:
         (sagenb's checks of the job and its first batch are skipped). The kernel's own random
         state is left as it was.
         """
-        with _random_state_kept(), _one_rank():
+        with RandomStateKept(), _one_rank():
             seed_everything(self.seed)
             with meta_parameters() if self.delay_init else nullcontext():
                 ns = self.job.namespace()
@@ -224,22 +224,3 @@ def _allocate(model: nn.Module) -> None:
             fresh[id(p)] = nn.Parameter(torch.empty_like(p, device="cpu"), p.requires_grad)
         owner, _, leaf = name.rpartition(".")
         setattr(model.get_submodule(owner), leaf, fresh[id(p)])
-
-
-@contextmanager
-def _random_state_kept() -> Iterator[None]:
-    """The kernel's torch (CPU), Python and numpy random states, restored after the block."""
-    python = random.getstate()
-    try:
-        import numpy as np  # seed_everything seeds it too, when it is installed
-
-        numpy_state = np.random.get_state()
-    except ImportError:
-        numpy_state = None
-    try:
-        with torch.random.fork_rng(devices=[]):
-            yield
-    finally:
-        random.setstate(python)
-        if numpy_state is not None:
-            np.random.set_state(numpy_state)

@@ -2,9 +2,10 @@
 
 `TrainingRun` submits a task per rank (`run_rank`, engine/entry.py), streams the ranks' metrics
 to the sinks (history, dashboard, event files), and collects the merged parameters. When a rank
-fails, stalls, the pool dies or the kernel is interrupted, it ends every rank within seconds
-(replacing the engines it had to kill) and raises what happened, naming the rank
-(run/failures.py, run/tasks.py). `train()` (run/session.py) makes one after its checks.
+fails, stalls, the pool dies or the kernel is interrupted, its `Containment`
+(run/containment.py) ends every rank within seconds (replacing the engines it had to kill) and
+raises what happened, naming the rank (run/failures.py, run/tasks.py): this module says when,
+that one how. `train()` (run/session.py) makes one after its checks.
 """
 
 from __future__ import annotations
@@ -19,27 +20,19 @@ from typing import Any
 
 from torch.distributed import TCPStore
 
-from sagenb.config.job import Job, JobError
+from sagenb.config.job import Job
 from sagenb.config.options import TrainConfig
 from sagenb.display import event_log
 from sagenb.engine.entry import RankResult, RankSpec, merge_states, run_rank
 from sagenb.engine.model.equivalence import EquivalenceWarning
-from sagenb.engine.wire import stopping
 from sagenb.engine.wire.rendezvous import bound_store, host_for_run
 from sagenb.metrics import keys
 from sagenb.metrics.result import TrainResult
 from sagenb.metrics.stream import History, MetricSink, RankStream
 from sagenb.pool import cluster, occupancy
-from sagenb.run import stacks
 from sagenb.run.checkpoints import resume_warnings
-from sagenb.run.failures import (
-    DEAD_ENGINE,
-    PoolDiedError,
-    StalledError,
-    TrainingError,
-    TrainingInterrupted,
-    classify,
-)
+from sagenb.run.containment import Containment
+from sagenb.run.failures import PoolDiedError, TrainingError, TrainingInterrupted
 from sagenb.run.interrupts import InterruptLatch
 from sagenb.run.output import RankOutput
 from sagenb.run.tasks import RankTasks
@@ -50,12 +43,8 @@ from sagenb.sizing.projection import Projection
 __all__ = ["TrainingRun", "POLL_S"]
 
 POLL_S = 0.05  # metric polling period; the dashboard throttles its own redraws
-SETTLE_S = 1.0  # after a failure, how long the other ranks get to end on their own
-RELEASE_S = 5.0  # how long ranks get to end after the engines blocking them are killed
 CONTROLLER_CHECK_S = 1.0  # how often a run checks that the pool's controller still runs
 OUTPUT_S = 10.0  # how long to wait for the last published metrics after a rank returns
-STOP_S = 4.0  # after an interrupt, how long ranks get to stop at a step boundary
-INTERRUPTED_S = 2.0  # how long the ranks of a stalled run get to end once interrupted
 #: what the engines say that is no equivalence warning: --resume's notes, the optimizer's mapping
 NOTICES = ("--resume:", "make_optimizer's")
 LAST_OUTPUT_S = 2.0  # after a failure, how long the ended ranks' last metrics get to arrive
@@ -146,6 +135,16 @@ class TrainingRun:
         self.tasks = RankTasks(self.ars, self.ids)
         # whether each task has started or waits behind another client's (pool/occupancy.py)
         self.starts = occupancy.Starts(self.pool, self.ids, [ar.msg_ids[0] for ar in self.ars])
+        self.containment = Containment(
+            self.pool,
+            self.tasks,
+            self.starts,
+            ids=self.ids,
+            store=self.store,
+            token=self.token,
+            on_failure=self.on_failure,
+            mark_end=self._mark_end,
+        )
         self.streams = [RankStream(r, ar) for r, ar in enumerate(self.ars)]
         self.output = RankOutput(self.ars[0])  # rank 0's prints, logs, warnings, bars: once
         try:
@@ -153,6 +152,7 @@ class TrainingRun:
         finally:
             # the store's port closes now, not when the traceback that holds this run goes
             del self.store
+            self.containment.close()
 
     def _run(self) -> TrainResult:
         with self.interrupts:
@@ -169,9 +169,9 @@ class TrainingRun:
         except BaseException as err:
             # one place ends a run: whatever failed here (a sink, the dashboard, the cost
             # meter), no rank trains on into the next run's time (a pool that died or was
-            # stopped has no rank left to stop: _pool_died saw to them)
+            # stopped has no rank left to stop: Containment.pool_died saw to them)
             if not isinstance(err, PoolDiedError):
-                self._stop_ranks()
+                self.containment.stop_ranks()
             self._last_metrics()
             self._close_sinks(status="failed")
             _attach(err, self._failed())
@@ -285,7 +285,7 @@ class TrainingRun:
             if time.monotonic() - checked > CONTROLLER_CHECK_S:
                 checked = time.monotonic()
                 if not self.pool.controller_alive():
-                    self._pool_died()
+                    self.containment.pool_died()
             if any(d and not ar.successful() for d, ar in zip(done, self.ars)):
                 self._fail()
             if all(done):
@@ -302,20 +302,12 @@ class TrainingRun:
     def _queued(self) -> None:
         """A rank whose task waits behind another client's task on its engine has not
         started: the stall clock (--timeout) does not run until every rank's has, and that
-        engine is never signalled (`_ours`). What the run waited for is warned once."""
+        engine is never signalled (`Containment.ours`). What the run waited for is warned once."""
         if self.starts.waiting():
             self.last_progress = time.monotonic()
         elif self.starts.waited is not None and self.starts.waited not in self.warnings:
             self.warnings.append(self.starts.waited)
             warnings.warn_explicit(self.starts.waited, RuntimeWarning, "sagenb", 0, module="sagenb")
-
-    def _ours(self) -> list[int]:
-        """The engines of the running ranks that run this run's own task: the only ones to
-        signal. A rank still waiting behind another client's task is aborted instead."""
-        running = self.tasks.running()
-        ours = self.starts.signalable(list(running.values()))
-        self.tasks.aborted.update(r for r, eid in running.items() if eid not in ours)
-        return ours
 
     def _drain(self) -> None:
         self.output.drain()
@@ -353,7 +345,7 @@ class TrainingRun:
         what = f"the loss of step {rec.step} on rank {rec.rank} is {loss}"
         if self.config.stop_on_nonfinite:
             self.stop_reason = f"{what} (--stop-on-nonfinite)"
-            stopping.request(self.store, self.token)
+            self.containment.request_stop()
             note = f"{what}: the run stops after this step (--stop-on-nonfinite)"
         else:
             note = f"{what}: training goes on; --stop-on-nonfinite ends the run at the first one"
@@ -375,57 +367,16 @@ class TrainingRun:
                 )
         return results
 
-    # -- when things go wrong --------------------------------------------------------------
-    def _contain(self) -> None:
-        """Every rank ends within seconds. The engines that died or were killed are replaced
-        when the pool is next used (`train` heals it first), not here: the error reaches the
-        cell now, not after a new engine has started (5-20 s on a busy 2-core machine)."""
-        self._mark_end()  # repairing the pool is not part of the run's time or cost
-        if not self.pool.controller_alive():
-            self._pool_died()
-        tasks = self.tasks
-        self._ours()  # a rank still queued behind another client's task: aborted, not awaited
-        if not tasks.wait_all(SETTLE_S):
-            # Some rank is still running: blocked in a collective with a failed rank whose
-            # connections stayed open, or busy in user code. Kill the failed ranks' engines
-            # (a process's death closes its connections), then any rank that still runs.
-            self.pool.kill(tasks.ended_engines())
-            if not tasks.wait_all(RELEASE_S):
-                self.pool.kill(self._ours())
-                tasks.wait_all(RELEASE_S)
-        # dead engines, and those whose rendezvous failed (engine/entry.py's _join says why)
-        self.pool.kill(tasks.to_replace())  # waits until the controller has dropped them
+    # -- when things go wrong (run/containment.py ends the ranks) ----------------------
+    def _fail(self) -> None:
+        self.containment.fail(drain=self._drain, memory=self.history.memory)
 
-    def _stop_ranks(self) -> None:
-        """Stop every rank still running: at a step boundary if they stop within STOP_S,
-        else interrupted and contained (engines replaced where they had to be killed)."""
-        if self.tasks.all_ready():
-            return
-        try:
-            stopping.request(self.store, self.token)
-        except Exception:  # noqa: BLE001 - the store may be what failed; contain regardless
-            pass
-        if not self.tasks.wait_all(STOP_S):
-            self.pool.interrupt(self._ours())
-            self._contain()
-
-    def _pool_died(self) -> None:
-        """The controller is gone, so no rank can report or be told anything: stop the run's
-        engines by pid, close the pool (the next run starts a new one) and say so. A pool
-        stopped under the run (`%smp_cluster stop` or `restart` from another thread) is being
-        ended by whoever stopped it: its engines are theirs to end, not signalled by pids
-        that a restarted pool's engines may have taken."""
-        self._notice("controller died")  # stopped with its pool, or died on its own
-        self._mark_end()
-        if self.pool.stopped:
-            raise PoolDiedError(
-                "the engine pool was stopped or restarted while the run trained (%smp_cluster "
-                "stop or restart, or sagenb.pool.cluster.stop_pool/restart_pool from another "
-                "thread), so the run cannot go on: its engines are gone with the pool. Run the "
-                "cell again: it trains on the running pool, or starts a new one."
-            )
-        self.pool.check_alive()  # kills the run's engines by pid, closes the pool, raises
-        raise PoolDiedError("the engine pool's controller came back after it had died")
+    def _stall(self) -> None:
+        self.containment.stall(
+            steps=self.history.last_steps(),
+            timeout=self.config.timeout,
+            source=self.job.source or "",  # a callable job has no cell source to point into
+        )
 
     def _last_metrics(self) -> None:
         """The run failed: what every rank finished reaches the sinks before they close.
@@ -449,95 +400,22 @@ class TrainingRun:
                 f"{settled[-1]} were lost with its engine: those steps show the other ranks'"
             )
 
-    def _fail(self) -> None:
-        self._notice("rank failed")
-        self._contain()
-        self._drain()
-        first, ename, evalue = self.tasks.first_failure()
-        if ename == "JobError":
-            raise JobError(self.tasks.job_error(evalue))
-        raise classify(
-            ename,
-            evalue,
-            rank=first,
-            engine_id=self.ids[first],
-            memory=self.history.memory(first),
-            death=self._crash_report(first) if ename in DEAD_ENGINE else "",
-            host=self._host(first),
-        )
-
-    def _host(self, rank: int) -> str:
-        """Where the rank's engine runs, 'host-b (10.0.0.3)', on a pool that spans hosts."""
-        if not self.pool.multi_host:
-            return ""
-        name, address = self.pool.places.get(self.ids[rank], ("", ""))
-        return f"{name} ({address})" if name and address and name != address else name or address
-
-    def _crash_report(self, rank: int) -> str:
-        """The dead engine's report of the fatal signal that ended it, read on this host."""
-        if self.pool.multi_host:
-            return ""
-        return stacks.crash_report(self.pool.pids.get(self.ids[rank]))
-
-    def _stall(self) -> None:
-        """Read where every running rank is (engine/wire/tracing.py, stacks.py), then
-        interrupt them: a rank in a Python loop or a sleep ends at once and releases its
-        peers, so the engines stay and the pool needs no repair (engines are killed and
-        replaced only when they do not end, as after any failure)."""
-        self._notice("stalled")
-        self._ours()  # only ranks running their own task are read and stopped
-        running = self.tasks.running()
-        traces = stacks.collect(self.pool, self.store, running)
-        steps = self.history.last_steps()
-        stuck, waiting = stacks.culprits(traces, steps)
-        self.pool.interrupt(list(running.values()))
-        if not self.tasks.wait_all(INTERRUPTED_S):
-            # blocked in C++ (a deadlock of collectives), where no interrupt reaches Python:
-            # kill now, as _contain would only after its own waits, to stay near --timeout
-            self.pool.kill(self._ours())
-        self._contain()
-        replaced = [r for r, eid in running.items() if eid not in self.pool.client.ids]
-        what = "their engines replaced" if replaced else "their engines kept"
-        source = self.job.source or ""  # a callable job has no cell source to point into
-        raise StalledError(
-            stuck[0],
-            self.ids[stuck[0]],
-            f"no rank reported progress for {self.config.timeout:.0f} s (--timeout): "
-            f"{stacks.summary(traces, stuck, waiting, steps)}. Last step reported per rank: "
-            f"{steps}. The running ranks were stopped and {what}. Raise --timeout if a step "
-            f"really takes this long.\n{stacks.describe(traces, stuck, self.ids, source)}",
-            stuck_ranks=stuck,
-            waiting_ranks=waiting,
-            stacks={r: t.stack(source) for r, t in traces.items()},
-            collectives={r: t.collective() for r, t in traces.items()},
-        )
-
     def _interrupted(self) -> TrainResult:
         """Ask every rank to stop after the same step (engine/wire/stopping.py);
-        if they have not within STOP_S, interrupt and contain them. Return what was done."""
-        self._notice("interrupted")
+        if they have not within seconds, interrupt and contain them. Return what was done."""
+        self.containment.notice("interrupted")
         results = None
         try:
-            stopping.request(self.store, self.token)
-            if self.tasks.wait_all(STOP_S) and not self.tasks.failed():
+            self.containment.request_stop()
+            if self.containment.stopped_in_time() and not self.tasks.failed():
                 results = self._collect()
         except KeyboardInterrupt:  # a second interrupt: stop at once
             pass
         if results is None:
-            self.pool.interrupt(self._ours())
-            self._contain()
+            self.containment.interrupt_and_contain()
             self._last_metrics()
         self._close_sinks(status="interrupted")
         return self._result(results, status="interrupted")
-
-    def _notice(self, kind: str) -> None:
-        """Tell `on_failure` (train's hook) that the notebook noticed a failure of `kind`."""
-        if self.on_failure is not None:
-            try:
-                self.on_failure(kind)
-            except Exception as err:  # noqa: BLE001 - a hook never keeps the ranks running
-                note = f"on_failure raised {err!r}; the run is stopped regardless"
-                warnings.warn_explicit(note, RuntimeWarning, "sagenb", 0, module="sagenb")
 
     def _mark_end(self) -> None:
         if self.ended is None:

@@ -164,46 +164,8 @@ def figure(points: Sequence[LabPoint], *, where: str = "this machine's CPU") -> 
     for col, p in enumerate(ps, start=1):
         for schedule in SCHEDULES:
             mine = [pt for pt in points if (pt.partitions, pt.schedule) == (p, schedule)]
-            if not mine:
-                continue
-            colour = COLOURS[schedule]
-            ran = sorted(mine, key=lambda pt: pt.microbatches)
-            x = [str(pt.microbatches) for pt in ran]
-            fig.add_trace(
-                go.Scatter(
-                    x=x,
-                    y=[pt.formula for pt in ran],
-                    mode="lines",
-                    line={"color": colour, "dash": "dot"},
-                    name=f"{schedule}: formula",
-                    showlegend=False,
-                ),
-                1,
-                col,
-            )
-            fig.add_trace(
-                go.Scatter(
-                    x=x,
-                    y=[pt.idle_share for pt in ran],
-                    mode="lines+markers",
-                    line={"color": colour},
-                    name=schedule,
-                    showlegend=col == 1,
-                ),
-                1,
-                col,
-            )
-            fig.add_trace(
-                go.Scatter(
-                    x=x,
-                    y=[pt.activations.get(0) for pt in ran],
-                    mode="lines+markers",
-                    line={"color": colour},
-                    showlegend=False,
-                ),
-                2,
-                col,
-            )
+            if mine:
+                _add_schedule(fig, col, schedule, sorted(mine, key=lambda pt: pt.microbatches))
         fig.update_yaxes(title_text="idle / span", rangemode="tozero", row=1, col=col)
         fig.update_yaxes(title_text="MiB", rangemode="tozero", row=2, col=col)
         fig.update_xaxes(categoryorder="array", categoryarray=ms, row=1, col=col)
@@ -215,3 +177,20 @@ def figure(points: Sequence[LabPoint], *, where: str = "this machine's CPU") -> 
         margin={"t": 90},
     )
     return fig
+
+
+def _add_schedule(fig: LabFigure, col: int, schedule: str, ran: Sequence[LabPoint]) -> None:
+    """One schedule's three lines in column `col`: its formula (dotted) and measured idle
+    share on top, rank 0's peak saved activations below; in the legend once (column 1)."""
+    colour = COLOURS[schedule]
+    x = [str(pt.microbatches) for pt in ran]
+    lines: tuple[tuple[int, list[Any], str, dict[str, str], str | None, bool], ...] = (
+        (1, [pt.formula for pt in ran], "lines", {"dash": "dot"}, f"{schedule}: formula", False),
+        (1, [pt.idle_share for pt in ran], "lines+markers", {}, schedule, col == 1),
+        (2, [pt.activations.get(0) for pt in ran], "lines+markers", {}, None, False),
+    )
+    for row, y, mode, dash, name, legend in lines:
+        trace = go.Scatter(
+            x=x, y=y, mode=mode, line={"color": colour, **dash}, name=name, showlegend=legend
+        )
+        fig.add_trace(trace, row, col)

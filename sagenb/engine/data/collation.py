@@ -33,6 +33,7 @@ from sagenb.config.job import JobError
 
 __all__ = [
     "Collate",
+    "RandomStateKept",
     "collate",
     "collate_samples",
     "as_batch",
@@ -111,14 +112,16 @@ def _key(where: str, key: Any) -> str:
     return str(key) if where == "batch" else f"{where}[{key!r}]"
 
 
-class _RandomStateKept:
-    """Collations made only to check the batch leave torch's, Python's and numpy's RNG as
-    they were: a collator that draws (masked-LM masking) would otherwise shift the training's
-    stream. `drew` says, after the block, whether it drew from any of them."""
+class RandomStateKept:
+    """torch's (CPU), Python's and numpy's RNG states, restored after the block: collations
+    made only to check the batch leave them as they were (a collator that draws, masked-LM
+    masking, would otherwise shift the training's stream), and so does the kernel's own build
+    of a trained model (run/trained.py). `drew` says, after the block, whether it drew from
+    any of them."""
 
     drew = False
 
-    def __enter__(self) -> _RandomStateKept:
+    def __enter__(self) -> RandomStateKept:
         self.states = _random_states()
         return self
 
@@ -172,7 +175,7 @@ def example_batch(dataset: Any, collate_fn: Collate, size: int) -> tuple[Any, bo
     indices = list(range(size))
     samples = [dataset[i] for i in indices]
     try:
-        with _RandomStateKept() as kept:
+        with RandomStateKept() as kept:
             batch = as_batch(collate_fn(samples))
     except Exception as exc:
         raise JobError(
@@ -227,7 +230,7 @@ def require_one_length(
     that pads to the longest sample of its batch shows here whenever those samples differ in
     length; one that slips past (its first samples all of one length) is refused at the first
     step that differs."""
-    with _RandomStateKept():
+    with RandomStateKept():
         for i in range(probes):
             batch = collate(dataset, torch.tensor([i]), collate_fn)
             require_shapes(expected, batch, strategy=strategy, what=f"{name}[{i}], collated alone,")

@@ -57,7 +57,7 @@ def parameter_names(model: nn.Module, *, most: int = 8) -> str:
     shown = []
     for p in _parameters(model):
         star = "*" if p.kind == p.VAR_POSITIONAL else "**" if p.kind == p.VAR_KEYWORD else ""
-        default = "" if p.default is inspect._empty else f"={p.default!r}"
+        default = "" if p.default is inspect.Parameter.empty else f"={p.default!r}"
         shown.append(f"{star}{p.name}{default if len(default) <= 12 else '=...'}")
     return f"({', '.join(shown[:most] + (['...'] if len(shown) > most else []))})"
 
@@ -78,9 +78,8 @@ def target_key(model: nn.Module, keys: list[str]) -> tuple[str | None, str]:
     params = _parameters(model)
     named = {p.name: p for p in params if p.kind != inspect.Parameter.VAR_KEYWORD}
     first = params[0].name if params else None
-    optional = [
-        k for k in keys if k in named and k != first and named[k].default is not inspect._empty
-    ]
+    empty = inspect.Parameter.empty
+    optional = [k for k in keys if k in named and k != first and named[k].default is not empty]
     if len(optional) == 1 and LABELS not in named:
         return optional[0], ""
     forward = f"{type(model).__name__}.forward{parameter_names(model)}"

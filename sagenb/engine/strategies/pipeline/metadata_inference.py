@@ -8,7 +8,7 @@ reaching the model's state or from raising.
 
 from __future__ import annotations
 
-import sys
+import inspect
 from types import FrameType
 from typing import Any
 
@@ -20,7 +20,7 @@ __all__ = ["keep_buffers_through_inference", "zero_indices_through_inference"]
 
 def _inferring() -> bool:
     """Whether this forward runs inside PipelineStage's metadata inference (below)."""
-    frame: FrameType | None = sys._getframe(2)
+    frame: FrameType | None = inspect.currentframe()  # this one and its callers: none is it
     while frame is not None:
         if frame.f_code.co_name == "_forward_metadata_inference":
             return True

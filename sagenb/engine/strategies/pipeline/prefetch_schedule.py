@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from typing import Any
 
@@ -124,7 +124,6 @@ class PrefetchingSchedule(PipelineScheduleSingle):
         the receives posted ahead and the sends on the sending thread)."""
         args, kwargs = begin_step(self, arg_mbs, kwarg_mbs, target_mbs, losses, loss_kwargs)
         stage = self.stage
-        sends_forward, sends_backward = not stage.is_last, not stage.is_first
         received: dict[tuple[str, int], list[dist.Work]] = {}
         backwards = 0
         try:
@@ -134,26 +133,17 @@ class PrefetchingSchedule(PipelineScheduleSingle):
                 elif op == RECV_B:
                     received[B, i] = _receive(stage.get_bwd_recv_ops(i))
                 elif op == F:
-                    for work in received.pop((F, i), ()):
-                        work.wait()
+                    _wait_all(received.pop((F, i), ()))
                     output = stage.forward_one_chunk(
                         i, args[i], kwargs[i], save_forward_output=return_outputs
                     )
-                    if sends_forward:
+                    if not stage.is_last:
                         self._posted.append(_post(stage.get_fwd_send_ops(i)))
                     compute_loss(self, stage, output, target_mbs, i, loss_kwargs)
                 else:
-                    for work in received.pop((B, i), ()):
-                        work.wait()
+                    _wait_all(received.pop((B, i), ()))
                     backwards += 1
-                    stage.backward_one_chunk(
-                        i,
-                        loss=loss_of(self, stage, i),
-                        full_backward=True,
-                        last_backward=backwards == self.microbatches,
-                    )
-                    if sends_backward:
-                        self._posted.append(_post(stage.get_bwd_send_ops(i)))
+                    self._backward(i, last=backwards == self.microbatches)
             stage.perform_reduce_grad(1)  # the loss is scaled already (scale_grads=False)
         except BaseException:
             self._posted = []  # a failed step: nothing to wait for (torch's schedules wait on none)
@@ -163,6 +153,22 @@ class PrefetchingSchedule(PipelineScheduleSingle):
             for work in done.result():
                 work.wait()
         end_step(self, stage, losses)
+
+    def _backward(self, i: int, *, last: bool) -> None:
+        """Microbatch `i`'s backward (`last`: the step's last, where torch's stage finishes its
+        gradients), its input's gradient handed to the sending thread."""
+        stage = self.stage
+        stage.backward_one_chunk(
+            i, loss=loss_of(self, stage, i), full_backward=True, last_backward=last
+        )
+        if not stage.is_first:
+            self._posted.append(_post(stage.get_bwd_send_ops(i)))
+
+
+def _wait_all(received: Iterable[dist.Work]) -> None:
+    """A microbatch's receives, posted ahead, complete before it is computed (gloo)."""
+    for work in received:
+        work.wait()
 
 
 def _receive(ops: list[dist.P2POp]) -> list[dist.Work]:

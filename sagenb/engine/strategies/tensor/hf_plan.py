@@ -1,6 +1,6 @@
 """The tensor-parallel plan a transformers model ships, for the model or a wrapper holding it.
 
-transformers models carry their own plan (`model._tp_plan`, built in post_init from the
+transformers models carry their own plan (`model.tp_plan`, built in post_init from the
 class's and `config.base_model_tp_plan`; e.g. Llama's splits q/k/v/gate/up column-wise and
 o/down row-wise, https://huggingface.co/docs/transformers/perf_infer_gpu_multi). The cell's
 model may be such a PreTrainedModel or hold one as a submodule (`self.llm`): every outermost
@@ -25,6 +25,7 @@ from typing import Any
 from torch import nn
 
 from sagenb.config.job import JobError
+from sagenb.engine.torch_private import shipped_tp_plan
 
 __all__ = ["shipped_plans"]
 
@@ -55,7 +56,7 @@ def shipped_plans(model: nn.Module, tp: int) -> tuple[dict[str, str], set[str]]:
 
 
 def _plan_of(model: nn.Module) -> dict[str, str]:
-    own = dict(getattr(model, "_tp_plan", None) or {})
+    own = dict(shipped_tp_plan(model) or {})
     if own:
         return own
     base = dict(getattr(model.config, "base_model_tp_plan", None) or {})
