@@ -24,7 +24,6 @@ from sagenb.config import cell_module
 from sagenb.config.errors import ConfigError
 from sagenb.config.job import Job, JobError
 from sagenb.engine import clean_slate, edited_modules
-from sagenb.engine.data.stream import readable
 from sagenb.engine.loop import train_loop
 from sagenb.engine.memory import check_offload
 from sagenb.engine.model.equivalence import EquivalenceWarning, equivalence_warnings
@@ -210,10 +209,8 @@ def _train_rank(spec: RankSpec, publish: Publisher) -> RankResult:
 
 
 def _summed(ws: Workspace) -> list[str]:
-    """A loss_fn that sums over the batch, told from the first two samples (objective.py)."""
-    if readable(ws.dataset, 2) < 2:
-        return []
-    note = summed_note(ws.objective, ws.model, [ws.dataset[0], ws.dataset[1]])
+    """A loss_fn that sums over the batch, read from the loss_fn (objective.py)."""
+    note = summed_note(ws.loss_fn)
     return [note] if note else []
 
 

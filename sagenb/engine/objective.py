@@ -31,7 +31,10 @@ late 2024 (transformers issue #34242): averaging per-slice means over-weights sh
 
 from __future__ import annotations
 
+import ast
+import functools
 import inspect
+import textwrap
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -41,7 +44,6 @@ from torch import nn
 
 from sagenb.config.job import JobError
 from sagenb.engine.data.collation import Collate
-from sagenb.engine.data.order import collated
 from sagenb.engine.model import own_loss
 from sagenb.engine.model.own_loss import IGNORE_INDEX, LABELS
 
@@ -182,45 +184,39 @@ def _own_targets(model: nn.Module, first: Any, *, collated: bool) -> str:
     )
 
 
-@torch.no_grad()
-def summed_note(objective: Objective, model: nn.Module, pair: list[Any]) -> str | None:
+def summed_note(loss_fn: Any) -> str | None:
     """What to say when the cell's loss_fn sums over the batch rather than averaging: every
     strategy weights a piece's loss as a mean of the targets it counts, so a sum trained
-    another model than one process (0.0099 apart after SGD steps on 2 engines). Told from
-    `pair` (the first two samples): in eval mode a sample's output does not depend on the
-    others, so a mean over both is the mean of each's loss, and a sum their sum."""
-    if objective.loss_fn is None or len(pair) < 2 or any(p.is_meta for p in model.parameters()):
+    another model than one process (0.0099 apart after SGD steps on 2 engines). Read from
+    the loss_fn itself, never by calling it (a cell's loss_fn may count its calls, print,
+    or take part in a collective): a torch loss module's `reduction`, a partial's keyword, or
+    a `reduction="sum"` in its own code."""
+    if loss_fn is None or not _sums(loss_fn):
         return None
-    modes = {m: m.training for m in model.modules()}  # as the cell left each, put back
-    model.eval()
+    return (
+        "loss_fn sums over the batch (reduction='sum'): sagenb weights each engine's, "
+        "slice's and microbatch's loss as a mean over the targets it counts, as one "
+        "process's mean over the global batch, so a summed loss trains another model "
+        "than one process; return the mean (reduction='mean', torch's default) and scale "
+        "the learning rate instead"
+    )
+
+
+def _sums(loss_fn: Any) -> bool:
+    if isinstance(loss_fn, nn.Module):  # nn.MSELoss(reduction="sum") and the like
+        return getattr(loss_fn, "reduction", None) == "sum"
+    if isinstance(loss_fn, functools.partial):
+        return loss_fn.keywords.get("reduction") == "sum" or _sums(loss_fn.func)
     try:
-        with torch.random.fork_rng(devices=[]):
-            both, *each = (_piece_value(objective, model, part) for part in (pair, *pair))
-    except Exception:  # noqa: BLE001 - a check only: the first step says what fails
-        return None
-    finally:
-        for module, training in modes.items():
-            module.training = training
-    values = [v for v in each if v is not None]
-    if both is None or len(values) != 2 or abs(sum(values)) < 1e-6:
-        return None
-    mean, total = sum(values) / 2, sum(values)
-    if abs(both - total) < 1e-4 * abs(total) and abs(both - mean) > 1e-3 * abs(mean):
-        return (
-            "loss_fn sums over the batch (reduction='sum'): sagenb weights each engine's, "
-            "slice's and microbatch's loss as a mean over the targets it counts, as one "
-            "process's mean over the global batch, so a summed loss trains another model "
-            "than one process; return the mean (reduction='mean', torch's default) and scale "
-            "the learning rate instead"
-        )
-    return None
-
-
-def _piece_value(objective: Objective, model: nn.Module, samples: Any) -> float | None:
-    batch = collated(samples if isinstance(samples, list) else [samples], objective.collate_fn)
-    args, kwargs, target = objective.split(batch)
-    loss = objective.loss(model(*args, **kwargs), target)
-    return float(loss) if isinstance(loss, torch.Tensor) and loss.numel() == 1 else None
+        tree = ast.parse(textwrap.dedent(inspect.getsource(loss_fn)))
+    except (OSError, TypeError, SyntaxError):  # a builtin, or source nobody kept
+        return False
+    return any(
+        k.arg == "reduction" and isinstance(k.value, ast.Constant) and k.value.value == "sum"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        for k in node.keywords
+    )
 
 
 def _scalar(loss: Any) -> Any:
