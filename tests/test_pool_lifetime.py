@@ -267,3 +267,56 @@ def test_a_pool_restarted_under_a_run_ends_it_with_a_clear_error(pool, tmp_path)
     assert cluster.current_pool() is not pool and cluster.current_pool().size == 2
     result = sagenb.train(REGRESSION_CELL, batch_size=32, steps=2, dashboard=False)
     assert len(result.history) == 2
+
+
+#: makes one shared-memory segment as an engine's rank 0 does (shared_memory._create), says
+#: its path, and exits without unlinking it when its stdin closes: an engine that died between
+#: creating its segment and unlinking it
+SEGMENT_MAKER = (
+    "import sys; from sagenb.engine.wire import shared_memory; "
+    "print(shared_memory._create(1 << 24), flush=True); sys.stdin.read()"
+)
+
+
+def _segment_of_a_process() -> tuple[subprocess.Popen[str], str]:
+    maker = subprocess.Popen(
+        [sys.executable, "-c", SEGMENT_MAKER],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert maker.stdout is not None
+    return maker, maker.stdout.readline().strip()
+
+
+def test_a_dead_engines_shared_memory_is_removed_at_the_next_run_and_at_stop(pool):
+    """A segment whose creator died before unlinking it (16 MiB of /dev/shm for good) is
+    removed when the next run starts, and when the pool stops; one whose creator runs is
+    left, at both."""
+    import sagenb
+    from sagenb.engine.wire import shared_memory
+    from sagenb.pool import cluster
+
+    from .conftest import REGRESSION_CELL
+
+    first, dead_at_run = _segment_of_a_process()
+    second, dead_at_stop = _segment_of_a_process()
+    mine = shared_memory._create(1 << 16)  # this process's: it runs throughout
+    assert dead_at_run and dead_at_stop and mine, "/dev/shm takes a segment"
+    try:
+        first.communicate(timeout=30)  # its creator is gone, its segment left
+        assert os.path.exists(dead_at_run)
+        sagenb.train(REGRESSION_CELL, batch_size=32, steps=1, dashboard=False)
+        assert not os.path.exists(dead_at_run), "the run left a dead engine's segment"
+        assert os.path.exists(dead_at_stop) and os.path.exists(mine), "a live one's was removed"
+        second.communicate(timeout=30)
+        cluster.stop_pool()
+        assert not os.path.exists(dead_at_stop), "stop_pool left a dead engine's segment"
+        assert os.path.exists(mine), "stop_pool removed a live process's segment"
+    finally:
+        for maker in (first, second):
+            maker.kill()
+            maker.wait(10)
+        for path in (dead_at_run, dead_at_stop, mine):
+            if path and os.path.exists(path):
+                os.unlink(path)
