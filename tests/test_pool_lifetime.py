@@ -4,6 +4,7 @@ or nanny process, and no port they listened on, left. Real processes, real signa
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -267,3 +268,148 @@ def test_a_pool_restarted_under_a_run_ends_it_with_a_clear_error(pool, tmp_path)
     assert cluster.current_pool() is not pool and cluster.current_pool().size == 2
     result = sagenb.train(REGRESSION_CELL, batch_size=32, steps=2, dashboard=False)
     assert len(result.history) == 2
+
+
+#: makes one shared-memory segment as an engine's rank 0 does (shared_memory._create), says
+#: its path, and exits without unlinking it when its stdin closes: an engine that died between
+#: creating its segment and unlinking it
+SEGMENT_MAKER = (
+    "import sys; from sagenb.engine.wire import shared_memory; "
+    "print(shared_memory._create(1 << 24), flush=True); sys.stdin.read()"
+)
+
+
+def _segment_of_a_process() -> tuple[subprocess.Popen[str], str]:
+    maker = subprocess.Popen(
+        [sys.executable, "-c", SEGMENT_MAKER],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert maker.stdout is not None
+    return maker, maker.stdout.readline().strip()
+
+
+def test_a_dead_engines_shared_memory_is_removed_at_the_next_run_and_at_stop(pool):
+    """A segment whose creator died before unlinking it (16 MiB of /dev/shm for good) is
+    removed when the next run starts, and when the pool stops; one whose creator runs is
+    left, at both."""
+    import sagenb
+    from sagenb.engine.wire import shared_memory
+    from sagenb.pool import cluster
+
+    from .conftest import REGRESSION_CELL
+
+    first, dead_at_run = _segment_of_a_process()
+    second, dead_at_stop = _segment_of_a_process()
+    mine = shared_memory._create(1 << 16)  # this process's: it runs throughout
+    assert dead_at_run and dead_at_stop and mine, "/dev/shm takes a segment"
+    try:
+        first.communicate(timeout=30)  # its creator is gone, its segment left
+        assert os.path.exists(dead_at_run)
+        sagenb.train(REGRESSION_CELL, batch_size=32, steps=1, dashboard=False)
+        assert not os.path.exists(dead_at_run), "the run left a dead engine's segment"
+        assert os.path.exists(dead_at_stop) and os.path.exists(mine), "a live one's was removed"
+        second.communicate(timeout=30)
+        cluster.stop_pool()
+        assert not os.path.exists(dead_at_stop), "stop_pool left a dead engine's segment"
+        assert os.path.exists(mine), "stop_pool removed a live process's segment"
+    finally:
+        for maker in (first, second):
+            maker.kill()
+            maker.wait(10)
+        for path in (dead_at_run, dead_at_stop, mine):
+            if path and os.path.exists(path):
+                os.unlink(path)
+
+
+#: a kernel that starts a run's projection (sizing/projection.py) of the cell on its stdin,
+#: then waits to be killed
+PROJECTING_KERNEL = """
+import sys, time
+from sagenb.config.job import Job
+from sagenb.config.options import TrainConfig
+from sagenb.sizing.projection import Projection
+
+config = TrainConfig(batch_size=16, steps=1, instance="ml.g5.xlarge").with_engines(2)
+projection = Projection.start(Job.of(sys.stdin.read()), config)
+print(projection._child.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def _cell_that_starts_processes(folder) -> str:
+    """A cell that starts a child in a session of its own and a plain one, writes their pids
+    to folder/pids, then runs on for a minute (the projection is mid-cell)."""
+    from .conftest import REGRESSION_CELL
+
+    return REGRESSION_CELL + (
+        "import os, subprocess, time\n"
+        "own = subprocess.Popen(['sleep', '600'], start_new_session=True)\n"
+        "plain = subprocess.Popen(['sleep', '600'])\n"
+        f"open({str(folder)!r} + '/pids', 'w').write(f'{{own.pid}} {{plain.pid}}')\n"
+        "time.sleep(60)\n"
+    )
+
+
+def _started_by_the_cell(folder, timeout: float = 120) -> list[int]:
+    pids = folder / "pids"
+    deadline = time.monotonic() + timeout
+    while (not pids.exists() or not pids.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return [int(pid) for pid in pids.read_text().split()]
+
+
+def _kill_leftovers(pids: list[int]) -> None:
+    """What a failure left: only the test's own, by command line."""
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            proc = psutil.Process(pid)
+            if proc.cmdline()[:1] == ["sleep"] or "sagenb.sizing.projection" in proc.cmdline():
+                proc.kill()
+
+
+def test_a_kernel_killed_mid_projection_leaves_nothing_the_cell_started(tmp_path):
+    """The projection's child, SIGKILLed with its kernel, used to leave what the cell started
+    there with ppid 1: its kernel's death now ends the child's descendants (its own session's
+    child among them) and the child, within seconds."""
+    cell = _cell_that_starts_processes(tmp_path)
+    kernel = subprocess.Popen(
+        [sys.executable, "-c", PROJECTING_KERNEL],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # our signal is for it alone
+    )
+    children: list[int] = []
+    try:
+        kernel.stdin.write(cell)  # type: ignore[union-attr]
+        kernel.stdin.close()  # type: ignore[union-attr]
+        child = int(kernel.stdout.readline())  # type: ignore[union-attr]
+        children = [child, *_started_by_the_cell(tmp_path)]
+        kernel.kill()
+        kernel.wait(10)
+        wait_clean(children, [], timeout=10)
+    finally:
+        kernel.kill()
+        _kill_leftovers(children)
+
+
+def test_a_cancelled_projection_ends_what_the_cell_started(tmp_path):
+    """A projection cancelled mid-cell (a later run started, or its run failed) was SIGKILLed,
+    which left the cell's processes with ppid 1: they end with it, within seconds."""
+    from sagenb.config.job import Job
+    from sagenb.config.options import TrainConfig
+    from sagenb.sizing.projection import Projection
+
+    config = TrainConfig(batch_size=16, steps=1, instance="ml.g5.xlarge").with_engines(2)
+    projection = Projection.start(Job.of(_cell_that_starts_processes(tmp_path)), config)
+    assert projection._child is not None
+    children = [projection._child.pid]
+    try:
+        children += _started_by_the_cell(tmp_path)
+        projection.cancel("a later run started")
+        wait_clean(children, [], timeout=10)
+        assert projection.why == "a later run started"
+    finally:
+        _kill_leftovers(children)

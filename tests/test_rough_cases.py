@@ -68,6 +68,27 @@ def test_a_cells_child_in_a_session_of_its_own_ends_with_the_pool(pool, tmp_path
     wait_clean(children, [], timeout=10)
 
 
+def test_a_cells_processes_in_its_projection_end_with_it(pool, tmp_path):
+    """The run's projection on --instance runs the cell again, in a child process of the
+    kernel's, outside the pool: what the cell started there, in a session of its own or not,
+    was left with ppid 1 once the projection and the pool had stopped. Every process that ran
+    the cell (two engines, the projection) notes its two children; none is left after."""
+    cell = REGRESSION_CELL + (
+        "import os, subprocess\n"
+        "own = subprocess.Popen(['sleep', '600'], start_new_session=True)\n"
+        "plain = subprocess.Popen(['sleep', '600'])\n"
+        f"open({str(tmp_path)!r} + f'/{{os.getpid()}}', 'w').write(f'{{own.pid}} {{plain.pid}}')\n"
+    )
+    result = sagenb.train(cell, batch_size=16, steps=1, instance="ml.g5.xlarge", dashboard=False)
+    assert result.projection is not None and result.projection.wait(120)
+    assert result.projection.step_time_s is not None, result.projection.why
+    cluster.stop_pool()
+    ran_it = list(tmp_path.iterdir())
+    assert len(ran_it) == 3, f"the cell ran in {len(ran_it)} processes, not 2 engines and 1 child"
+    children = [int(pid) for path in ran_it for pid in path.read_text().split()]
+    wait_clean(children, [], timeout=10)
+
+
 class _ReturnsFloat(nn.Module):
     def __init__(self) -> None:
         super().__init__()

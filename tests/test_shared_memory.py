@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import platform
+import subprocess
 import time
 from pathlib import Path
 
@@ -14,7 +15,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from sagenb.engine.wire import shared_memory
+from sagenb.engine.wire import segments, shared_memory
 from sagenb.engine.wire.shared_memory import PeerLost
 
 pytestmark = pytest.mark.skipif(
@@ -113,3 +114,22 @@ def test_oversubscribed_cores_keep_gloo():
         assert not shared_memory._can_serve(cores)
     finally:
         torch.set_num_threads(threads)
+
+
+def test_only_segments_of_creators_gone_are_removed(tmp_path):
+    """By the pid in the name: a segment of a process that has exited goes; one of a running
+    process, a file of another name, and what is not a regular file stay."""
+    gone = subprocess.Popen(["true"])
+    gone.wait(10)
+    dead = Path(segments.new_path(gone.pid)).name
+    live = Path(segments.new_path(os.getpid())).name
+    for name in (dead, live, "sagenb-run.lock", f"sagenb-{gone.pid}-xyz"):
+        (tmp_path / name).write_bytes(b"\0" * 64)
+    folder = Path(segments.new_path(gone.pid)).name
+    (tmp_path / folder).mkdir()
+    assert segments.creator(dead) == gone.pid and segments.creator("sagenb-run.lock") is None
+    assert segments.remove_orphans(str(tmp_path)) == [str(tmp_path / dead)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [live, "sagenb-run.lock", f"sagenb-{gone.pid}-xyz", folder]
+    )
+    assert segments.remove_orphans(str(tmp_path / "missing")) == []

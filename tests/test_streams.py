@@ -7,12 +7,17 @@ one, --resume continues mid-stream."""
 from __future__ import annotations
 
 import json
+import re
+import subprocess
+import sys
 
+import numpy as np
 import pytest
 import torch
 
 import sagenb
 from sagenb.config.job import JobError
+from sagenb.engine.data import agreement
 from sagenb.engine.data.stream import ReadOnce, StreamSource, as_source, stream_steps
 
 from .helpers import TOL, check_equal
@@ -188,6 +193,40 @@ def test_a_generator_read_twice_is_refused_naming_the_fix(pool):
         sagenb.train(cell, batch_size=16, epochs=2, dashboard=False)
 
 
+SHARDED_BY_RANK = """
+import itertools
+import torch.distributed as dist
+
+class ByRank(Stream):
+    def __iter__(self):  # every other item by rank, as many a cell shards its stream
+        rank, world = dist.get_rank(), dist.get_world_size()
+        yield from itertools.islice(super().__iter__(), rank, None, world)
+
+dataset = ByRank(70, 1)
+"""
+
+
+@pytest.mark.parametrize(
+    "strategy, extra",
+    [("data", {}), ("data", {"data_workers": 1}), ("model", {"partitions": 2, "microbatches": 2})],
+    ids=["data", "data-workers", "pipeline"],
+)
+def test_a_stream_that_shards_itself_by_rank_is_refused_naming_the_fix(pool, strategy, extra):
+    """Each rank yielding every other item read 35 items and trained 2 steps of 16 instead of 4,
+    on global batches no process reads, without a word: the first global batch's fingerprints
+    differ across the ranks, so the run stops before its first step, naming the fix. With
+    --data-workers the stream is read in the training process too, so the same check serves."""
+    cell = torch_cell() + SHARDED_BY_RANK
+    with pytest.raises(JobError) as refused:
+        sagenb.train(cell, strategy=strategy, batch_size=16, dashboard=False, **extra)
+    assert re.search(
+        r"dataset: the stream reads differently on rank 1 than on rank 0 \(the items of global "
+        r"batch 1, 0 to 15 of the stream, differ\).*get_rank\(\).*: yield every item on every "
+        r"rank; sagenb keeps each rank's share itself",
+        str(refused.value),
+    ), str(refused.value)
+
+
 # -- without engines -----------------------------------------------------------------------------
 
 
@@ -254,3 +293,52 @@ def test_the_estimate_reads_a_streams_first_items_and_takes_its_steps_from_steps
         torch_cell(), instance="ml.p4d.24xlarge", engines=2, batch_size=16, steps=10
     )
     assert "run: 10 steps" in sized.table()
+
+
+class _Record:  # its default repr holds its address, which differs for equal records
+    def __init__(self, text: str, ids: torch.Tensor) -> None:
+        self.text, self.ids = text, ids
+
+
+def test_a_fingerprint_reads_values_not_identities():
+    """Equal items give equal digests in any process (no id, no repr address, no salted hash);
+    a changed value, an item moved, or an element of a large tensor changes it."""
+    big = torch.randn(3, 224, 224)
+    items = [
+        (torch.arange(8.0), torch.tensor(1)),
+        {"input_ids": [1, 2, 3], "text": "a b", "extra": None},
+        _Record("x", torch.ones(2, dtype=torch.bfloat16)),
+        big,
+        np.arange(6, dtype=np.int16),
+    ]
+    same = [
+        (torch.arange(8.0), torch.tensor(1)),
+        {"text": "a b", "extra": None, "input_ids": [1, 2, 3]},
+        _Record("x", torch.ones(2, dtype=torch.bfloat16)),
+        big.clone(),
+        np.arange(6, dtype=np.int16),
+    ]
+    assert agreement.fingerprint(items) == agreement.fingerprint(same)
+    other_big = big.clone()
+    other_big[2, 223, 223] += 1  # the last element, which the even sample reads
+    for changed in (
+        [items[1], items[0], *items[2:]],
+        [*items[:3], other_big, items[4]],
+        [*items[:2], _Record("y", torch.ones(2, dtype=torch.bfloat16)), *items[3:]],
+        [*items[:4], np.arange(6, dtype=np.int32)],
+    ):
+        assert agreement.fingerprint(changed) != agreement.fingerprint(items)
+    assert agreement.differing_ranks([5, 5, 7, 5, 8]) == [2, 4]
+
+
+def test_a_fingerprint_is_the_same_in_another_process():
+    """PYTHONHASHSEED differs between processes: the digest must not use hash()."""
+    code = (
+        "import torch; from sagenb.engine.data import agreement; "
+        "print(agreement.fingerprint([('ab', {'k': 1.5}), torch.arange(5)]))"
+    )
+    here = agreement.fingerprint([("ab", {"k": 1.5}), torch.arange(5)])
+    there = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert int(there.stdout) == here

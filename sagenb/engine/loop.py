@@ -22,6 +22,7 @@ from torch.utils.data import TensorDataset
 from sagenb.engine import user_optimizer
 from sagenb.engine.checkpoint import distributed as checkpoint
 from sagenb.engine.checkpoint import resume
+from sagenb.engine.data import agreement
 from sagenb.engine.data.loader import batches_of
 from sagenb.engine.data.order import Step, plan_steps
 from sagenb.engine.data.stream import StreamSource, stream_steps
@@ -170,10 +171,12 @@ def _save(
 
 def _plan(ws: Workspace, config: EngineConfig, start: int) -> Iterator[Step]:
     """The run's steps after step `start`: the contract's shuffled order of a map-style dataset,
-    or a stream read in order (data/stream.py)."""
+    or a stream read in order (data/stream.py), its first batches the same on every rank
+    (data/agreement.py)."""
     b, epochs, steps = config.batch_size, config.epochs, config.steps
     if isinstance(ws.dataset, StreamSource):
-        return stream_steps(ws.dataset, batch_size=b, epochs=epochs, steps=steps, start_after=start)
+        plan = stream_steps(ws.dataset, batch_size=b, epochs=epochs, steps=steps, start_after=start)
+        return agreement.checked(plan, ws.dataset)
     n = len(ws.dataset)
     return plan_steps(
         n, batch_size=b, epochs=epochs, steps=steps, seed=config.seed, start_after=start

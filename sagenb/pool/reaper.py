@@ -10,7 +10,8 @@ session of its own, reading the pool's processes from a pipe whose other end onl
 process holds. The operating system closes that end when the process dies, by any signal, so
 the watcher's next read ends (no polling), and it ends the processes it was told of: the process
 group of each (a killed controller leaves its children in its group, re-parented to init) and
-their descendants, SIGTERM first, SIGKILL two seconds later. A pool stopped normally is
+their descendants, SIGTERM first, SIGKILL two seconds later; then it removes the shared memory
+of engines that died holding it (engine/wire/segments.py). A pool stopped normally is
 forgotten first; an attached pool (`ipcluster`) is never handed to the watcher: not ours.
 
 The watcher itself can die (an OOM kill picks the largest process, but a stray `kill` does not
@@ -43,6 +44,7 @@ from typing import IO, Any
 
 import psutil
 
+from sagenb.engine.wire import segments
 from sagenb.pool.remote import end_remote as _end_remote
 
 __all__ = [
@@ -155,8 +157,10 @@ def with_descendants(processes: Iterable[psutil.Process]) -> list[psutil.Process
 
 def end(watched: dict[int, tuple[float, int]], *, grace: float = GRACE_S) -> None:
     """End the `identities` here and now, as the watcher would: their groups and descendants
-    too, SIGTERM then SIGKILL after `grace` seconds; bounded whatever state they are in."""
+    too, SIGTERM then SIGKILL after `grace` seconds; bounded whatever state they are in. Then
+    the shared memory of engines that died holding it (engine/wire/segments.py)."""
     reap(watched, spare_pgids={os.getpgrp()}, grace=grace)
+    segments.remove_orphans()
 
 
 def _identity(proc: psutil.Process) -> list[Any] | None:
@@ -274,6 +278,7 @@ def main(argv: list[str]) -> None:
         hosts.start()
     if watched:
         reap(watched, spare_pgids={parent_pgid, os.getpgrp()})
+        segments.remove_orphans()  # the engines' just ended
     if hosts is not None:
         hosts.join()
 

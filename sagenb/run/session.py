@@ -17,6 +17,7 @@ from sagenb.config.job import Job
 from sagenb.config.options import TrainConfig, describe
 from sagenb.display import event_log
 from sagenb.engine.memory import check_offload
+from sagenb.engine.wire import segments
 from sagenb.metrics.result import TrainResult
 from sagenb.metrics.stream import MetricSink
 from sagenb.pool import clean_slate, cluster, orphans, run_lock
@@ -56,6 +57,7 @@ def train(
     """
     config = _checked(config, options, pool)
     prepared = Job.of(job)
+    segments.remove_orphans()  # shared memory an engine died holding (engine/wire/segments.py)
     if pool is None:
         pool = cluster.ensure_pool(config.engines_to_start())
     # one run per pool: before this run touches an engine, healing included (pool/run_lock.py)

@@ -5,9 +5,19 @@ A run's header and `result.summary()` say "projected on I: ... s, $..." from it.
 the notebook's process, runs the cell on fake tensors: nothing the cell does (its prints, its
 seeding, its patches to torch) reaches the kernel, and the kernel's threads are never blocked.
 It runs at the lowest CPU priority Linux has (SCHED_IDLE, sched(7)), so on a machine whose cores
-the engines keep busy it takes only the time they leave idle, and it is SIGKILLed when the
-kernel dies (prctl PR_SET_PDEATHSIG). A slow or failing estimate never stops the run: the
-header then says why there is no projection.
+the engines keep busy it takes only the time they leave idle. A slow or failing estimate never
+stops the run: the header then says why there is no projection.
+
+The cell runs there in full, so whatever processes it starts (a `subprocess.Popen`, in a session
+of its own or not) start there, outside the pool, and were left with ppid 1 once the child had
+exited. So nothing the cell starts outlives the child: it is their subreaper
+(prctl PR_SET_CHILD_SUBREAPER, man 2 PR_SET_CHILD_SUBREAPER), so they stay its descendants
+however they detach, and it ends them (SIGTERM, SIGKILL a second later) before it answers,
+and when it is asked to stop (SIGTERM: a cancel, a timeout) or its kernel dies (the signal
+PR_SET_PDEATHSIG sends it); the pool's watcher guards it as it guards the engines
+(pool/reaper.py), ending its descendants should the kernel die while the child cannot run
+its handler. The cell's processes cannot hold the child's answer back either: they inherit
+stderr (/dev/null) as their stdout, and the answer goes out on a descriptor they do not get.
 
 A figure made is kept, by what it estimated (the cell and every option that reaches the
 engines but --steps and --epochs, which change how many steps there are, not what a step
@@ -25,10 +35,12 @@ header says "estimating after the run" meanwhile, and the figure follows within 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import pickle
+import signal
 import subprocess
 import sys
 import threading
@@ -38,6 +50,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import psutil
+
+from sagenb.pool import reaper
 from sagenb.sizing.cost import NO_ESTIMATE
 
 __all__ = ["DEFERRED", "Projection", "saturates"]
@@ -61,6 +76,7 @@ class Projection:
         self._lock = threading.Lock()
         self._listeners: list[Callable[[], None]] = []
         self._child: subprocess.Popen[bytes] | None = None
+        self._guarded: psutil.Process | None = None  # the child, as the watcher guards it
         self._key: bytes | None = None  # what it estimates, where its figure is to be kept
         self._later: tuple[Any, Any] | None = None  # (job, config) of a deferred estimate
         if step_time_s is not None:
@@ -133,6 +149,7 @@ class Projection:
         except OSError as err:
             projection._end(None, f"no estimate (its process did not start: {err})")
             return
+        projection._guarded = _guard(projection._child.pid)
         payload = pickle.dumps((job, config))
         threading.Thread(
             target=projection._follow, args=(payload,), name="sagenb-projection", daemon=True
@@ -152,8 +169,10 @@ class Projection:
         stopped waiting for the figure)."""
         self._end(None, why)
         child = self._child
-        if child is not None and child.poll() is None:
-            child.kill()
+        if child is not None and child.poll() is None:  # bounded, but not this caller's wait
+            threading.Thread(
+                target=_stop, args=(child,), name="sagenb-projection-stop", daemon=True
+            ).start()
 
     def _follow(self, payload: bytes) -> None:
         child = self._child
@@ -161,13 +180,18 @@ class Projection:
         try:
             out, _ = child.communicate(payload, timeout=ESTIMATE_TIMEOUT_S)
         except subprocess.TimeoutExpired:
-            child.kill()
-            child.communicate()
+            _stop(child)
+            with contextlib.suppress(subprocess.TimeoutExpired, OSError, ValueError):
+                child.communicate(timeout=5)  # its pipes, closed
             self._end(None, f"no estimate (it took over {ESTIMATE_TIMEOUT_S:.0f} s)")
             return
         except OSError as err:  # the child died before reading its input
+            _stop(child)
             self._end(None, f"no estimate (its process failed: {err})")
             return
+        finally:
+            if self._guarded is not None:  # it has ended, and ended what the cell started
+                reaper.forget([self._guarded])
         self._end(*_answer(out, child.returncode))
 
     def on_end(self, listener: Callable[[], None]) -> None:
@@ -261,36 +285,92 @@ def _child_env() -> dict[str, str]:
     return env
 
 
+def _guard(pid: int) -> psutil.Process | None:
+    """Have the pool's watcher end the child and its descendants should this process die."""
+    try:
+        proc = psutil.Process(pid)
+        reaper.watch([proc])
+        return proc
+    except psutil.Error:  # gone already: nothing to guard
+        return None
+
+
+def _stop(child: subprocess.Popen[bytes]) -> None:
+    """End the child and what the cell started in it: SIGTERM, whose handler ends its
+    descendants (main), then the watcher's way for whatever is left; bounded (about 4 s)."""
+    try:
+        proc = psutil.Process(child.pid)
+        tree = [proc, *proc.children(recursive=True)]  # noted before the child can go
+    except psutil.Error:
+        tree = []
+    child.terminate()
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        child.wait(timeout=2)
+    reaper.end(reaper.identities(tree), grace=1.0)
+
+
+#: prctl(2)'s options (linux/prctl.h)
+PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER = 1, 36
+
+
 def _lowest_priority() -> None:
     """Run only on CPU time nothing else wants (SCHED_IDLE), or at nice 19 where that policy
-    is missing; and die with the parent."""
+    is missing."""
     try:
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     except (AttributeError, OSError):
         os.nice(19)
-    if sys.platform.startswith("linux"):
-        import ctypes
-        import signal
 
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG = 1
+
+def _keep_what_the_cell_starts() -> None:
+    """Adopt the processes the cell starts however they detach (Linux's child subreaper), and
+    end them on SIGTERM: a cancel's, a timeout's, or the one the kernel's death sends."""
+    signal.signal(signal.SIGTERM, _stopped)
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    parent = os.getppid()
+    libc = ctypes.CDLL(None)
+    libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    if os.getppid() != parent:  # the kernel died before the setting took
+        _stopped(signal.SIGTERM, None)
+
+
+def _stopped(signum: int, _frame: Any) -> None:
+    _end_descendants()
+    os._exit(128 + signum)
+
+
+def _end_descendants() -> None:
+    """End every process the cell started here (all are descendants: the subreaper), their
+    own sessions' groups included; never this process's group, which is the kernel's."""
+    try:
+        tree = psutil.Process().children(recursive=True)
+    except psutil.Error:
+        return
+    reaper.reap(reaper.identities(tree), spare_pgids={os.getpgrp()}, grace=1.0)
 
 
 def main() -> None:
+    # the answer's own descriptor; what the cell prints, and the processes it starts, get
+    # stderr as stdout, so none can hold the answer's pipe open past this process
+    answer_fd = os.dup(1)  # not inherited (PEP 446)
+    os.dup2(2, 1)
     _lowest_priority()
+    _keep_what_the_cell_starts()
     try:
         job, config = pickle.loads(sys.stdin.buffer.read())
         from sagenb.sizing.estimates import estimate
 
-        # the cell's prints stay out of the answer on stdout
-        real_stdout, sys.stdout = sys.stdout, sys.stderr
-        try:
-            made = estimate(job, config)
-        finally:
-            sys.stdout = real_stdout
+        made = estimate(job, config)
         answer: dict[str, Any] = {"step_time_s": list(made.step_time_s)}
     except Exception as err:  # noqa: BLE001 - whatever failed is the header's reason
         answer = {"error": f"{type(err).__name__}: {err}".splitlines()[0][:300]}
-    print(json.dumps(answer), flush=True)
+    finally:
+        _end_descendants()
+    os.write(answer_fd, (json.dumps(answer) + "\n").encode())
 
 
 if __name__ == "__main__":

@@ -28,9 +28,10 @@ Failures lose nothing. A rank that leaves the run (process_group.shutdown, also 
 on that rank alone) sets its abort flag, which the others see in their wait and raise on; a rank
 that dies is found by its pid; a wait longer than the run's collective timeout raises, as
 gloo's would; and the notebook's interrupt reaches a waiting rank (the wait is Python). The
-segment is unlinked as soon as every rank has mapped it, so nothing stays in /dev/shm however
-the processes end, and it is reserved with posix_fallocate, so a /dev/shm too small for it fails
-at setup (the run then uses gloo), never with a SIGBUS mid-step.
+segment is unlinked as soon as every rank has mapped it, so nothing stays in /dev/shm once
+mapped, however the processes end (one left by a rank 0 that died before unlinking it is
+removed by the notebook: segments.py), and it is reserved with posix_fallocate, so a /dev/shm
+too small for it fails at setup (the run then uses gloo), never with a SIGBUS mid-step.
 
 Used when: CPU, more than one rank, every rank on one host (one boot id), x86-64 Linux, and
 the ranks' threads no more than the cores they may use (a waiting rank wakes to check: on
@@ -46,7 +47,6 @@ import functools
 import mmap
 import os
 import platform
-import secrets
 import socket
 import struct
 import threading
@@ -56,6 +56,8 @@ from typing import Any
 import psutil
 import torch
 import torch.distributed as dist
+
+from sagenb.engine.wire import segments
 
 __all__ = [
     "DIED",
@@ -354,7 +356,7 @@ def _can_serve(world_size: int) -> bool:
 
 
 def _create(size: int) -> str | None:
-    path = f"/dev/shm/sagenb-{os.getpid()}-{secrets.token_hex(6)}"
+    path = segments.new_path(os.getpid())  # its pid: a dead creator's is removed (segments.py)
     try:
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
     except OSError:
