@@ -197,6 +197,16 @@ def ipcluster(tmp_path_factory):
         pool.stop_cluster_sync()
 
 
+def test_attaching_to_a_busy_pool_says_what_its_warm_up_waits_for(ipcluster, capsys):
+    """Before: attaching to a pool whose engines ran someone's task blocked until that task
+    ended (about 45 s in the report), without a word."""
+    pool = cluster.attach_pool(profile=ipcluster[0], cluster_id=ipcluster[1])
+    busy = pool.client[pool.engine_ids[0]].apply_async(time.sleep, 3)
+    cluster.attach_pool(profile=ipcluster[0], cluster_id=ipcluster[1])  # lets go, attaches
+    assert busy.ready()  # the warm-up waited for it
+    assert "sagenb: the attached pool's engine(s) " in capsys.readouterr().err
+
+
 def start_kernel(ipcluster, cell: str, steps: int, out) -> subprocess.Popen:
     command = [sys.executable, "-c", KERNEL, *ipcluster, cell, str(steps), str(out)]
     return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

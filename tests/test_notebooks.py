@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -143,6 +144,8 @@ def site(tmp_path_factory) -> Site:
     for path in NOTEBOOKS:
         cwd = out / "run" / path.stem  # notebook 05 writes checkpoints beside itself
         cwd.mkdir(parents=True)
+        for beside in path.parent.glob("*.py"):  # the files beside it (06 imports one)
+            shutil.copy(beside, cwd)
         notebooks[path.name] = execute(path, cwd)
     cache = _cache(notebooks, out / "jupyter_cache")
     start = time.monotonic()

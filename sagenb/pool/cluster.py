@@ -143,6 +143,7 @@ class EnginePool:
         a profile name, or a profile directory's path."""
         cluster, client = startup.attach(profile, cluster_id, timeout)
         pool = cls(cluster, client, len(client.ids), launcher="attached", owned=False)
+        startup.say_busy(client)  # the warm-up waits behind what they run: said, not silent
         pool.warm()
         return pool
 
@@ -211,7 +212,7 @@ class EnginePool:
         warm, locate = _engine_side()
         ids = sorted(self.client.ids) if engine_ids is None else engine_ids
         for ar in [self.client[e].apply_async(warm) for e in ids]:
-            self.result(ar, 120, cancel=cancel)
+            self.result(ar, startup.WARM_S, cancel=cancel)
         where = {e: self.client[e].apply_async(locate, self.controller_host) for e in ids}
         pids = {e: self.client[e].apply_async(os.getpid) for e in ids}
         self.places.update(

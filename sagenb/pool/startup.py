@@ -29,6 +29,7 @@ import glob
 import json
 import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -58,6 +59,7 @@ __all__ = [
     "register",
     "remove_batch_script",
     "remove_stale",
+    "say_busy",
     "start_engines",
     "stop_cluster",
 ]
@@ -66,6 +68,9 @@ __all__ = [
 REGISTER_POLL_S = 0.05
 #: how often attaching looks for the attached cluster's engines
 ATTACH_POLL_S = 0.2
+#: how long an engine's warm-up may take (EnginePool.warm), and the controller a queue query
+WARM_S = 120.0
+BUSY_QUERY_S = 5.0
 
 
 class StartCancelled(Exception):
@@ -148,6 +153,28 @@ def attach(profile: str | None, cluster_id: str, timeout: float) -> tuple[ipp.Cl
         client.close()
         raise ValueError("the attached cluster has no engines (start some with ipcluster)")
     return cluster, client
+
+
+def say_busy(client: ipp.Client) -> None:
+    """One line under the cell when an attached pool's engines run or queue other clients'
+    tasks: the warm-up's tasks wait behind them (attaching to a busy pool blocked about 45 s
+    without a word)."""
+    try:
+        done, status = waits.bounded(client.queue_status, BUSY_QUERY_S)
+    except Exception:  # noqa: BLE001 - a note only: the warm-up says what fails
+        return
+    busy = {
+        eid: row["queue"] + row["tasks"]
+        for eid, row in (status or {}).items()
+        if isinstance(row, dict) and row.get("queue", 0) + row.get("tasks", 0)
+    }
+    if done and busy:
+        tasks = sum(busy.values())
+        sys.stderr.write(
+            f"sagenb: the attached pool's engine(s) {', '.join(map(str, sorted(busy)))} run or "
+            f"queue {tasks} task(s) of other clients; warming them up waits for those (up to "
+            f"{WARM_S:.0f} s; interrupt to give up)\n"
+        )
 
 
 def start_engines(
