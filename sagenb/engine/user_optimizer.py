@@ -53,8 +53,8 @@ def checked(
     held = [p for group in optimizer.param_groups for p in group["params"]]
     if {id(p) for p in held} == set(by_id):
         return optimizer, []
-    names = [by_id.get(id(p)) or known.get(id(p)) for p in held]
-    strangers = [p for p, name in zip(held, names) if name is None]
+    name_of = {id(p): by_id.get(id(p)) or known.get(id(p)) for p in held}
+    strangers = [p for p in held if name_of[id(p)] is None]
     kind = type(optimizer).__name__
     if strangers:
         shapes = ", ".join(str(tuple(p.shape)) for p in strangers[:SHOWN])
@@ -65,10 +65,12 @@ def checked(
             f"(or over the model's named_parameters()), so it updates what this run trains"
         )
     mine = dict(given)
-    for group in optimizer.param_groups:  # in place: each group keeps its hyperparameters
-        names_here = [by_id.get(id(p)) or known[id(p)] for p in group["params"]]
-        group["params"] = [mine[n] for n in names_here if n in mine]
-    updated = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    # each group's parameters by name, those this engine trains (another stage's are not here)
+    mapped_groups = [
+        [mine[n] for p in group["params"] if (n := name_of[id(p)]) in mine]
+        for group in optimizer.param_groups
+    ]
+    updated = {id(p) for params in mapped_groups for p in params}
     missing = [name for name, p in given if p.requires_grad and id(p) not in updated]
     if missing:
         raise JobError(
@@ -77,13 +79,16 @@ def checked(
             f"never change: build it over the params argument, and set requires_grad=False "
             f"on the parameters you mean to freeze"
         )
+    for group, params in zip(optimizer.param_groups, mapped_groups):
+        group["params"] = params  # in place: each group keeps its hyperparameters
     mapped = sum(1 for p in held if id(p) not in by_id)
+    named = [name_of[id(p)] for p in held]
     if not mapped:  # a subset of the given ones, the rest frozen
         return optimizer, []
     return optimizer, [
         f"make_optimizer's {kind} holds the cell's model's parameters, not the params it was "
         f"given: its {len(optimizer.param_groups)} parameter group(s) were mapped onto this "
-        f"run's parameters by name ({mapped} parameter(s) on rank 0, e.g. {_listed(names)}), "
+        f"run's parameters by name ({mapped} parameter(s) on rank 0, e.g. {_listed(named)}), "
         f"each group keeping its hyperparameters"
     ]
 
