@@ -212,7 +212,11 @@ def test_a_nanogpt_style_cell_trains_as_one_process(pool, strategy, tmp_path):
         assert model.config.n_layer == 2 and type(model.config).__name__ == "GPTConfig"
         assert model.lm_head.weight is model.transformer.wte.weight
         assert_params_equal(model.state_dict(), result.state_dict(), tol=0)
-    # the run's module is gone from every engine with the run
+    # the run's module stays on every engine with the state kept for --continue, and is gone
+    # once that is released
+    kept_modules = pool.client[pool.engine_ids].apply_sync(_cell_modules_here)
+    assert [len(names) for names in kept_modules] == [1] * pool.size
+    result.release()
     left = pool.client[pool.engine_ids].apply_sync(_cell_modules_here)
     assert left == [[]] * pool.size
 

@@ -30,7 +30,7 @@ def test_every_field_has_a_section_and_the_engine_sections_are_engine_config():
     }
     assert NOTEBOOK_ONLY == {"dashboard", "instance", "price_per_hour", "price_table",
                              "hardware_table", "spot_discount", "out", "log_dir",
-                             "if_busy"}  # fmt: skip
+                             "if_busy", "continue_"}  # fmt: skip
 
 
 def test_for_engines_keeps_the_engine_options_only():

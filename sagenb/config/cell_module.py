@@ -74,12 +74,15 @@ def remove(name: str) -> None:
 
 
 @contextmanager
-def scope() -> Iterator[None]:
-    """Every cell module made inside (in this thread) is removed when the block exits."""
+def scope() -> Iterator[list[str]]:
+    """Every cell module made inside (in this thread) is removed when the block exits; it
+    yields their names, and a name taken out of that list is kept (a run's state kept for
+    --continue keeps its cell's module: engine/live/kept.py removes it)."""
     stack: list[list[str]] = _scopes.__dict__.setdefault("stack", [])
-    stack.append([])
+    made: list[str] = []
+    stack.append(made)
     try:
-        yield
+        yield made
     finally:
         for name in stack.pop():
             remove(name)

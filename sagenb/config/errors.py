@@ -22,5 +22,6 @@ class ConfigError(ValueError):
 
 
 def flag_name(name: str) -> str:
-    """The magic's spelling of a config field: `batch_size` -> `--batch-size`."""
-    return "--" + name.replace("_", "-")
+    """The magic's spelling of a config field: `batch_size` -> `--batch-size`, `continue_`
+    (a Python keyword's field) -> `--continue`."""
+    return "--" + name.rstrip("_").replace("_", "-")

@@ -66,6 +66,13 @@ class Job:
 
         return cls(payload=cloudpickle.dumps(fn))
 
+    def first_line(self) -> str:
+        """What names the job to a person: the cell's first line of code (60 characters at
+        most), or "a callable job"."""
+        lines = [line.strip() for line in (self.source or "").splitlines()]
+        first = next((line for line in lines if line and not line.startswith("#")), "")
+        return (first[:60] + "...") if len(first) > 60 else first or "a callable job"
+
     def namespace(self) -> dict[str, Any]:
         """Run the job (on an engine) and return its namespace: a cell's is the dict of a fresh
         module registered in sys.modules (config/cell_module.py), removed when the

@@ -97,6 +97,9 @@ SECTIONS: dict[str, Section] = {
         "Memory savers", True, "Less memory per engine for more compute or communication"
     ),
     "checkpoints": Section("Checkpoints", True, "Saving a run and continuing it"),
+    "segments": Section(
+        "Going on", False, "Continuing the last run from the state its engines keep"
+    ),
     "display": Section("Display", False, "What the notebook shows while a run trains"),
     "cost": Section("Cost", False, "The cost estimate of the dashboard and the result"),
     "output": Section("Output", False, "Where the notebook puts the result"),
@@ -412,6 +415,16 @@ class TrainConfig(EngineConfig):
     """Everything `%%smp_train` and `sagenb.train` accept: the engines' options and those
     only the notebook uses (display, cost, output), which `for_engines()` leaves behind."""
 
+    # -- going on --
+    continue_: bool = _opt(
+        "segments",
+        False,
+        "go on from the state the engines keep of this cell's last run (after its last "
+        "step; --steps and --epochs stay the run's total; --lr, --eval-every and the stop "
+        "options may change), without disk; refused when the state was released or the cell "
+        "or its layout changed",
+        panel=False,
+    )
     # -- display --
     dashboard: bool = _opt("display", True, "show the live dashboard under the cell")
     # -- cost --
@@ -482,6 +495,12 @@ class TrainConfig(EngineConfig):
                 raise ConfigError(name, getattr(self, name), "must be a JSON file's path")
         check_out(self.out)
         check_choice(self, "if_busy", IF_BUSY)
+        if self.continue_ and self.resume:
+            raise ConfigError(
+                "continue_",
+                True,
+                "goes on from the engines' memory and --resume from a checkpoint: give one",
+            )
 
 
 def _fields(config: Any) -> tuple[dataclasses.Field, ...]:

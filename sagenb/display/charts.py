@@ -248,6 +248,18 @@ def _eval_loss(snap: Snapshot) -> dict[str, np.ndarray]:
     return _line([step for step, _ in evals], [loss for _, loss in evals])
 
 
+def _segment_starts(snap: Snapshot) -> dict[str, np.ndarray]:
+    """Where each --continue went on: its first step, at the smoothed loss there."""
+    rows, loss = snap.rows, snap.columns.loss.values
+    first = rows[0][keys.STEP] if rows else 0
+    starts = [s for s in getattr(snap.board, "segments", ())[1:] if 0 <= s - first < len(loss)]
+    return _line(starts, [loss[s - first] for s in starts])
+
+
+def _continued(board: Board) -> bool:
+    return len(getattr(board, "segments", ())) > 1
+
+
 def _rate(snap: Snapshot) -> dict[str, np.ndarray]:
     key, rows = snap.board.rate_key, snap.rows
     return _line(snap.steps, [rows[i].get(key, 0.0) for i in snap.shown])
@@ -373,6 +385,10 @@ TRACES: tuple[Trace, ...] = (
     Trace("eval loss", LOSS, _eval_loss,
           {"mode": "markers", "marker": {"size": 9, "symbol": "diamond", "color": "#d62728"}},
           label=_label("eval")),
+    Trace("segment starts", LOSS, _segment_starts,
+          {"mode": "markers", "marker": {"size": 11, "symbol": "triangle-right",
+                                         "color": "#ff7f0e"}},
+          label=_label("--continue"), visible=_continued),
     Trace("throughput", THROUGHPUT, _rate, {"mode": "lines", "line": FAINT},
           label=_label("per step")),
     Trace("throughput (smoothed)", THROUGHPUT, _smoothed_rate,

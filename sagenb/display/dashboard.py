@@ -104,6 +104,10 @@ class Dashboard:
         # aggregate every record a second time. Standalone, the dashboard keeps its own.
         self._owns_history = history is None
         self.history = History(self.engines, config.batch_size) if history is None else history
+        #: the rows of the run's earlier segments (--continue): this one's progress and time
+        #: left count from there; `segments` (each segment's first step) marks the loss
+        self._rows_before = len(self.history.steps)
+        self.segments: list[int] = []
         self._columns = StepColumns(config.replicas(self.engines))
         self.memory: dict[int, Mapping[str, Any]] = {}
         self.timelines: dict[int, tuple[float, list]] = {}  # rank -> (t0, events), last step
@@ -174,9 +178,10 @@ class Dashboard:
     def progress(self) -> tuple[int, int]:
         """(steps done in this run, steps this run has to do). A resumed run starts after
         its checkpoint's step, so its first row is not step 1."""
-        rows = self.history.steps
-        before = rows[0][keys.STEP] - 1 if rows else 0
-        return len(rows), (self.total_steps or 0) - before
+        rows, first = self.history.steps, self._rows_before
+        done = len(rows) - first
+        before = rows[first][keys.STEP] - 1 if done > 0 else 0
+        return done, (self.total_steps or 0) - before
 
     def projected_cost(self) -> float:
         done, todo = self.progress()

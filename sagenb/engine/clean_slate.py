@@ -40,6 +40,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from sagenb.engine.live import kept
+
 __all__ = ["Baseline", "remember", "restore", "Restored"]
 
 #: whose attributes a cell may replace, by the name a user writes
@@ -148,7 +150,10 @@ def remember() -> None:
 
 def restore(base: Baseline | None = None) -> Restored:
     """Put back what changed since `remember` (or since `base`). Without a baseline (an
-    engine that sagenb did not warm up: `%px` imported it first) it notes one now."""
+    engine that sagenb did not warm up: `%px` imported it first) it notes one now. A run's
+    state kept for --continue is released first (live/kept.py): every run but a
+    continuation starts clean."""
+    kept.release()
     if base is None and _baseline is None:
         remember()
         return Restored([], [])

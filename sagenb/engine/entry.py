@@ -24,6 +24,8 @@ from sagenb.config import cell_module
 from sagenb.config.errors import ConfigError
 from sagenb.config.job import Job, JobError
 from sagenb.engine import clean_slate, edited_modules
+from sagenb.engine.data.stream import StreamSource
+from sagenb.engine.live import kept
 from sagenb.engine.loop import train_loop
 from sagenb.engine.memory import check_offload
 from sagenb.engine.model.equivalence import EquivalenceWarning, equivalence_warnings
@@ -73,6 +75,11 @@ class RankSpec:
     local_size: int = 1
     #: the run's random token: only messages carrying it can stop the run (stopping.py)
     token: str = ""
+    #: the run's lineage (engine/live/kept.py): when set, the state is kept on the
+    #: engine after a run that ends at a step boundary, for --continue; "" for a script
+    lineage: str = ""
+    #: whether this run goes on from the state its lineage kept (--continue)
+    continues: bool = False
 
 
 @dataclass
@@ -86,6 +93,8 @@ class RankResult:
     #: why the run's last checkpoint could not be written ("" on a rank that only heard of
     #: another's failure), or None: the parameters are returned either way
     end_error: str | None = None
+    #: MiB the engine keeps of the run for --continue (engine/live/kept.py), or None
+    kept_mib: float | None = None
 
 
 class RankFailure(RuntimeError):
@@ -101,12 +110,14 @@ def run_rank(spec: RankSpec, publish: Publisher | None = None) -> RankResult:
     publish = publish if publish is not None else Publisher()
     error: Exception | None = None
     tracer = _tracer(spec)  # where this rank is, should the notebook find the run stalled
+    result: RankResult | None = None
     try:
         # text bars, no widgets, the run's own warning filters (wire/output.py); equivalence
         # warnings travel with the first step instead, warned once by the notebook
         # (run/training_run.py)
         with text_output(ignore=(EquivalenceWarning,)):
-            return train_rank(spec, publish)
+            result = train_rank(spec, publish)
+            return result
     except JobError as exc:
         error = JobError(str(exc))
     except ConfigError as exc:  # an option this engine cannot honour (--precision on its device)
@@ -121,7 +132,11 @@ def run_rank(spec: RankSpec, publish: Publisher | None = None) -> RankResult:
             publish.flush()  # the steps done so far reach the notebook, also after a failure
         except Exception:  # noqa: BLE001 - reporting must not hide the run's own error
             pass
-        process_group.shutdown()
+        if result is not None and result.kept_mib is not None:
+            process_group.end_segment()  # the group stays up for --continue
+        else:
+            kept.release()  # a continued run that failed drops what it kept
+            process_group.shutdown()
         if tracer is not None:
             tracer.close()
     raise error
@@ -149,7 +164,10 @@ def train_rank(spec: RankSpec, publish: Publisher) -> RankResult:
     launched the process: an ipyparallel engine (run_rank) or torchrun (launch.py). The
     cell's module (config/cell_module.py) lives as long as the run, and no longer; the
     modules beside the notebook whose files changed since are imported again
-    (edited_modules.py)."""
+    (edited_modules.py). With `spec.lineage` the run's state is kept after it ends at a step
+    boundary, its module with it, and `spec.continues` goes on from it (live/kept.py)."""
+    if spec.continues:
+        return _go_on(spec, publish)
     edited = edited_modules.drop_edited()
     if edited and spec.rank == 0:  # said under the cell (rank 0's output)
         print(
@@ -157,14 +175,14 @@ def train_rank(spec: RankSpec, publish: Publisher) -> RankResult:
             f"{'it' if len(edited) == 1 else 'them'}: the modules beside the notebook are "
             "imported again"
         )
-    with cell_module.scope():
+    with cell_module.scope() as made:
         try:
-            return _train_rank(spec, publish)
+            return _train_rank(spec, publish, made)
         finally:
             edited_modules.note()  # what the run imported while it trained
 
 
-def _train_rank(spec: RankSpec, publish: Publisher) -> RankResult:
+def _train_rank(spec: RankSpec, publish: Publisher, made: list[str]) -> RankResult:
     torch.set_num_threads(spec.threads)
     device = process_group.pick_device(spec.local_rank, spec.local_size)
     _join(spec, device)
@@ -182,11 +200,12 @@ def _train_rank(spec: RankSpec, publish: Publisher) -> RankResult:
         checkpoint_blocks(ws.model)  # before any strategy wraps or splits the model
     strategy = make_strategy(spec.config, rank=spec.rank, world_size=spec.world_size, device=device)
     restore_cache = cache_off(ws.model)  # before a pipeline traces it (engine/model/kv_cache.py)
+    keeping = False
     try:
         strategy.setup(ws)
         if spec.rank == 0:  # what the strategy left as the cell had it, and why
             notes += getattr(strategy, "notes", [])
-        steps, unsaved = train_loop(
+        steps, unsaved, segment = train_loop(
             ws,
             strategy,
             spec.config,
@@ -195,8 +214,71 @@ def _train_rank(spec: RankSpec, publish: Publisher) -> RankResult:
             rank=spec.rank,
             should_stop=process_group.stop_requested,
         )
+        result = _rank_result(spec, publish, strategy, steps, device, unsaved)
+        if spec.lineage and unsaved is None:
+            state = kept.Kept(
+                lineage=spec.lineage,
+                cell=spec.job.first_line(),
+                config=spec.config,
+                ws=ws,
+                strategy=strategy,
+                segment=segment,
+                device=device,
+                modules=list(made),
+                restore_cache=restore_cache,
+            )
+            made.clear()  # the cell's module stays with the state
+            result.kept_mib = kept.keep(state)
+            keeping = True
+        return result
     finally:
-        restore_cache()
+        if not keeping:
+            restore_cache()
+
+
+def _go_on(spec: RankSpec, publish: Publisher) -> RankResult:
+    """The next segment of the run whose state this engine keeps (--continue): the same
+    objects, the process group and its store the kept run's, this segment's stop watch; the
+    loop goes on after the last step done. A stream is read again from its start up to there
+    (engine/data/stream.py), as --resume reads it: the plan read ahead of the last step."""
+    state = kept.take(spec.lineage)
+    torch.set_num_threads(spec.threads)
+    process_group.new_segment(
+        rank=spec.rank,
+        world_size=spec.world_size,
+        addr=spec.addr,
+        port=spec.port,
+        timeout_s=spec.config.collective_timeout,
+        token=spec.token,
+    )
+    state.segment.go_on(spec.config, state.config)
+    if isinstance(state.ws.dataset, StreamSource):
+        state.ws.dataset = StreamSource(state.ws.dataset.stream, name=state.ws.dataset.name)
+    steps, unsaved, segment = train_loop(
+        state.ws,
+        state.strategy,
+        spec.config,
+        device=state.device,
+        publish=publish,
+        rank=spec.rank,
+        should_stop=process_group.stop_requested,
+        segment=state.segment,
+    )
+    result = _rank_result(spec, publish, state.strategy, steps, state.device, unsaved)
+    if unsaved is None:
+        state.config = spec.config
+        result.kept_mib = kept.keep(state)
+    return result
+
+
+def _rank_result(
+    spec: RankSpec,
+    publish: Publisher,
+    strategy: Any,
+    steps: int,
+    device: torch.device,
+    unsaved: str | None,
+) -> RankResult:
     return RankResult(
         rank=spec.rank,
         steps=steps,
@@ -311,4 +393,5 @@ def probe() -> dict:
         "cuda_devices": torch.cuda.device_count() if cuda else 0,
         "rss_mib": psutil.Process().memory_info().rss / 2**20,
         "torch": torch.__version__,
+        "kept": kept.summary(),  # a run's state kept for --continue (live/kept.py)
     }

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypedDict
 
 import torch
@@ -36,7 +37,7 @@ from sagenb.metrics import keys
 if TYPE_CHECKING:
     from sagenb.config.options import EngineConfig
 
-__all__ = ["train_loop", "make_optimizer", "default_optimizer"]
+__all__ = ["Segment", "begin", "train_loop", "make_optimizer", "default_optimizer"]
 
 
 class _Saved(TypedDict):
@@ -89,6 +90,60 @@ def default_optimizer(params: list[torch.nn.Parameter], lr: float) -> torch.opti
     return torch.optim.AdamW(params, lr=lr, fused=fused or None)
 
 
+@dataclass
+class Segment:
+    """What the loop holds between its steps, kept after a run for --continue
+    (engine/live/kept.py): the optimizer and scheduler over the strategy's parameters,
+    fp16's loss scaler, the memory meter, the checkpoints this run wrote, and the last step
+    done (the position in the sample order: the plan is a function of it)."""
+
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    scaler: LossScaler | None
+    meter: MemoryMeter
+    objects: _Saved
+    options: str
+    written: list[str]
+    last: int
+
+    def go_on(self, config: EngineConfig, previous: EngineConfig) -> None:
+        """The next segment's --lr: every group's lr (and a scheduler's base) scaled by the
+        new --lr over the previous one, so the default AdamW takes --lr exactly and a cell's
+        own groups keep their ratios."""
+        if config.lr == previous.lr or not previous.lr:
+            return
+        factor = config.lr / previous.lr
+        for group in self.optimizer.param_groups:
+            group["lr"] *= factor
+            if "initial_lr" in group:
+                group["initial_lr"] *= factor
+        if self.scheduler is not None and hasattr(self.scheduler, "base_lrs"):
+            self.scheduler.base_lrs = [lr * factor for lr in self.scheduler.base_lrs]
+
+
+def begin(
+    ws: Workspace, strategy: Strategy, config: EngineConfig, *, device: torch.device, rank: int
+) -> tuple[Segment, list[str]]:
+    """A run's optimizer, scheduler, scaler and meter, resumed from --checkpoint-dir with
+    --resume; and what to say of them with the first step (the optimizer's mapping, the
+    resume's notes)."""
+    optimizer, mapped = make_optimizer(ws, strategy, config.lr)
+    scheduler = ws.make_scheduler(optimizer) if ws.make_scheduler is not None else None
+    objects = _Saved(strategy=strategy, optimizer=optimizer, scheduler=scheduler, rank=rank)
+    start, notes, written = _resume(config, objects)
+    base_lr = None if ws.make_optimizer is not None else _base_lr(optimizer)
+    return Segment(
+        optimizer=optimizer,
+        scheduler=scheduler,
+        scaler=LossScaler(device=device) if config.precision == "fp16" else None,
+        meter=MemoryMeter(strategy.module, optimizer, device, offload=config.offload_activations),
+        objects=objects,
+        options=resume.record(config, world_size=_world_size(), lr=base_lr),
+        written=written,
+        last=start,
+    ), mapped + notes
+
+
 def train_loop(
     ws: Workspace,
     strategy: Strategy,
@@ -98,37 +153,39 @@ def train_loop(
     publish: Callable[[dict[str, Any]], None],
     rank: int = 0,
     should_stop: Callable[[int], bool] = lambda step: False,
-) -> tuple[int, str | None]:
+    segment: Segment | None = None,
+) -> tuple[int, str | None, Segment]:
     """Train to the end of the plan, publishing one metrics dict per step, or until
-    `should_stop(step)` after a step, or until a checkpoint cannot be written. Returns the
-    number of the last step done, and why its checkpoint could not be written, if it could
-    not (checkpoint.save; the run then fails keeping the parameters it trained,
-    run/training_run.py)."""
-    optimizer, mapped = make_optimizer(ws, strategy, config.lr)
-    scheduler = ws.make_scheduler(optimizer) if ws.make_scheduler is not None else None
-    objects = _Saved(strategy=strategy, optimizer=optimizer, scheduler=scheduler, rank=rank)
-    start, notes, written = _resume(config, objects)
-    notes = mapped + notes
-    if notes and rank == 0:  # with the first step's metrics, into the run's warnings
-        publish = _first_step_with_warnings(notes, publish)
-    base_lr = None if ws.make_optimizer is not None else _base_lr(optimizer)
-    options = resume.record(config, world_size=_world_size(), lr=base_lr)
-    meter = MemoryMeter(strategy.module, optimizer, device, offload=config.offload_activations)
-    scaler = LossScaler(device=device) if config.precision == "fp16" else None
-    plan = _plan(ws, config, start)
-    last, unsaved = start, None
+    `should_stop(step)` after a step, or until a checkpoint cannot be written. `segment`: the
+    state a previous run of the same cell left (--continue), gone on from after its last
+    step; else a new one (`begin`). Returns the number of the last step done, why its
+    checkpoint could not be written, if it could not (checkpoint.save; the run then fails
+    keeping the parameters it trained, run/training_run.py), and the segment."""
+    if segment is None:
+        segment, notes = begin(ws, strategy, config, device=device, rank=rank)
+        if notes and rank == 0:  # with the first step's metrics, into the run's warnings
+            publish = _first_step_with_warnings(notes, publish)
+    plan = _plan(ws, config, segment.last)
+    last, unsaved = segment.last, None
+    optimizer, scheduler, meter, scaler = (
+        segment.optimizer, segment.scheduler, segment.meter, segment.scaler
+    )  # fmt: skip
     with _loading(ws, strategy, config, plan, device, rank) as steps:
         for data in steps:
             metrics = _step(ws, strategy, config, data, optimizer, scheduler, meter, device, scaler)
             last, total = data.step.number, data.step.total
+            segment.last = last
             stop = last != total and should_stop(last)  # after the last step, none to skip
             every = config.checkpoint_every
             if config.checkpoint_dir and (stop or last == total or (every and last % every == 0)):
-                unsaved = _save(config.checkpoint_dir, last, options, written, objects, metrics)
+                unsaved = _save(
+                    config.checkpoint_dir, last, segment.options, segment.written,
+                    segment.objects, metrics,
+                )  # fmt: skip
             publish(metrics)
             if stop or unsaved is not None:
                 break
-    return last, unsaved
+    return last, unsaved, segment
 
 
 def _loading(

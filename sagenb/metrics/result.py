@@ -33,6 +33,22 @@ class ModelSource(Protocol):
     ) -> Path: ...
 
 
+class LiveModel(Protocol):
+    """The run's state kept on its engines (sagenb.run.live.LiveRun)."""
+
+    def go_on(self, **options: Any) -> TrainResult: ...
+
+    def release(self) -> None: ...
+
+    def on_engines(self, fn: Any, *args: Any) -> list[Any]: ...
+
+    def evaluate(self, dataset: Any, *, batch_size: int | None = None) -> float: ...
+
+    def generate(self, input_ids: Any, *, max_new_tokens: int = 20) -> Any: ...
+
+    def describe(self, name: str = ...) -> str: ...
+
+
 @dataclass
 class TrainResult:
     """The result of `%%smp_train` (`smp_result`) or `sagenb.train`."""
@@ -77,6 +93,50 @@ class TrainResult:
     #: the run's projection on --instance (sagenb.sizing.projection.Projection), which may
     #: come after the run: `cost_label` takes it then
     projection: Any = field(default=None, repr=False)
+    #: the first step of each segment of the run (one more with each --continue): the
+    #: history is one across them
+    segments: list[int] = field(default_factory=list)
+    #: the run's state as its engines keep it, for go_on(), on_engines(), evaluate(),
+    #: generate() and release() (sagenb.run.live.LiveRun); None once released or never kept
+    live: LiveModel | None = field(default=None, repr=False)
+
+    # -- the run's state kept on its engines (--continue, docs/interactive.md) ------------
+    def go_on(self, steps: int | None = None, **options: Any) -> TrainResult:
+        """Go on training from the state the engines keep, as `%%smp_train --continue` does:
+        `steps` is the run's new total (`--steps`), and `options` may change --lr,
+        --epochs, --eval-every and the other options a --continue may change. Returns the
+        result of the segment, whose history is the whole run's."""
+        if steps is not None:
+            options["steps"] = steps
+        return self._live().go_on(**options)
+
+    def release(self) -> None:
+        """Free what the engines keep of this run (its model, optimizer and process group)."""
+        self._live().release()
+
+    def on_engines(self, fn: Any, *args: Any) -> list[Any]:
+        """`fn(model, rank, *args)` on every engine, with that rank's live model as the
+        strategy holds it (a shard, a stage or a tensor-parallel slice); each rank's return
+        value, in rank order."""
+        return self._live().on_engines(fn, *args)
+
+    def evaluate(self, dataset: Any, *, batch_size: int | None = None) -> float:
+        """The mean loss over `dataset` of the live model on the engines, computed by the
+        strategy as its --eval-every is (a pipeline through its stages): one process's."""
+        return self._live().evaluate(dataset, batch_size=batch_size)
+
+    def generate(self, input_ids: Any, *, max_new_tokens: int = 20) -> Any:
+        """Greedy tokens of the live causal LM on the engines, appended to `input_ids` (a
+        (batch, length) tensor of token ids), without gathering the model here."""
+        return self._live().generate(input_ids, max_new_tokens=max_new_tokens)
+
+    def _live(self) -> LiveModel:
+        if self.live is None:
+            raise RuntimeError(
+                "the engines keep no state of this run (it failed, or its result was made by "
+                "hand): train it again, or --resume from a checkpoint"
+            )
+        return self.live
 
     def wait_for_projection(self, timeout_s: float = 30.0) -> bool:
         """Wait up to `timeout_s` for the projection on --instance that the run makes of

@@ -25,6 +25,7 @@ from sagenb.config.options import TrainConfig, describe, every_option
 from sagenb.metrics.result import TrainResult
 from sagenb.notebook.export import TARGETS, ExportError, export
 from sagenb.pool import cluster
+from sagenb.run import kept
 from sagenb.run.session import train
 
 __all__ = [
@@ -261,8 +262,10 @@ class SmpMagics(Magics):
                 say=print,
             )
         elif args.action == "restart":
+            kept.released("%smp_cluster restart")
             pool = _guard(cluster.restart_pool, args.engines)
         elif args.action == "stop":
+            kept.released("%smp_cluster stop")
             print(
                 "stopped the engine pool" if cluster.stop_pool() else "no engine pool was running"
             )
@@ -295,6 +298,8 @@ class SmpMagics(Magics):
             raise
         self._user_ns[config.out] = result
         print(f"{result.summary()}\nresult in `{config.out}`")
+        if result.live is not None:  # what the engines keep for --continue, and its memory
+            print(result.live.describe(config.out))
 
     def _keep_failed(self, exc: BaseException, out: str) -> None:
         """A run that failed or was interrupted still leaves what it did in `out` (status,
@@ -303,6 +308,8 @@ class SmpMagics(Magics):
         if isinstance(failed, TrainResult):
             self._user_ns[out] = failed
             print(f"{failed.summary()}\nwhat was done is in `{out}`")
+            if failed.live is not None:  # stopped at a step boundary: --continue goes on
+                print(failed.live.describe(out))
 
     @cell_magic
     def smp_plan(self, line: str, cell: str) -> None:
@@ -394,6 +401,9 @@ def _print_status(pool: cluster.EnginePool) -> None:
         host = r.host if r.address == cluster.LOOPBACK else f"{r.host} ({r.address})"
         row = (r.rank, r.engine_id, r.pid, r.threads, r.device, f"{r.rss_mib:.0f}", host)
         print("{:>4} {:>6} {:>8} {:>7} {:<8} {:>11}  {}".format(*row))
+    for r in rows:  # what each engine keeps of a run, for --continue
+        if r.kept:
+            print(f"rank {r.rank} keeps {r.kept} (--continue goes on from it)")
 
 
 SmpMagics.smp_train.__doc__ = train_parser().format_help()

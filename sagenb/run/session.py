@@ -21,7 +21,9 @@ from sagenb.engine.wire import segments
 from sagenb.metrics.result import TrainResult
 from sagenb.metrics.stream import MetricSink
 from sagenb.pool import clean_slate, cluster, orphans, run_lock
+from sagenb.run import kept
 from sagenb.run.failures import TrainingError, TrainingInterrupted
+from sagenb.run.live import LiveRun
 from sagenb.run.training_run import TrainingRun
 from sagenb.sizing.cost import check_price
 from sagenb.sizing.projection import Projection, saturates
@@ -57,28 +59,41 @@ def train(
     """
     config = _checked(config, options, pool)
     prepared = Job.of(job)
+    # --continue: whether the engines keep this cell's run, before any engine works; any
+    # other run releases what they keep (run/kept.py)
+    going_on = kept.going_on(config, prepared, pool or cluster.current_pool())
     segments.remove_orphans()  # shared memory an engine died holding (engine/wire/segments.py)
     if pool is None:
         pool = cluster.ensure_pool(config.engines_to_start())
     # one run per pool: before this run touches an engine, healing included (pool/run_lock.py)
-    me = run_lock.Holder.here(_first_line(prepared), session=pool.session_id)
+    me = run_lock.Holder.here(prepared.first_line(), session=pool.session_id)
     pool.check_alive()  # a controller that died since the last run: PoolDiedError, at once
     with run_lock.hold(pool.run_lock_path, me, if_busy=config.if_busy) as previous:
         pool.heal()  # engines lost in an earlier run's failure are replaced before this one
         config = _resolve_engines(config, pool)
+        if going_on is not None:
+            kept.check_engines(going_on, pool)  # heal() may have replaced one
         engines = config.engines or pool.size
-        notes = _engines_made_ready(pool, engines, previous, config.if_busy)
+        notes = _engines_made_ready(pool, engines, previous, config.if_busy, clean=going_on is None)
         # on a machine whose cores the engines fill, the estimate waits for the run's end
         defer = not pool.multi_host and saturates(engines)
         projection = Projection.for_run(estimate, prepared, config, defer=defer)
         run = TrainingRun(
             pool, config, prepared, list(sinks), live=live, on_failure=on_failure,
-            projection=projection,
+            projection=projection, going_on=going_on,
         )  # fmt: skip
         for note in notes:
             run.warnings.append(note)
             warnings.warn_explicit(note, RuntimeWarning, "sagenb", 0, module="sagenb")
-        return run.execute()
+        try:
+            result = run.execute()
+        except TrainingInterrupted as err:  # stopped at a step boundary: its state is kept
+            if run.kept is not None and err.result is not None:
+                err.result.live = LiveRun(run.kept, train)
+            raise
+    if run.kept is not None:
+        result.live = LiveRun(run.kept, train)
+    return result
 
 
 def _checked(
@@ -96,13 +111,22 @@ def _checked(
 
 
 def _engines_made_ready(
-    pool: cluster.EnginePool, engines: int, previous: run_lock.Holder | None, if_busy: str
+    pool: cluster.EnginePool,
+    engines: int,
+    previous: run_lock.Holder | None,
+    if_busy: str,
+    *,
+    clean: bool = True,
 ) -> list[str]:
-    """The run's engines cleared for it; what to say of what was done."""
+    """The run's engines cleared for it; what to say of what was done. `clean=False`: a
+    --continue, whose engines go on as the kept run left them."""
     # tasks still on its engines: a killed kernel's ranks are ended, anyone's work waited
     # for (or PoolBusyError), before this run sends them anything (pool/orphans.py)
     found = orphans.settle(pool, pool.engine_ids[:engines], previous=previous, if_busy=if_busy)
-    # what an earlier cell changed of the engines' processes is put back (pool/clean_slate.py)
+    if not clean:
+        return found
+    # what an earlier cell changed of the engines' processes is put back, and what they
+    # kept of a run released (pool/clean_slate.py)
     return found + clean_slate.start_clean(pool, engines)
 
 
@@ -114,13 +138,6 @@ def _check_offload(config: TrainConfig, pool: cluster.EnginePool | None) -> None
         import torch
 
         check_offload(True, "cuda" if torch.cuda.is_available() else "cpu")
-
-
-def _first_line(job: Job) -> str:
-    """What names the run to someone waiting for it: the cell's first line of code."""
-    lines = [line.strip() for line in (job.source or "").splitlines()]
-    first = next((line for line in lines if line and not line.startswith("#")), "")
-    return (first[:60] + "...") if len(first) > 60 else first or "a callable job"
 
 
 def _resolve_engines(config: TrainConfig, pool: cluster.EnginePool) -> TrainConfig:

@@ -30,10 +30,12 @@ from sagenb.metrics import keys
 from sagenb.metrics.result import TrainResult
 from sagenb.metrics.stream import History, MetricSink, RankStream
 from sagenb.pool import cluster, occupancy
+from sagenb.run import kept
 from sagenb.run.checkpoints import resume_warnings
 from sagenb.run.containment import Containment
 from sagenb.run.failures import PoolDiedError, TrainingError, TrainingInterrupted
 from sagenb.run.interrupts import InterruptLatch
+from sagenb.run.kept import KeptRun
 from sagenb.run.output import RankOutput
 from sagenb.run.tasks import RankTasks
 from sagenb.run.trained import CellModel
@@ -75,14 +77,22 @@ class TrainingRun:
         live: bool | None = None,
         on_failure: Callable[[str], None] | None = None,
         projection: Projection | None = None,
+        going_on: KeptRun | None = None,
     ) -> None:
         self.pool, self.config, self.job = pool, config, job
+        #: the kept run this one goes on from (--continue: run/kept.py), or None
+        self.going_on = going_on
+        self.lineage = going_on.lineage if going_on is not None else secrets.token_hex(8)
+        #: the run that keeps this one's state on the engines once it ended, if it does
+        self.kept: KeptRun | None = None
         self.on_failure = on_failure
         self.interrupts = InterruptLatch()  # SIGINT recorded while the run is followed
         self.engines = config.engines or pool.size
         self.projection = projection
         self.cost = meter_for(config, self.engines, runs_on=_runs_on(pool), projection=projection)
-        self.history = History(self.engines, config.batch_size)
+        # one history across a run's segments (--continue appends to the kept run's)
+        self.history = going_on.history if going_on else History(self.engines, config.batch_size)
+        self.first_row = len(self.history.steps)
         self.dashboard = (
             _make_dashboard(config, self.cost, self.history, live) if config.dashboard else None
         )
@@ -96,6 +106,8 @@ class TrainingRun:
             *([self.event_log] if self.event_log else []),
             *([self.dashboard] if self.dashboard else []),
         ]
+        if self.dashboard is not None and going_on is not None:
+            self.dashboard.segments = [*going_on.segments, going_on.step + 1]
         self.first_step_s: float | None = None
         self.ended: float | None = None  # when the run ended (before any repair of the pool)
         self.last_progress = time.monotonic()
@@ -109,7 +121,11 @@ class TrainingRun:
         self.token = secrets.token_hex(16)  # never written to the store before a stop request
         # --resume: which checkpoint, and whether its options still hold, before any engine works
         self.warnings += resume_warnings(self.config, self.engines)
-        self.store = _rendezvous(self.pool, self.engines, self.config.collective_timeout)
+        self.store = (
+            self.going_on.store  # the kept process group's, which its engines still use
+            if self.going_on is not None
+            else _rendezvous(self.pool, self.engines, self.config.collective_timeout)
+        )
         for_engines = self.config.for_engines()  # the notebook's own options stay here
         specs = [
             (
@@ -125,6 +141,8 @@ class TrainingRun:
                     local_rank=local_rank,
                     local_size=local_size,
                     token=self.token,
+                    lineage=self.lineage,
+                    continues=self.going_on is not None,
                 ),
             )
             for r, (local_rank, local_size) in enumerate(self.pool.local_ranks(self.engines))
@@ -172,6 +190,7 @@ class TrainingRun:
             # stopped has no rank left to stop: Containment.pool_died saw to them)
             if not isinstance(err, PoolDiedError):
                 self.containment.stop_ranks()
+            kept.released("the run that failed")  # the failing ranks released theirs
             self._last_metrics()
             self._close_sinks(status="failed")
             _attach(err, self._failed())
@@ -179,9 +198,32 @@ class TrainingRun:
         unsaved = any(r.end_error is not None for r in results)
         status = "failed" if unsaved else self._status(results)
         self._close_sinks(status=status)
+        self._keep(results, status)
         result = self._when_projected(self._result(results, status=status))
         self._end_errors(results, result)
         return result
+
+    def _keep(self, results: list[RankResult], status: str) -> None:
+        """Remember the state every rank kept (run/kept.py), or that none is kept."""
+        if not results or any(r.kept_mib is None for r in results):
+            kept.released("the run that did not keep it")
+            return
+        self.kept = KeptRun(
+            pool=self.pool,
+            lineage=self.lineage,
+            job=self.job,
+            config=self.config,
+            ids=list(self.ids),
+            pids=[self.pool.pids.get(e) for e in self.ids],
+            store=self.store,
+            history=self.history,
+            segments=self._segments(),
+            step=min(r.steps for r in results),
+            planned=self._planned(),
+            status=status,
+            mib=[r.kept_mib or 0.0 for r in results],
+        )
+        kept.keep(self.kept)
 
     def _failed(self) -> TrainResult | None:
         """The failed run as far as it went: its history, and its parameters when every rank
@@ -258,7 +300,14 @@ class TrainingRun:
             warnings=list(self.warnings),
             stopped_by=self.stop_reason if status == "interrupted" else None,
             model_source=CellModel(self.job, self.config.seed, self.config.delay_init),
+            segments=self._segments(),
         )
+
+    def _segments(self) -> list[int]:
+        """The first step of each of the run's segments (--continue), as far as it went."""
+        before = self.going_on.segments if self.going_on is not None else []
+        rows = self.history.steps[self.first_row :]
+        return [*before, *([rows[0][keys.STEP]] if rows else [])]
 
     def _cost(self, wall: float) -> tuple[float, str]:
         """What the run cost; a price the meter cannot use costs the result nothing."""
@@ -413,8 +462,11 @@ class TrainingRun:
             pass
         if results is None:
             self.containment.interrupt_and_contain()
+            kept.released("the interrupt that stopped its ranks mid-step")
             self._last_metrics()
         self._close_sinks(status="interrupted")
+        if results is not None:
+            self._keep(results, "interrupted")
         return self._result(results, status="interrupted")
 
     def _mark_end(self) -> None:

@@ -13,7 +13,14 @@ from sagenb.engine.wire import shared_memory
 from sagenb.engine.wire.rendezvous import use_interface
 from sagenb.engine.wire.stopping import StopWatch
 
-__all__ = ["init_process_group", "shutdown", "pick_device", "stop_requested"]
+__all__ = [
+    "init_process_group",
+    "new_segment",
+    "end_segment",
+    "shutdown",
+    "pick_device",
+    "stop_requested",
+]
 
 _store: dist.TCPStore | None = None
 _stop_watch: StopWatch | None = None
@@ -73,6 +80,34 @@ def init_process_group(
         timeout=timeout,
         token=token,
     )
+
+
+def new_segment(
+    *, rank: int, world_size: int, addr: str, port: int, timeout_s: float, token: str
+) -> None:
+    """The kept run's group goes on for another segment (--continue): its stop requests carry
+    this segment's token (stopping.py); the group and its store are the kept run's."""
+    global _stop_watch
+    if _store is None or not dist.is_initialized():
+        raise RuntimeError("no process group is kept on this engine")
+    _stop_watch = StopWatch(
+        _store,
+        addr=addr,
+        port=port,
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=timeout_s),
+        token=token,
+    )
+
+
+def end_segment() -> None:
+    """The run ended keeping its state: its stop watch ends, its group and store stay up for
+    the next segment (engine/live/kept.py releases them)."""
+    global _stop_watch
+    watch, _stop_watch = _stop_watch, None
+    if watch is not None:
+        watch.close()
 
 
 def shutdown() -> None:
