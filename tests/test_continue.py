@@ -169,6 +169,24 @@ def test_generate_on_the_engines_equals_one_process(pool, strategy):
     assert torch.equal(tokens, ids)
 
 
+def test_generate_through_a_pipeline_equals_one_process(pool):
+    """The stages are compiled for the training samples' 16 tokens: each step's sequence goes
+    in right-padded to them, and the causal GPT's logits at the last real token are those of
+    the one-process model on the same padded input. Five rows run as two microbatches of 4."""
+    result = sagenb.train(GPT_CELL, steps=3, **STRATEGIES["model"], **SHORT)
+    prompt = torch.randint(0, 64, (5, 4), generator=torch.Generator().manual_seed(1))
+    tokens = result.generate(prompt, max_new_tokens=6)
+    model, ids = result.model(), prompt
+    with torch.no_grad():
+        for _ in range(6):
+            padded = torch.zeros(5, 16, dtype=ids.dtype)
+            padded[:, : ids.shape[1]] = ids
+            ids = torch.cat([ids, model(padded)[:, ids.shape[1] - 1].argmax(-1, keepdim=True)], 1)
+    assert torch.equal(tokens, ids)
+    with pytest.raises(Exception, match="more than the 16 its stages are compiled for"):
+        result.generate(torch.zeros(1, 17, dtype=torch.long), max_new_tokens=1)
+
+
 def test_a_failing_call_is_contained_and_says_what_it_cost(pool):
     """A function that fails on every rank leaves the state as it was; one that fails on one
     rank while the other waits for it in a collective is contained as a failing cell is: the

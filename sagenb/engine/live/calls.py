@@ -61,8 +61,8 @@ def evaluate(lineage: str, dataset: Any, batch_size: int | None) -> float:
 def generate(lineage: str, input_ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
     """Greedy decoding: `max_new_tokens` times, the model's logits at the last position, its
     arg max appended (every rank the same forward, as its strategy's collectives need). The
-    strategy's `generate_logits` where it has one (a pipeline runs its stages), else the
-    module's forward."""
+    model's mode is put back after; its KV caches stay off, as the run turned them off
+    (engine/model/kv_cache.py)."""
     state = kept.held(lineage)
     strategy, device = state.strategy, state.device
 
@@ -74,8 +74,7 @@ def generate(lineage: str, input_ids: torch.Tensor, max_new_tokens: int) -> torc
         try:
             with torch.no_grad():
                 for _ in range(max_new_tokens):
-                    logits = _last_logits(strategy, module, ids)
-                    ids = torch.cat([ids, logits.argmax(-1, keepdim=True).to(ids.dtype)], dim=1)
+                    ids = torch.cat([ids, _next(strategy, state.ws.objective, ids)], dim=1)
         finally:
             module.train(was_training)
         return ids.cpu()
@@ -83,14 +82,16 @@ def generate(lineage: str, input_ids: torch.Tensor, max_new_tokens: int) -> torc
     return _contained(work)
 
 
-def _last_logits(strategy: Any, module: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    """(batch, vocab) logits at the last position."""
-    forward = getattr(strategy, "generate_logits", None)
-    out = forward(ids) if forward is not None else module(ids)
-    logits = _logits_of(out)
+def _next(strategy: Any, objective: Any, ids: torch.Tensor) -> torch.Tensor:
+    """(batch, 1) greedy next tokens: the strategy's `next_tokens` where it has one (a
+    pipeline runs its stages on the sequence padded to the shape they are compiled for), else
+    the arg max of the module's logits at the last position."""
+    if hasattr(strategy, "next_tokens"):
+        return strategy.next_tokens(ids, objective).to(ids.dtype).unsqueeze(1)
+    logits = _logits_of(strategy.module(ids))
     if hasattr(logits, "full_tensor"):  # a tensor-parallel DTensor: the whole vocabulary
         logits = logits.full_tensor()
-    return logits[:, -1, :].float()
+    return logits[:, -1, :].argmax(-1, keepdim=True).to(ids.dtype)
 
 
 def _logits_of(out: Any) -> torch.Tensor:

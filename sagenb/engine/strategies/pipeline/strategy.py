@@ -429,6 +429,15 @@ class Pipeline:
         """(loss x counted targets, counted targets) of one chunk on the last stage; zeros on
         the other ranks, which send what their stages make."""
         args, kwargs, target = objective.split(batch)
+        value = self._forward_stages(args, kwargs)
+        if value is None:
+            return 0.0, 0.0
+        count = objective.count(target)
+        return float(weighted(objective.loss(value, target), count)), float(count)
+
+    def _forward_stages(self, args: tuple, kwargs: dict) -> Any:
+        """This engine's stages forward, in order, receiving and sending between engines; the
+        last stage's output where this engine holds it, else None."""
         value: Any = args
         for i in self.stage_ids:
             if i > 0:  # the model's keyword inputs are the first stage's only
@@ -438,11 +447,44 @@ class Pipeline:
             module = self.modules[self.stage_ids.index(i)]
             value = module(*value, **kwargs) if isinstance(value, tuple) else module(value)
             if i == self.S - 1:
-                count = objective.count(target)
-                return float(weighted(objective.loss(value, target), count)), float(count)
+                return value
             if i + 1 not in self.stage_ids:
                 send_tensors(value, self._global(i + 1), self.device)
-        return 0.0, 0.0
+        return None
+
+    def next_tokens(self, ids: torch.Tensor, objective: Objective) -> torch.Tensor:
+        """Each row's greedy next token, on every rank of this pipeline: the stages run forward
+        on `ids` right-padded to the training microbatch's shape, for which they are compiled
+        (a causal LM's logits at the last real position do not see the padding), and the last
+        stage's arg max is sent to the pipeline's other engines."""
+        shapes = list(self._shapes.values())
+        if objective.loss_fn is None or objective.dict_samples or len(shapes[0]) != 1:
+            raise JobError(
+                "generate through a pipeline takes a cell whose dataset holds (token ids, "
+                "targets) and whose loss_fn reads the model's logits: here the last stage "
+                "computes the model's own loss, not logits. Use smp_result.model() instead"
+            )
+        rows, length = self.config.forward_size(self.world_size), shapes[0][0]
+        if ids.shape[1] > length:
+            raise JobError(
+                f"generate through a pipeline: {ids.shape[1]} tokens are more than the "
+                f"{length} its stages are compiled for (the training samples' length)"
+            )
+        last = self.S - 1
+        engines = sorted({self._global(i) for i in range(self.S)} - {self._global(last)})
+        picked = []
+        for part in ids.split(rows):
+            padded = torch.zeros((rows, length), dtype=ids.dtype, device=self.device)
+            padded[: len(part), : ids.shape[1]] = part
+            logits = self._forward_stages((padded,), {})
+            if logits is not None:
+                tokens = logits[: len(part), ids.shape[1] - 1].argmax(-1).contiguous()
+                for dst in engines:
+                    send_tensors(tokens, dst, self.device)
+            else:
+                tokens = recv_tensors(self._global(last), self.device)
+            picked.append(tokens)
+        return torch.cat(picked)
 
 
 def _eval_chunks(idx: torch.Tensor, size: int) -> list[tuple[torch.Tensor, float]]:
