@@ -227,3 +227,20 @@ def _namespace(cell: str) -> dict:
     ns: dict = {}
     exec(cell, ns)
     return ns
+
+
+def test_an_engine_that_died_takes_the_state_with_it(pool):
+    """An engine killed between two cells: the next --continue says the kept run's engines are
+    gone, before any engine works, and the pool is healed for the run after."""
+    import os
+    import signal
+
+    sagenb.train(REGRESSION_CELL, steps=2, **SHORT)
+    dead = pool.engine_ids[1]
+    os.kill(pool.pids[dead], signal.SIGKILL)
+    deadline = time.monotonic() + 30  # until the controller has noticed (its heartbeats)
+    while dead in pool.client.ids and time.monotonic() < deadline:
+        time.sleep(0.2)
+    with pytest.raises(ConfigError, match="engines that kept the run of .* are gone"):
+        sagenb.train(REGRESSION_CELL, steps=4, continue_=True, **SHORT)
+    assert sagenb.train(REGRESSION_CELL, steps=2, **SHORT).status == "done"
