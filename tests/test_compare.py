@@ -3,6 +3,8 @@ built from recorded histories, as the session builds them."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 import sagenb
@@ -56,6 +58,14 @@ def test_runs_are_drawn_side_by_side_labelled_by_their_layouts():
     assert list(loss_time[0].x) == pytest.approx([1.0 + 0.5 * i for i in range(10)])
     assert list(rate[1].y) == pytest.approx([8 / 0.8] * 10)  # smoothed: a constant stays put
     assert [t.y[0] for t in cost] == [0.02, 0.01, 0.02]
+    titles = [a.text for a in fig.layout.annotations]
+    assert "Cost (USD)" in titles  # billed on the instance's kind of hardware: a cost
+    # a CPU's seconds at a GPU instance's price are labelled as what they are, as the
+    # dashboard labels them
+    cpu = dataclasses.replace(data, billed=False)
+    titles = [a.text for a in sagenb.compare(cpu, one).layout.annotations]
+    assert "Cost (USD)" not in titles
+    assert any("not what these runs cost" in t for t in titles)
     # memory: one bar per engine of every run, the four kinds stacked
     assert len(memory) == 4 * 3
     params = [t for t in memory if t.name == "params"]

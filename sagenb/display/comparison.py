@@ -109,7 +109,7 @@ def compare(*results: TrainResult, names: Sequence[str] | None = None) -> go.Fig
             "Loss per step",
             "Loss over wall time",
             f"Throughput ({keys.unit(_rate_key(results[0]))}, smoothed)",
-            "Cost (USD)",
+            _cost_title(results),
             "Memory per engine, last step (MiB)",  # placed left: its legend is on the right
         ),
         vertical_spacing=0.12,
@@ -139,6 +139,18 @@ def compare(*results: TrainResult, names: Sequence[str] | None = None) -> go.Fig
     _headroom(fig, [r.cost_usd for r in results], 2, 2)
     _headroom(fig, [sum(m.values()) for r in results for m in _memory(r).values()], 3, 1)
     return ComparisonFigure(fig)
+
+
+def _cost_title(results: Sequence[TrainResult]) -> str:
+    """What the cost bars' dollars are, as the dashboard's cost panel says it: what the runs
+    cost only where their engines ran on the instance's kind of hardware; else their measured
+    seconds at its price (a CPU's seconds at a GPU instance's price: a what-if, not a cost)."""
+    if all(r.billed for r in results):
+        return "Cost (USD)"
+    return (
+        "Seconds at the instances' prices (USD)<br><span style='font-size:10px'>not what "
+        "these runs cost: their engines are not the priced hardware</span>"
+    )
 
 
 def _headroom(fig: go.Figure, values: list[float], row: int, col: int) -> None:

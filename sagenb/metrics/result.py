@@ -93,6 +93,9 @@ class TrainResult:
     #: the run's projection on --instance (sagenb.sizing.projection.Projection), which may
     #: come after the run: `cost_label` takes it then
     projection: Any = field(default=None, repr=False)
+    #: whether cost_usd is what the run cost: its engines ran on --instance's kind of
+    #: hardware; else it is the measured seconds at the instance's price, a what-if
+    billed: bool = True
     #: the first step of each segment of the run (one more with each --continue): the
     #: history is one across them
     segments: list[int] = field(default_factory=list)

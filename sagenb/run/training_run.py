@@ -301,6 +301,7 @@ class TrainingRun:
             stopped_by=self.stop_reason if status == "interrupted" else None,
             model_source=CellModel(self.job, self.config.seed, self.config.delay_init),
             segments=self._segments(),
+            billed=self.cost.billed_here,
         )
 
     def _segments(self) -> list[int]:
