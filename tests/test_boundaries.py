@@ -154,6 +154,17 @@ def test_the_config_imports_nothing_of_the_engine_side():
     assert out.stdout.split() == ["False", "False", "2"]
 
 
+def test_the_metrics_load_without_torch_or_the_options():
+    """metrics/ stands one floor above the config: a result names torch's and the options'
+    types in its annotations only, and asks the strategy through the config's seam."""
+    code = (
+        "import sys, sagenb.metrics.result, sagenb.metrics.stream\n"
+        "print(sorted(m for m in ('torch', 'sagenb.config.options') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["[]"]
+
+
 def test_the_engine_side_imports_none_of_the_notebook_roles():
     side = tuple(f"sagenb.{role}" for role in NOTEBOOK_SIDE)
     assert (
