@@ -178,7 +178,7 @@ def test_the_engine_side_imports_none_of_the_notebook_roles():
 #: which role may import which, as docs/architecture.md's table says (a role: a folder of sagenb/;
 #: "sagenb" is the package's face, whose %load_ext registers the magics)
 MAY_IMPORT = {
-    "sagenb": {"config", "engine", "notebook", "pool"},
+    "sagenb": {"config", "display", "engine", "notebook", "pool", "sizing"},
     "notebook": {"sagenb", "config", "display", "engine", "metrics", "pool", "run", "sizing"},
     "config": set(),
     "run": {"config", "display", "engine", "metrics", "pool", "sizing"},
@@ -186,7 +186,7 @@ MAY_IMPORT = {
     "engine": {"config", "metrics"},
     "metrics": {"config"},
     "display": {"config", "metrics", "sizing"},
-    "sizing": {"config", "display", "engine", "metrics", "pool"},
+    "sizing": {"config", "engine", "metrics", "pool"},
     "teaching": {"metrics", "engine", "display"},
 }
 
