@@ -179,7 +179,7 @@ def test_the_engine_side_imports_none_of_the_notebook_roles():
 #: "sagenb" is the package's face, whose %load_ext registers the magics)
 MAY_IMPORT = {
     "sagenb": {"config", "display", "engine", "notebook", "pool", "sizing"},
-    "notebook": {"sagenb", "config", "display", "engine", "metrics", "pool", "run", "sizing"},
+    "notebook": {"config", "display", "engine", "metrics", "pool", "run", "sizing"},
     "config": set(),
     "run": {"config", "display", "engine", "metrics", "pool", "sizing"},
     "pool": {"config", "engine"},
