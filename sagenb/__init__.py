@@ -10,8 +10,9 @@ way under torchrun, without a notebook.
 
 This module imports nothing heavy: the engine side (`sagenb.engine`) must load without IPython,
 ipywidgets or plotly, and the public names below are resolved on first use. It tells the config
-how to load the strategies (config/registry.py), since the config imports no strategy: every
-way in, a notebook, a script or an engine unpickling a config, passes here first.
+how to load the strategies (config/registry.py), since the config imports no strategy, and the
+estimate who draws its chart (sizing/drawer.py), since sizing imports no display: every way in,
+a notebook, a script or an engine unpickling a config, passes here first.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from importlib import import_module
 from typing import Any
 
 from sagenb.config import registry as _registry
+from sagenb.sizing import drawer as _drawer
 
 __version__ = "0.1.0"
 
@@ -74,6 +76,16 @@ def _load_strategies() -> None:
 
 
 _registry.loads_with(_load_strategies)
+
+
+def _draw_estimate(estimate: Any) -> Any:
+    """The estimate's chart is plotly's: the display draws it (sizing imports no display)."""
+    from sagenb.display.estimate_chart import scaling_figure
+
+    return scaling_figure(estimate)
+
+
+_drawer.draws_with(_draw_estimate)
 
 
 def load_ipython_extension(ipython: Any) -> None:

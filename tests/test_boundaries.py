@@ -35,6 +35,10 @@ STRATEGY_FOLDERS = (
     "sagenb.engine.strategies.experts",
 )
 MAX_MODULES = 12  # in one folder, __init__.py not counted
+MAX_MODULE_LINES = (
+    600  # a module that grows past it holds two things (split by what changes together)
+)
+MAX_FUNCTION_LINES = 50  # from its def to its last line, docstring included
 
 
 def _modules() -> dict[str, Path]:
@@ -154,6 +158,17 @@ def test_the_config_imports_nothing_of_the_engine_side():
     assert out.stdout.split() == ["False", "False", "2"]
 
 
+def test_the_metrics_load_without_torch_or_the_options():
+    """metrics/ stands one floor above the config: a result names torch's and the options'
+    types in its annotations only, and asks the strategy through the config's seam."""
+    code = (
+        "import sys, sagenb.metrics.result, sagenb.metrics.stream\n"
+        "print(sorted(m for m in ('torch', 'sagenb.config.options') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["[]"]
+
+
 def test_the_engine_side_imports_none_of_the_notebook_roles():
     side = tuple(f"sagenb.{role}" for role in NOTEBOOK_SIDE)
     assert (
@@ -167,15 +182,15 @@ def test_the_engine_side_imports_none_of_the_notebook_roles():
 #: which role may import which, as docs/architecture.md's table says (a role: a folder of sagenb/;
 #: "sagenb" is the package's face, whose %load_ext registers the magics)
 MAY_IMPORT = {
-    "sagenb": {"config", "engine", "notebook", "pool"},
-    "notebook": {"sagenb", "config", "display", "engine", "metrics", "pool", "run", "sizing"},
+    "sagenb": {"config", "display", "engine", "notebook", "pool", "sizing"},
+    "notebook": {"config", "display", "engine", "metrics", "pool", "run", "sizing"},
     "config": set(),
     "run": {"config", "display", "engine", "metrics", "pool", "sizing"},
     "pool": {"config", "engine"},
     "engine": {"config", "metrics"},
     "metrics": {"config"},
     "display": {"config", "metrics", "sizing"},
-    "sizing": {"config", "display", "engine", "metrics", "pool"},
+    "sizing": {"config", "engine", "metrics", "pool"},
     "teaching": {"metrics", "engine", "display"},
 }
 
@@ -196,6 +211,19 @@ def test_each_role_imports_only_what_the_architecture_allows():
     ] == []
 
 
+def test_each_allowance_is_an_edge_and_the_roles_stand_in_floors():
+    """MAY_IMPORT allows no import that no module makes (a row is dropped when its last edge
+    goes), and the roles import each other in no circle: every role stands above all those it
+    may import, so no arrow between folders runs back up."""
+    graph = import_graph()
+    used: dict[str, set[str]] = {role: set() for role in MAY_IMPORT}
+    for module, targets in graph.items():
+        used[_role(module)] |= {_role(t) for t in targets} - {_role(module)}
+    unused = {role: allowed - used[role] for role, allowed in MAY_IMPORT.items()}
+    assert {role: roles for role, roles in unused.items() if roles} == {}
+    assert cycles(MAY_IMPORT) == []
+
+
 def test_the_display_never_imports_a_strategy():
     assert (
         _edges(
@@ -207,11 +235,47 @@ def test_the_display_never_imports_a_strategy():
     )
 
 
+#: the engine's folders the strategies build on, which never import a strategy back
+BELOW_THE_STRATEGIES = ("model", "data", "wire", "checkpoint")
+
+
+def test_what_the_strategies_build_on_imports_no_strategy():
+    """The strategies import the model, data, wire and checkpoint folders: these ask a
+    strategy through the config's seam (config/registry.py), as engine/model/equivalence.py
+    does, so no arrow inside the engine runs back up."""
+    below = tuple(f"sagenb.engine.{folder}" for folder in BELOW_THE_STRATEGIES)
+    assert (
+        _edges(
+            import_graph(),
+            lambda m: m.startswith(below),
+            lambda t: t.startswith("sagenb.engine.strategies"),
+        )
+        == []
+    )
+
+
 def test_a_strategy_folder_is_reached_only_through_its_face():
     for folder in STRATEGY_FOLDERS:
         inside = lambda m, folder=folder: m == folder or m.startswith(folder + ".")  # noqa: E731
         helpers = lambda t, folder=folder: t.startswith(folder + ".")  # noqa: E731
         assert _edges(import_graph(), lambda m, inside=inside: not inside(m), helpers) == []
+
+
+def test_no_module_or_function_outgrows_its_limit():
+    """Modules under MAX_MODULE_LINES lines, functions (methods and nested ones too) under
+    MAX_FUNCTION_LINES: each listed with its length where it is over."""
+    over = []
+    for path in sorted(SAGENB.rglob("*.py")):
+        text = path.read_text()
+        where = path.relative_to(SAGENB.parent).as_posix()
+        if (lines := len(text.splitlines())) > MAX_MODULE_LINES:
+            over.append(f"{where}: {lines} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = (node.end_lineno or node.lineno) - node.lineno + 1
+                if length > MAX_FUNCTION_LINES:
+                    over.append(f"{where}:{node.lineno} {node.name}: {length} lines")
+    assert over == []
 
 
 def test_each_folder_holds_a_handful_of_modules():

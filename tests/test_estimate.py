@@ -73,6 +73,12 @@ def test_the_time_scales_with_the_instances_as_the_model_says(no_pool):
         assert row.cost_usd[0] == pytest.approx(k * instance_price(P4D).usd_per_hour * row.hours[0])
     # one instance: all traffic on NVLink; from two on, the ring crosses EFA
     assert rows[1].step_time_s == pytest.approx(est.step_time_s)
+    # the chart of the same rows, drawn by the display (the package's face gives its drawer)
+    assert [(t.name, len(t.x)) for t in est.figure().data] == [
+        ("hours (low-high)", 4),
+        ("on-demand (low-high)", 4),
+        ("spot (low-high)", 4),
+    ]
 
 
 def test_a_model_that_does_not_fit_says_what_would(no_pool):

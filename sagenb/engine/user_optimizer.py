@@ -54,16 +54,8 @@ def checked(
     if {id(p) for p in held} == set(by_id):
         return optimizer, []
     name_of = {id(p): by_id.get(id(p)) or known.get(id(p)) for p in held}
-    strangers = [p for p in held if name_of[id(p)] is None]
     kind = type(optimizer).__name__
-    if strangers:
-        shapes = ", ".join(str(tuple(p.shape)) for p in strangers[:SHOWN])
-        raise JobError(
-            f"make_optimizer's {kind} holds {len(strangers)} parameters that are neither the "
-            f"params it was given nor the cell's model's (shapes {shapes}"
-            f"{', ...' if len(strangers) > SHOWN else ''}): build it over the params argument "
-            f"(or over the model's named_parameters()), so it updates what this run trains"
-        )
+    _refuse_strangers(kind, [p for p in held if name_of[id(p)] is None])
     mine = dict(given)
     # each group's parameters by name, those this engine trains (another stage's are not here)
     mapped_groups = [
@@ -91,6 +83,18 @@ def checked(
         f"run's parameters by name ({mapped} parameter(s) on rank 0, e.g. {_listed(named)}), "
         f"each group keeping its hyperparameters"
     ]
+
+
+def _refuse_strangers(kind: str, strangers: Sequence[nn.Parameter]) -> None:
+    """A JobError naming the parameters an optimizer holds that no name maps."""
+    if strangers:
+        shapes = ", ".join(str(tuple(p.shape)) for p in strangers[:SHOWN])
+        raise JobError(
+            f"make_optimizer's {kind} holds {len(strangers)} parameters that are neither the "
+            f"params it was given nor the cell's model's (shapes {shapes}"
+            f"{', ...' if len(strangers) > SHOWN else ''}): build it over the params argument "
+            f"(or over the model's named_parameters()), so it updates what this run trains"
+        )
 
 
 def _listed(names: Sequence[str | None]) -> str:

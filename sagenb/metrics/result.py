@@ -6,14 +6,17 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-import torch
-from torch import nn
-
-from sagenb.config.options import TrainConfig, describe
+from sagenb.config.registry import describe
 from sagenb.metrics import keys
 from sagenb.metrics.stream import StepMetrics
+
+if TYPE_CHECKING:  # named in annotations only: a result loads without torch or the options
+    import torch
+    from torch import nn
+
+    from sagenb.config.options import TrainConfig
 
 __all__ = ["TrainResult", "ModelSource"]
 

@@ -13,7 +13,8 @@ import argparse
 import time
 from pathlib import Path
 
-import sagenb
+from sagenb.pool.cluster import start_pool, stop_pool
+from sagenb.run.session import train
 
 JOB = """
 import math
@@ -46,10 +47,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     started = time.perf_counter()
-    pool = sagenb.start_pool(args.engines)
+    pool = start_pool(args.engines)
     print(f"pool of {pool.size} engines ready in {time.perf_counter() - started:.1f} s")
     try:
-        result = sagenb.train(
+        result = train(
             JOB,
             strategy="data",
             batch_size=args.batch_size,
@@ -58,7 +59,7 @@ def main(argv: list[str] | None = None) -> None:
             eval_every=32,
         )
     finally:
-        sagenb.stop_pool()
+        stop_pool()
     result.wait_for_projection()  # its own estimate, made while the engines trained
     print(result.summary())
     print(f"first step after {result.time_to_first_step_s:.2f} s on the warm pool")

@@ -26,6 +26,7 @@ from sagenb.config.errors import ConfigError
 from sagenb.config.job import Job
 from sagenb.config.options import TrainConfig, describe
 from sagenb.metrics import keys
+from sagenb.sizing import drawer
 from sagenb.sizing.cost import CostMeter, InstancePrice, check_price, seconds_span, seconds_text
 from sagenb.sizing.footprint import Footprint, footprint
 from sagenb.sizing.hardware import Hardware, check_hardware
@@ -213,10 +214,8 @@ class Estimate:
 
     def figure(self) -> Any:
         """Hours and dollars (on-demand and spot) on 1, 2, 4, 8 instances, as ranges (plotly:
-        notebook side only)."""
-        from sagenb.display.estimate_chart import scaling_figure
-
-        return scaling_figure(self)
+        notebook side only: the display draws it, sizing/drawer.py)."""
+        return drawer.draw(self)
 
 
 def _range(r: Range, fmt: str) -> str:

@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from sagenb.config.job import JobError
+from sagenb.config.registry import describe  # the strategies import model/: ask their seam
 from sagenb.engine.model.blocks import find_blocks
-from sagenb.engine.strategies import describe
 from sagenb.engine.torch_private import BatchNormBase, DropoutBase
 
 if TYPE_CHECKING:
