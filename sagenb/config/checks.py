@@ -10,11 +10,13 @@ import builtins
 import keyword
 import math
 import os
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from sagenb.config.errors import ConfigError
 
 __all__ = [
+    "option_pairs",
     "SHELL_NAMES",
     "check_checkpoint_dir",
     "check_writable_dir",
@@ -101,3 +103,17 @@ def check_writable_dir(name: str, value: str | None) -> None:
         parent = os.path.dirname(parent)
     if not os.path.isdir(parent) or not os.access(parent, os.W_OK | os.X_OK):
         raise ConfigError(name, value, f"cannot be written: {parent} is not writable")
+
+
+def option_pairs(name: str, given: Any) -> Iterable[tuple[str, Any]]:
+    """Option `name` (`strategy_options`) as given: a mapping of names to values, or
+    (name, value) pairs."""
+    if isinstance(given, Mapping):
+        return list(given.items())
+    if isinstance(given, (tuple, list)) and all(
+        isinstance(p, (tuple, list)) and len(p) == 2 and isinstance(p[0], str) for p in given
+    ):
+        return [(name, value) for name, value in given]
+    raise ConfigError(
+        name, given, "must be (name, value) pairs, or a mapping of option names to values"
+    )

@@ -27,9 +27,7 @@ import dataclasses
 import difflib
 import functools
 import os
-import types
-import typing
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
@@ -40,11 +38,12 @@ from sagenb.config.checks import (
     check_out,
     check_positive,
     check_writable_dir,
+    option_pairs,
 )
 from sagenb.config.errors import ConfigError, flag_name
 from sagenb.config.registry import DEFAULT_ENGINES, declared_options, describe
 from sagenb.config.registry import names as strategy_names
-from sagenb.config.spec import Option
+from sagenb.config.spec import Option, field_type
 
 #: what a run does when another run holds its pool (--if-busy; sagenb/pool/run_lock.py)
 IF_BUSY = ("wait", "fail")
@@ -129,7 +128,7 @@ def _strategy_keywords(cls: type[_Config]) -> type[_Config]:
     def __init__(self: Any, **options: Any) -> None:
         extra = {name: options.pop(name) for name in list(options) if name not in names}
         if extra:
-            options[_HOLDER] = (*_pairs(options.get(_HOLDER, ())), *extra.items())
+            options[_HOLDER] = (*option_pairs(_HOLDER, options.get(_HOLDER, ())), *extra.items())
         generated(self, **options)
 
     cls.__init__ = __init__  # type: ignore[method-assign]
@@ -326,7 +325,7 @@ class EngineConfig:
         sorted pairs without those at their default (see the field)."""
         declared = _declared()
         held: dict[str, Any] = {}
-        for name, value in _pairs(self.strategy_options):
+        for name, value in option_pairs(_HOLDER, self.strategy_options):
             if name not in declared:
                 raise ConfigError(name, value, _unknown(name, type(self), declared))
             value = declared[name].convert(value)
@@ -569,19 +568,6 @@ def _declared() -> dict[str, Option]:
     return {name: option for name, (option, _) in declared.items()}
 
 
-def _pairs(given: Any) -> Iterable[tuple[str, Any]]:
-    """`strategy_options` as given: a mapping of names to values, or (name, value) pairs."""
-    if isinstance(given, Mapping):
-        return list(given.items())
-    if isinstance(given, (tuple, list)) and all(
-        isinstance(p, (tuple, list)) and len(p) == 2 and isinstance(p[0], str) for p in given
-    ):
-        return [(name, value) for name, value in given]
-    raise ConfigError(
-        _HOLDER, given, "must be (name, value) pairs, or a mapping of option names to values"
-    )
-
-
 def _unknown(name: str, config: type, declared: Mapping[str, Option]) -> str:
     """What is allowed instead of option `name`, which neither `config` nor a strategy has."""
     if name in TrainConfig.__dataclass_fields__:  # given to EngineConfig
@@ -602,13 +588,3 @@ def _unknown(name: str, config: type, declared: Mapping[str, Option]) -> str:
     return (
         f"is no option: {hint}{config.__name__}'s options are listed in docs/flags.md, and {theirs}"
     )
-
-
-def field_type(f: dataclasses.Field, config: type = TrainConfig) -> Any:
-    """The type a flag's text converts to: `int` for `int | None` (`config`: the dataclass
-    that declares `f`, for a field TrainConfig lacks)."""
-    hint = typing.get_type_hints(config)[f.name]
-    args = [a for a in typing.get_args(hint) if a is not type(None)]
-    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
-        return args[0]
-    return hint

@@ -13,14 +13,17 @@ import the strategies.
 from __future__ import annotations
 
 import builtins
+import dataclasses
 import math
+import types
+import typing
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from sagenb.config.errors import ConfigError, flag_name
 
-__all__ = ["Option"]
+__all__ = ["Option", "field_type"]
 
 #: what a value of each plain type must be, for the message when it is not
 _WORDS = {int: "an integer", float: "a finite number", bool: "True or False", str: "a string"}
@@ -99,3 +102,13 @@ class Option:
         if self.type is int:  # True is an int to Python, not to a flag
             return isinstance(value, int) and not isinstance(value, bool)
         return isinstance(value, self.type)
+
+
+def field_type(f: dataclasses.Field, config: type) -> Any:
+    """The type a flag's text converts to: `int` for `int | None` (`config`: the dataclass
+    that declares `f`)."""
+    hint = typing.get_type_hints(config)[f.name]
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        return args[0]
+    return hint

@@ -217,19 +217,11 @@ def _train_rank(spec: RankSpec, publish: Publisher, made: list[str]) -> RankResu
         result = _rank_result(spec, publish, strategy, steps, device, unsaved)
         if spec.lineage and unsaved is None:
             state = kept.Kept(
-                lineage=spec.lineage,
-                cell=spec.job.first_line(),
-                config=spec.config,
-                ws=ws,
-                strategy=strategy,
-                segment=segment,
-                device=device,
-                modules=list(made),
-                restore_cache=restore_cache,
-            )
+                spec.lineage, spec.job.first_line(), spec.config, ws, strategy, segment,
+                device, modules=list(made), restore_cache=restore_cache,
+            )  # fmt: skip
             made.clear()  # the cell's module stays with the state
-            result.kept_mib = kept.keep(state)
-            keeping = True
+            result.kept_mib, keeping = kept.keep(state), True
         return result
     finally:
         if not keeping:

@@ -403,7 +403,8 @@ def _print_status(pool: cluster.EnginePool) -> None:
         print("{:>4} {:>6} {:>8} {:>7} {:<8} {:>11}  {}".format(*row))
     for r in rows:  # what each engine keeps of a run, for --continue
         if r.kept:
-            print(f"rank {r.rank} keeps {r.kept} (--continue goes on from it)")
+            held = f"step {r.kept['step']} of `{r.kept['cell']}`, {r.kept['mib']:.1f} MiB"
+            print(f"rank {r.rank} keeps {held} (--continue goes on from it)")
 
 
 SmpMagics.smp_train.__doc__ = train_parser().format_help()

@@ -68,8 +68,8 @@ class EngineStatus:
     threads: int
     device: str
     rss_mib: float
-    #: what the engine keeps of a run for --continue ("" when nothing): its cell, step, MiB
-    kept: str = ""
+    #: what the engine keeps of a run for --continue: {"cell", "step", "mib"}, or None
+    kept: dict[str, Any] | None = None
 
 
 class EnginePool:
@@ -281,7 +281,7 @@ class EnginePool:
                     threads=info["threads"],
                     device=info["device"],
                     rss_mib=info["rss_mib"],
-                    kept=_kept_text(info.get("kept")),
+                    kept=info.get("kept"),
                 )
             )
         return rows
@@ -593,10 +593,3 @@ def restart_pool(n: int | None = None) -> EnginePool:
     launcher = _current.launcher if _current is not None else "local"
     options = _current.options if _current is not None else None
     return start_pool(size, launcher=launcher, options=options)
-
-
-def _kept_text(kept: dict[str, Any] | None) -> str:
-    """What an engine keeps of a run, for the status table: "step 300 of `cell`, 12 MiB"."""
-    if not kept:
-        return ""
-    return f"step {kept['step']} of `{kept['cell']}`, {kept['mib']:.1f} MiB"

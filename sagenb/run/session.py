@@ -82,15 +82,22 @@ def train(
             pool, config, prepared, list(sinks), live=live, on_failure=on_failure,
             projection=projection, going_on=going_on,
         )  # fmt: skip
-        for note in notes:
-            run.warnings.append(note)
-            warnings.warn_explicit(note, RuntimeWarning, "sagenb", 0, module="sagenb")
-        try:
-            result = run.execute()
-        except TrainingInterrupted as err:  # stopped at a step boundary: its state is kept
-            if run.kept is not None and err.result is not None:
-                err.result.live = LiveRun(run.kept, train)
-            raise
+        return _executed(run, notes)
+
+
+def _executed(run: TrainingRun, notes: list[str]) -> TrainResult:
+    """The run's result (`notes`: what was done to its engines, warned first), with the state
+    its engines keep for --continue and the calls on the live model (run/live.py), a run
+    stopped at a step boundary by an interrupt too."""
+    for note in notes:
+        run.warnings.append(note)
+        warnings.warn_explicit(note, RuntimeWarning, "sagenb", 0, module="sagenb")
+    try:
+        result = run.execute()
+    except TrainingInterrupted as err:  # stopped at a step boundary: its state is kept
+        if run.kept is not None and err.result is not None:
+            err.result.live = LiveRun(run.kept, train)
+        raise
     if run.kept is not None:
         result.live = LiveRun(run.kept, train)
     return result

@@ -126,27 +126,7 @@ class TrainingRun:
             if self.going_on is not None
             else _rendezvous(self.pool, self.engines, self.config.collective_timeout)
         )
-        for_engines = self.config.for_engines()  # the notebook's own options stay here
-        specs = [
-            (
-                RankSpec(
-                    r,
-                    self.engines,
-                    self.store.host,
-                    self.store.port,
-                    # the host's cores shared by its engines (counted on this machine)
-                    self.config.threads_per_engine(local_size),
-                    for_engines,
-                    self.job,
-                    local_rank=local_rank,
-                    local_size=local_size,
-                    token=self.token,
-                    lineage=self.lineage,
-                    continues=self.going_on is not None,
-                ),
-            )
-            for r, (local_rank, local_size) in enumerate(self.pool.local_ranks(self.engines))
-        ]
+        specs = self._specs()
         self.started = time.perf_counter()
         self.ids = self.pool.engine_ids[: self.engines]
         self.ars = self.pool.submit(run_rank, specs)
@@ -171,6 +151,30 @@ class TrainingRun:
             # the store's port closes now, not when the traceback that holds this run goes
             del self.store
             self.containment.close()
+
+    def _specs(self) -> list[tuple[RankSpec]]:
+        """Each rank's RankSpec, as its task's arguments."""
+        for_engines = self.config.for_engines()  # the notebook's own options stay here
+        return [
+            (
+                RankSpec(
+                    r,
+                    self.engines,
+                    self.store.host,
+                    self.store.port,
+                    # the host's cores shared by its engines (counted on this machine)
+                    self.config.threads_per_engine(local_size),
+                    for_engines,
+                    self.job,
+                    local_rank=local_rank,
+                    local_size=local_size,
+                    token=self.token,
+                    lineage=self.lineage,
+                    continues=self.going_on is not None,
+                ),
+            )
+            for r, (local_rank, local_size) in enumerate(self.pool.local_ranks(self.engines))
+        ]
 
     def _run(self) -> TrainResult:
         with self.interrupts:
