@@ -9,7 +9,8 @@ for the same seconds at the same pace, as the session feeds them (log, then tick
 0.05 s), with the page's module of the widget varied (after a short live dashboard, not
 counted, which takes the kernel's one-time imports):
 
-- `shipped`: sagenb's live dashboard as it is;
+- `shipped`: sagenb's live dashboard as it is, with its Stop button (a run to stop);
+- `no Stop button`: the same, for a dashboard with no run to stop (what the button costs);
 - `messages only`: the same messages reach the page, which changes nothing on screen;
 - `header only` / `panels only`: the page redraws only the header, or only the panels;
 
@@ -68,6 +69,7 @@ def _without(esm: str, old: str, new: str) -> str:
 
 VARIANTS = {
     "shipped": _ESM,
+    "no Stop button": _ESM,  # the same module; the dashboard is given no on_stop
     "messages only": _without(
         _without(_ESM, HEADER, "const handlers = [];"), PANEL, "/* nothing drawn */"
     ),
@@ -88,7 +90,7 @@ res = sagenb.train({CELL!r}, batch_size={BATCH}, steps=1100, epochs=1100, engine
                    dashboard=False)
 sagenb.stop_pool()
 clear_output()"""
-    loop = f"""shipped, marks = D.LiveFigure, []
+    loop = f"""shipped, marks, asked = D.LiveFigure, [], []
 def replay(name, seconds):
     started = time.time()
     if name == "idle":
@@ -96,7 +98,9 @@ def replay(name, seconds):
     else:
         esm = traitlets.Unicode(ESMS[name]).tag(sync=True)
         D.LiveFigure = type("Variant", (shipped,), {{"_esm": esm}})
-        board = D.Dashboard(res.config, meter_for(res.config, 2), live=True)
+        on_stop = None if name == "no Stop button" else asked.append  # never pressed here
+        board = D.Dashboard(res.config, meter_for(res.config, 2), live=True, on_stop=on_stop)
+        assert board._figure_widget.stoppable == (on_stop is not None)
         n, i, t0 = len(res.metrics), 0, time.perf_counter()
         while (elapsed := time.perf_counter() - t0) < seconds:
             while i < n * elapsed / seconds:

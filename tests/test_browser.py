@@ -9,6 +9,7 @@ from fixtures that stop it, and kill what is left of its process tree, even when
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -27,6 +28,7 @@ from .lab import (
     KERNEL_READY,
     OUTPUTS,
     chromium_page,
+    code_notebook,
     jupyterlab,
     run_all,
 )
@@ -380,3 +382,92 @@ def test_an_executed_notebook_shows_its_dashboard_offline(tmp_path, home):
     print(f"executed notebook: {size / 1e3:.0f} KB; offline page: {traces} traces, {static}")
     assert traces >= 10 and static["points"] and min(static["points"]) > 1, (traces, static)
     assert static["engines"] == ["engine 0", "engine 1"], static
+
+
+# -- the Stop button (issue 51): pressed while the cell is busy following the run ---------------
+
+#: a run of 3,840 steps of ~10 ms (a minute or more), stopped long before its end
+STOPPED_CELL = """%%smp_train --batch-size 2 --epochs 40
+import time
+import torch
+from torch import nn
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+X = torch.randn(192, 8)
+dataset = torch.utils.data.TensorDataset(X, X @ torch.randn(8, 1))
+def loss_fn(output, target):
+    time.sleep(0.01)
+    return nn.functional.mse_loss(output, target)
+"""
+#: queued behind the run by Run All: it must run after it, once
+QUEUED_CELL = """ran = globals().get("ran", 0) + 1
+last = {}
+for m in smp_result.metrics:
+    last[m.rank] = max(last.get(m.rank, 0), m.step)
+print(f"queued cell run {ran} time(s): {smp_result.status} | {smp_result.stopped_by} | "
+      f"{len(smp_result.history)} steps | last step per rank {sorted(last.items())}")
+"""
+STOP_NOTEBOOK = code_notebook(
+    "%load_ext sagenb\n%smp_cluster start -n 2", STOPPED_CELL, QUEUED_CELL, "%smp_cluster stop"
+)
+STOP = ".smp-dashboard button.smp-stop"
+STOPPED = re.compile(r"stopped at step (\d+) of (\d+) by the dashboard's Stop button \|")
+QUEUED = re.compile(
+    r"queued cell run (\d+) time\(s\): stopped \| the dashboard's Stop button \| (\d+) steps \| "
+    r"last step per rank \[\(0, (\d+)\), \(1, (\d+)\)\]"
+)
+
+
+def _training_past(page, step: int) -> dict:
+    """The live dashboard once its header reads training past `step`."""
+    deadline = time.monotonic() + KERNEL_S + RUN_S
+    while time.monotonic() < deadline:
+        board = page.evaluate(DASHBOARD)
+        match = HEADER.search(board["header"])
+        if match and match[1] == "training" and int(match[2]) >= step:
+            return board
+        if match and match[1] not in ("starting", "training"):
+            raise AssertionError(f"the run ended {match[1]} before Stop: {board['header']}")
+        time.sleep(SAMPLE_S)
+    raise AssertionError(f"no training past step {step}: {page.evaluate(OUTPUTS)[-3000:]}")
+
+
+@pytest.mark.timeout(600)
+def test_the_stop_button_ends_the_run_at_a_step_boundary(home, tmp_path, request):
+    """Run All, then Stop pressed on the live dashboard while its cell is busy following the
+    run: every rank ends at the same step boundary long before the last step, "stopped" in the
+    header and in smp_result, by the button; the cell Run All queued behind it runs after it,
+    once. The live screenshot (the button in the header) is docs/dashboard.md's."""
+    from playwright.sync_api import expect
+
+    cluster.stop_pool()  # the notebook's kernel starts its own pool; keep the cores for it
+    root = tmp_path / "notebooks"
+    root.mkdir()
+    (root / "stop.ipynb").write_text(json.dumps(STOP_NOTEBOOK))
+    with jupyterlab(root, home, tmp_path) as server, chromium_page(home) as (page, _):
+        try:
+            page.goto(server.url("stop.ipynb"))
+            _wait(page, KERNEL_READY, KERNEL_S, "the notebook's kernel was not connected and idle")
+            run_all(page)
+            _training_past(page, 20)
+            stop = page.locator(STOP)
+            expect(stop).to_be_visible()
+            expect(stop).to_have_text("\u25a0 Stop")
+            _screenshot(page, shot("dashboard_stop_button.png"))
+            stop.click()
+            _wait(page, ALL_RAN, RUN_S, "not every cell ran after Stop")
+            header = page.locator(".smp-static-copy .smp-header").inner_text()
+            outputs = page.evaluate(OUTPUTS)
+            buttons_left = page.locator(STOP).count()  # the static copy has none
+            _screenshot(page, ARTIFACTS / "dashboard-stopped.png")
+        finally:
+            page.screenshot(path=ARTIFACTS / "page-stop.png")
+    stopped = STOPPED.search(header)
+    assert stopped, header
+    step, total = int(stopped[1]), int(stopped[2])
+    assert 20 <= step < total == 40 * 96, header
+    assert buttons_left == 0 and "stopped by the dashboard's Stop button: " in outputs
+    queued = QUEUED.findall(outputs)
+    # the queued cell ran once, after the run, which every rank ended at the header's step
+    assert queued == [("1", str(step), str(step), str(step))], outputs[-3000:]
+    keep("dashboard_stop_button.png", request)

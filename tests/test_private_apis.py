@@ -1,5 +1,6 @@
-"""torch's and ipyparallel's private names: each one sagenb relies on still there, and used only
-behind sagenb/engine/torch_private.py and sagenb/pool/ipyparallel_private.py (issue 34).
+"""torch's, ipyparallel's and ipykernel's private names: each one sagenb relies on still there, and
+used only behind sagenb/engine/torch_private.py, sagenb/pool/ipyparallel_private.py and
+sagenb/display/ipykernel_private.py (issue 34).
 
 No pool: these run in the fast lane, so a new torch that drops a name fails here first, naming
 the name and the sagenb code that needs it.
@@ -19,12 +20,14 @@ import pytest
 import torch
 from torch import nn
 
+from sagenb.display import ipykernel_private
 from sagenb.engine import torch_private
 from sagenb.pool import ipyparallel_private
 
 SAGENB = Path(__file__).resolve().parent.parent / "sagenb"
 TORCH_PRIVATE = SAGENB / "engine" / "torch_private.py"
 IPYPARALLEL_PRIVATE = SAGENB / "pool" / "ipyparallel_private.py"
+IPYKERNEL_PRIVATE = SAGENB / "display" / "ipykernel_private.py"
 
 
 def _private(dotted: str) -> bool:
@@ -74,6 +77,18 @@ def test_each_private_ipyparallel_name_resolves(entry: tuple[str, str, str]):
         pytest.fail(
             f"{module} {attribute!r} is gone from this ipyparallel ({exc}): sagenb's {used_by} "
             "depends on it; replace it in sagenb/pool/ipyparallel_private.py"
+        )
+
+
+@pytest.mark.parametrize("entry", ipykernel_private.PRIVATE_NAMES, ids=lambda e: e[1])
+def test_each_private_ipykernel_name_resolves(entry: tuple[str, str, str]):
+    module, attribute, used_by = entry
+    try:
+        resolve(module, attribute)
+    except (ImportError, AttributeError) as exc:
+        pytest.fail(
+            f"{module} {attribute!r} is gone from this ipykernel ({exc}): sagenb's {used_by} "
+            "depends on it; replace it in sagenb/display/ipykernel_private.py"
         )
 
 
@@ -167,6 +182,7 @@ def _names(entries) -> set[str]:
 
 TORCH_NAMES = _names(torch_private.PRIVATE_NAMES) | {"_orig_forward"}
 IPYPARALLEL_NAMES = _names(ipyparallel_private.PRIVATE_NAMES)
+IPYKERNEL_NAMES = _names(ipykernel_private.PRIVATE_NAMES)
 
 
 def private_uses(source: str, names: AbstractSet[str], *, torch_paths: bool = True) -> list[str]:
@@ -237,6 +253,12 @@ def test_no_other_module_uses_a_private_ipyparallel_name():
     )
 
 
+def test_no_other_module_uses_a_private_ipykernel_name():
+    assert _uses_outside(IPYKERNEL_PRIVATE, IPYKERNEL_NAMES, torch_paths=False) == {}, (
+        "private ipykernel names belong in sagenb/display/ipykernel_private.py"
+    )
+
+
 def _unlisted(path: Path, entries) -> list[str]:
     """The private names `path` imports or reads that no entry names."""
     listed = {(module, attribute.split(".")[0]) for module, attribute, *_ in entries}
@@ -257,11 +279,13 @@ def _unlisted(path: Path, entries) -> list[str]:
     return out
 
 
-def test_every_private_use_in_the_two_modules_is_listed():
-    """What torch_private.py and ipyparallel_private.py import or read privately is in their
-    PRIVATE_NAMES, so the names checked above are all the names relied on."""
+def test_every_private_use_in_the_three_modules_is_listed():
+    """What torch_private.py, ipyparallel_private.py and ipykernel_private.py import or read
+    privately is in their PRIVATE_NAMES, so the names checked above are all the names relied
+    on."""
     assert _unlisted(TORCH_PRIVATE, torch_private.PRIVATE_NAMES) == []
     assert _unlisted(IPYPARALLEL_PRIVATE, ipyparallel_private.PRIVATE_NAMES) == []
+    assert _unlisted(IPYKERNEL_PRIVATE, ipykernel_private.PRIVATE_NAMES) == []
     on_first_use = set(torch_private._ON_FIRST_USE.values())
     listed = {(m, a.split(".")[0]) for m, a, _ in torch_private.PRIVATE_NAMES}
     assert on_first_use - listed == set()
@@ -269,16 +293,16 @@ def test_every_private_use_in_the_two_modules_is_listed():
 
 # -- and no private attribute of another library reached, listed or not -----------------------
 #
-# The checks above find the names torch_private.py and ipyparallel_private.py list; a new
+# The checks above find the names the three shims (torch_private.py, ...) list; a new
 # private name (`module._x` on a torch module) is listed nowhere, and a static check cannot
-# know `module`'s type. So the rule is stated the other way round: outside the two shims, a
+# know `module`'s type. So the rule is stated the other way round: outside the shims, a
 # private attribute (a leading underscore, not a dunder) may be reached on the object's own
 # class (`self._x`, `cls._x`, `super()._x()`), or by a name sagenb itself defines: a function,
 # class or global of its own, a class attribute, or an attribute its own code sets on
-# `self`/`cls`, and that none of torch's and ipyparallel's main types also has (a name both
-# define is no proof the object is sagenb's). Marks sagenb puts on another library's objects
-# start with `_sagenb_`. Anything else reaches some other library's private attribute, and
-# fails: it belongs in a shim, named with the public API it stands in for.
+# `self`/`cls`, and that none of torch's, ipyparallel's and ipykernel's main types also has (a
+# name both define is no proof the object is sagenb's). Marks sagenb puts on another library's
+# objects start with `_sagenb_`. Anything else reaches some other library's private attribute,
+# and fails: it belongs in a shim, named with the public API it stands in for.
 
 OWN_MARK = "_sagenb_"
 #: the types sagenb's code holds most of torch's and ipyparallel's objects as
@@ -292,8 +316,9 @@ FOREIGN_TYPES = (
     "ipyparallel:AsyncResult",
     "ipyparallel:DirectView",
     "ipyparallel:LoadBalancedView",
+    "ipykernel.comm.comm:BaseComm",  # a widget's comm (the Stop button)
 )
-SHIMS = (TORCH_PRIVATE, IPYPARALLEL_PRIVATE)
+SHIMS = (TORCH_PRIVATE, IPYPARALLEL_PRIVATE, IPYKERNEL_PRIVATE)
 #: the calls that reach an attribute by a string
 BY_NAME = ("getattr", "setattr", "hasattr", "delattr")
 
@@ -406,6 +431,7 @@ def test_no_module_reaches_another_librarys_private_attribute():
     }
     assert found == {}, (
         "a private attribute of torch's, ipyparallel's or another library's: reach it in "
-        "sagenb/engine/torch_private.py or sagenb/pool/ipyparallel_private.py, listed in their "
+        "sagenb/engine/torch_private.py, sagenb/pool/ipyparallel_private.py or "
+        "sagenb/display/ipykernel_private.py, listed in their "
         "PRIVATE_NAMES with the public API it stands in for (or use a public one)"
     )

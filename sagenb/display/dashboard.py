@@ -7,8 +7,10 @@ header (status, progress, layout, time left, cost) and the figure as an inline S
 Python from the chart spec (charts.py, svg_figure.py). The header and the loss panel are
 redrawn every second (REDRAW_S, 0.9 s); the other panels every 2 s at first, then less often,
 every FIGURE_MAX_S from a quarter of a minute on (`figure_period`); each redraw is one message that
-holds only the panels whose drawing changed. When the run ends, a static copy (the same header and
-drawing) replaces the live widget in the same output: what a saved notebook holds, shown
+holds only the panels whose drawing changed. Given the run's `on_stop`, the header has a Stop
+button: pressed, the run ends at its next step boundary on every rank, "stopped", heard while
+the cell is still busy following the run. When the run ends, a static copy (the same header and
+drawing, no button) replaces the live widget in the same output: what a saved notebook holds, shown
 offline and without a kernel. Anywhere else (a script, a test) it only records, and
 `save_html` writes the figure, interactive (plotly.js inline), to one self-contained file. This
 module, charts.py and svg_figure.py own plotly and the drawing; nothing on the engine side
@@ -18,8 +20,9 @@ imports them.
 from __future__ import annotations
 
 import html
+import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +36,10 @@ from sagenb.metrics import keys
 from sagenb.metrics.stream import History
 from sagenb.sizing.cost import CostMeter
 
-__all__ = ["Dashboard", "layout_text", "figure_period"]
+__all__ = ["Dashboard", "layout_text", "figure_period", "STOP_BUTTON"]
+
+#: who stopped a run whose Stop button was pressed, as the header and `stopped_by` say it
+STOP_BUTTON = "the dashboard's Stop button"
 
 #: the header and the loss panel are redrawn this often, together: at least once a second,
 #: as the session's polling (session.POLL_S) adds up to 0.05 s. What costs the page is
@@ -97,7 +103,10 @@ class Dashboard:
         *,
         history: History | None = None,
         live: bool | None = None,
+        on_stop: Callable[[str], None] | None = None,
     ) -> None:
+        """`on_stop(who)`: asks the run to stop at its next step boundary; with it, the live
+        dashboard has a Stop button (where the kernel can hear it while the cell runs)."""
         self.config, self.cost = config, cost
         self.engines = config.engines or 1
         # The session's history is a sink logged before this one: share it rather than
@@ -115,6 +124,10 @@ class Dashboard:
         self.total_steps: int | None = None
         self.rate_key = keys.THROUGHPUT
         self.status, self.elapsed = "starting", 0.0
+        self.on_stop = on_stop
+        self.stopped_by: str | None = None  # who ended the run early, once it has ended
+        self._clicked = threading.Event()  # set from ipykernel's shell-channel thread
+        self.stop_asked = False  # the click passed on to the run (`tick`)
         self.warnings: list[str] = []  # why the run cannot equal one process's (equivalence.py)
         self._logged = 0  # records logged; a redraw with nothing new draws nothing
         self._drawn = {"all": 0, "every second": 0}  # _logged at each kind's last redraw
@@ -142,8 +155,11 @@ class Dashboard:
 
     def tick(self, elapsed: float) -> None:
         """Called by the session while it waits: every REDRAW_S the header and the loss, and
-        the other panels when their period (`figure_period`) is due, in one message."""
+        the other panels when their period (`figure_period`) is due, in one message. A click
+        of the Stop button since the last tick is passed on to the run first."""
         self.elapsed = elapsed
+        if self._clicked.is_set() and not self.stop_asked:
+            self._ask_stop()
         now = time.monotonic()
         if now - self._last_redraw < REDRAW_S:
             return
@@ -155,13 +171,30 @@ class Dashboard:
         if self._redraw(every_second=every_second) and not every_second:
             self._last_draw = now
 
-    def finish(self, elapsed: float, *, status: str) -> None:
-        """The run ended: "done", "failed" or "interrupted" (by the kernel's interrupt, or
-        early at a step boundary: a non-finite loss with --stop-on-nonfinite); the header
-        says which."""
-        self.elapsed, self.status = elapsed, status
+    def stop_clicked(self) -> None:
+        """The Stop button's handler: the click is recorded, from whichever thread hears it
+        (ipykernel's shell-channel thread, live_figure.listen_for_stop), and the session's
+        next `tick` asks the run to stop, from the thread that follows the run."""
+        self._clicked.set()
+
+    def _ask_stop(self) -> None:
+        self.stop_asked = True
+        if self.on_stop is not None:
+            self.on_stop(STOP_BUTTON)
+        if self._figure_widget is not None:
+            self._figure_widget.stopping = True  # every view of it says "Stopping..."
+        self._redraw_header()
+
+    def finish(self, elapsed: float, *, status: str, stopped_by: str | None = None) -> None:
+        """The run ended: "done", "failed", "stopped" (at a step boundary, by the Stop
+        button) or "interrupted" (by the kernel's interrupt, or at a step boundary: a
+        non-finite loss with --stop-on-nonfinite); the header says which and, for a run that
+        ended early, at which step and `stopped_by` whom."""
+        self.elapsed, self.status, self.stopped_by = elapsed, status, stopped_by
         self.cost_points.append((elapsed, self.cost.cost(elapsed)))
         self._logged += 1
+        if self._figure_widget is not None:
+            self._figure_widget.stoppable = False  # nothing left to stop
         self._redraw()
         self._leave_static_copy()
 
@@ -198,10 +231,20 @@ class Dashboard:
         if total and done and self.status == "training":
             left = f", ~{_duration(self.elapsed * (todo - done) / done)} left"
         return (
-            f"{self.status} | {layout_text(self.config)} | step {step}/{total or '?'}, epoch "
-            f"{epoch}/{self.config.epochs} | {_duration(self.elapsed)} elapsed{left} | "
+            f"{self._status_text(step)} | {layout_text(self.config)} | step {step}/"
+            f"{total or '?'}, epoch {epoch}/{self.config.epochs} | {_duration(self.elapsed)} "
+            f"elapsed{left} | "
             f"{self._cost_text()}"
         )
+
+    def _status_text(self, step: int) -> str:
+        """ "training", "done", ...; "stopped at step 37 of 200 by the dashboard's Stop
+        button" for a run that ended early; "stopping" once the Stop button is passed on."""
+        if self.stopped_by is not None:
+            return f"{self.status} at step {step} of {self.total_steps or '?'} by {self.stopped_by}"
+        if self.stop_asked and self.status == "training":
+            return f"stopping at the next step boundary ({STOP_BUTTON})"
+        return self.status
 
     def _cost_text(self) -> str:
         """ "this run" (measured; priced only on the instance's kind of hardware) and
@@ -252,6 +295,8 @@ class Dashboard:
 
         fig = self.to_figure(header=False)  # the header is HTML above it
         self._figure_widget = widget = LiveFigure(fig, header=self._header_html())
+        if self.on_stop is not None:
+            widget.listen_for_stop(self.stop_clicked)
         widget.add_class("smp-dashboard")
         widget.add_class("tex2jax_ignore")  # JupyterLab would typeset "$0.03 so far, $0.09"
         self._display = display(widget, display_id=True)

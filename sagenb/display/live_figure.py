@@ -14,33 +14,57 @@ redraw replaces the children of one panel's `<g>`, and the widget's module is a 
   for the subplot on plotly's axes x3, y3), set only when its drawing changed, so a redraw sends
   only the panels whose data changed, and a page that opens the widget late (a reload, a
   second view) draws its current state. What the page shows is `shown` (tests read it).
+- The Stop button (`listen_for_stop`) sits at the header's right; pressed, it says
+  "Stopping..." in every view of the widget. The click is heard while the cell still runs
+  (ipykernel_private.py); the run stops at its next step boundary (run/training_run.py).
 - When the run ends the dashboard replaces the widget with its static copy (the same drawing
-  of the finished figure) and closes it: nothing of it stays in a saved notebook.
+  of the finished figure, no button) and closes it: nothing of it stays in a saved notebook.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import anywidget
 import traitlets
 
+from sagenb.display import ipykernel_private
 from sagenb.display.svg_figure import Drawing
 
-__all__ = ["LiveFigure"]
+__all__ = ["LiveFigure", "STOP_MESSAGE"]
+
+#: what the page sends when the Stop button is pressed (anywidget's `model.send`)
+STOP_MESSAGE = {"event": "stop"}
 
 _ESM = r"""
 export default {
   render({ model, el }) {
+    const top = document.createElement("div");
     const header = document.createElement("div");
+    const stop = document.createElement("button");
     const chart = document.createElement("div");
-    el.append(header, chart);
+    top.style.cssText = "display: flex; align-items: flex-start; gap: 8px";
+    header.style.flex = "1";
+    stop.className = "smp-stop";
+    stop.title = "End the run after the step in progress, on every rank: nothing is lost";
+    stop.style.cssText = "font: inherit; font-size: 12px; padding: 1px 10px; cursor: pointer; "
+      + "color: #b42318; background: #fff; border: 1px solid #d0857d; border-radius: 3px";
+    stop.onclick = () => { model.send({ event: "stop" }); showStop(true); };
+    top.append(header, stop);
+    el.append(top, chart);
     chart.innerHTML = model.get("svg");
     const groups = new Map(
       [...chart.querySelectorAll("g.panel")].map((g) => [g.dataset.axes, g]));
     const showHeader = () => { header.innerHTML = model.get("header"); };
+    const showStop = (clicked) => {
+      const stopping = clicked === true || model.get("stopping");
+      stop.hidden = !model.get("stoppable");
+      stop.disabled = stopping;
+      stop.textContent = stopping ? "Stopping\u2026" : "\u25A0 Stop";
+    };
     const handlers = [["change:header", showHeader]];
+    handlers.push(["change:stoppable", showStop], ["change:stopping", showStop]);
     for (const key of model.get("panels")) {
       const draw = () => {
         const content = model.get(`panel_${key}`);
@@ -50,6 +74,7 @@ export default {
       handlers.push([`change:panel_${key}`, draw]);
     }
     showHeader();
+    showStop();
     for (const [event, handler] of handlers) model.on(event, handler);
     return () => { for (const [event, handler] of handlers) model.off(event, handler); };
   },
@@ -64,6 +89,9 @@ class LiveFigure(anywidget.AnyWidget):
     header = traitlets.Unicode("").tag(sync=True)  # HTML
     svg = traitlets.Unicode("").tag(sync=True)  # the first draw: the whole figure
     panels = traitlets.List(traitlets.Unicode()).tag(sync=True)  # the panels' axes, in order
+    #: the Stop button is shown (the run can hear it: `listen_for_stop`), and has been acted on
+    stoppable = traitlets.Bool(False).tag(sync=True)
+    stopping = traitlets.Bool(False).tag(sync=True)
 
     def __init__(self, fig: Any, *, header: str = "") -> None:
         self.drawing = Drawing(fig, css_class="smp-live")
@@ -76,6 +104,20 @@ class LiveFigure(anywidget.AnyWidget):
             **{f"panel_{key}": traitlets.Unicode("").tag(sync=True) for key in self.shown}
         )
         self.sent_chars = 0  # what the redraws sent (the benchmark and the tests read it)
+
+    def listen_for_stop(self, clicked: Callable[[], None]) -> bool:
+        """Show the Stop button, calling `clicked()` when it is pressed, while the cell runs:
+        in ipykernel's shell-channel thread, as the click arrives (ipykernel_private.py says
+        how and why), so `clicked` only records it. Without a kernel that can tell (a script,
+        a test), no button, and False."""
+
+        def heard(data: Any) -> None:
+            if isinstance(data, dict) and data.get("method") == "custom":
+                if data.get("content") == STOP_MESSAGE:
+                    clicked()
+
+        self.stoppable = ipykernel_private.on_arrival(self.comm, heard)
+        return self.stoppable
 
     def show_header(self, html: str) -> None:
         if html != self.header:

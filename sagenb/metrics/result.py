@@ -77,18 +77,21 @@ class TrainResult:
     device: str
     #: the cell's source, when the job was a cell (None for a callable)
     source: str | None
-    #: "done" (every planned step), "interrupted" (ended early at a step boundary or by an
-    #: interrupt: `stopped_by` says who asked; the parameters when the ranks stopped cleanly)
-    #: or "failed" (the history up to the failure, as `err.result` and smp_result; the
-    #: parameters when every rank returned them, e.g. when only the final checkpoint failed)
+    #: "done" (every planned step), "stopped" (ended early at a step boundary by the
+    #: dashboard's Stop button, parameters and history whole), "interrupted" (by the kernel's
+    #: interrupt, or at a step boundary by --stop-on-nonfinite; the parameters when the ranks
+    #: stopped cleanly) or "failed" (the history up to the failure, as `err.result` and
+    #: smp_result; the parameters when every rank returned them, e.g. when only the final
+    #: checkpoint failed). A run that ended early says who asked in `stopped_by`.
     status: str
     _state_dict: dict[str, torch.Tensor] = field(repr=False)
     dashboard: Any = field(default=None, repr=False)
     #: why this run cannot equal one process's training (BatchNorm per microbatch or slice,
     #: dropout drawn per engine), one sentence each with what to do; [] when it can
     warnings: list[str] = field(default_factory=list)
-    #: who ended an "interrupted" run early: the kernel's interrupt, --stop-on-nonfinite (and
-    #: the step), or a stop request the notebook did not send; None otherwise
+    #: who ended a "stopped" or "interrupted" run early: the dashboard's Stop button, the
+    #: kernel's interrupt, --stop-on-nonfinite (and the step), or a stop request the notebook
+    #: did not send; None otherwise
     stopped_by: str | None = None
     #: builds the cell's model again in the kernel, for model() and save_pretrained(); None
     #: for a result made by hand

@@ -50,6 +50,8 @@ OUTPUT_S = 10.0  # how long to wait for the last published metrics after a rank 
 #: what the engines say that is no equivalence warning: --resume's notes, the optimizer's mapping
 NOTICES = ("--resume:", "make_optimizer's")
 LAST_OUTPUT_S = 2.0  # after a failure, how long the ended ranks' last metrics get to arrive
+#: the statuses of a run that ended before its last step, whose `stopped_by` says who asked
+ENDED_EARLY = ("stopped", "interrupted")
 
 
 def _rendezvous(pool: cluster.EnginePool, world_size: int, timeout_s: float) -> TCPStore:
@@ -94,7 +96,9 @@ class TrainingRun:
         self.history = going_on.history if going_on else History(self.engines, config.batch_size)
         self.first_row = len(self.history.steps)
         self.dashboard = (
-            _make_dashboard(config, self.cost, self.history, live) if config.dashboard else None
+            _make_dashboard(config, self.cost, self.history, live, on_stop=self.stop)
+            if config.dashboard
+            else None
         )
         # after the history, which they read: the event files (--log-dir), the dashboard
         self.event_log = (
@@ -115,6 +119,8 @@ class TrainingRun:
         self.warnings: list[str] = []
         #: why the run ended before its last step, when it did without an interrupt
         self.stop_reason: str | None = None
+        #: what such a run is: "stopped" when asked through `stop`, "interrupted" otherwise
+        self.stop_status = "interrupted"
         self.nonfinite_step: int | None = None
 
     def execute(self) -> TrainResult:
@@ -254,8 +260,9 @@ class TrainingRun:
 
     def _status(self, results: list[RankResult]) -> str:
         """ "done" only when every rank finished the planned steps; a run that ended early is
-        "interrupted" and says who asked (a request this notebook did not send is warned
-        about: it carried the run's token, so it came from one of the run's own ranks)."""
+        "stopped" (the Stop button, `stop`) or "interrupted" and says who asked (a request
+        this notebook did not send is warned about: it carried the run's token, so it came
+        from one of the run's own ranks)."""
         planned = self._planned()
         last = min(r.steps for r in results)
         if planned is None or last >= planned:
@@ -272,7 +279,7 @@ class TrainingRun:
                 0,
                 module="sagenb",
             )
-        return "interrupted"
+        return self.stop_status
 
     def _planned(self) -> int | None:
         """The steps the run makes, as its latest step said: fixed for a map-style dataset; a
@@ -302,7 +309,7 @@ class TrainingRun:
             ),
             dashboard=self.dashboard,
             warnings=list(self.warnings),
-            stopped_by=self.stop_reason if status == "interrupted" else None,
+            stopped_by=self.stop_reason if status in ENDED_EARLY else None,
             model_source=CellModel(self.job, self.config.seed, self.config.delay_init),
             segments=self._segments(),
             billed=self.cost.billed_here,
@@ -398,8 +405,7 @@ class TrainingRun:
         self.nonfinite_step = rec.step
         what = f"the loss of step {rec.step} on rank {rec.rank} is {loss}"
         if self.config.stop_on_nonfinite:
-            self.stop_reason = f"{what} (--stop-on-nonfinite)"
-            self.containment.request_stop()
+            self.stop(f"{what} (--stop-on-nonfinite)", status="interrupted")
             note = f"{what}: the run stops after this step (--stop-on-nonfinite)"
         else:
             note = f"{what}: training goes on; --stop-on-nonfinite ends the run at the first one"
@@ -407,6 +413,14 @@ class TrainingRun:
         if self.dashboard is not None:
             self.dashboard.warnings.append(note)
         warnings.warn_explicit(note, RuntimeWarning, "sagenb", 0, module="sagenb")
+
+    def stop(self, by: str, *, status: str = "stopped") -> None:
+        """End the run at the next step boundary on every rank, nothing lost (the dashboard's
+        Stop button, --stop-on-nonfinite): the run ends `status`, and its result's
+        `stopped_by` and the dashboard's header say `by`, the first to ask."""
+        if self.stop_reason is None:
+            self.stop_reason, self.stop_status = by, status
+        self.containment.request_stop()
 
     def _collect(self) -> list[RankResult]:
         results: list[RankResult] = [ar.get(timeout=0) for ar in self.ars]  # all ready
@@ -500,7 +514,8 @@ class TrainingRun:
             self.projection.release()
         self.output.drain(final=True)  # its output has arrived (_collect, _last_metrics)
         if self.dashboard is not None:
-            self.dashboard.finish(self.wall_s, status=status)
+            by = self.stop_reason if status in ENDED_EARLY else None
+            self.dashboard.finish(self.wall_s, status=status, stopped_by=by)
         for sink in self.sinks:
             sink.close()
 
@@ -525,9 +540,16 @@ def _runs_on(pool: cluster.EnginePool) -> str | None:
     return torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"
 
 
-def _make_dashboard(config: TrainConfig, cost: CostMeter, history: History, live: bool | None):
+def _make_dashboard(
+    config: TrainConfig,
+    cost: CostMeter,
+    history: History,
+    live: bool | None,
+    *,
+    on_stop: Callable[[str], None],
+):
     from sagenb.display.dashboard import (
         Dashboard,  # plotly is imported only when a dashboard is shown
     )
 
-    return Dashboard(config, cost, history=history, live=live)
+    return Dashboard(config, cost, history=history, live=live, on_stop=on_stop)
