@@ -406,10 +406,20 @@ for m in smp_result.metrics:
     last[m.rank] = max(last.get(m.rank, 0), m.step)
 print(f"queued cell run {ran} time(s): {smp_result.status} | {smp_result.stopped_by} | "
       f"{len(smp_result.history)} steps | last step per rank {sorted(last.items())}")
+stopped_at = len(smp_result.history)
+"""
+#: the same cell, gone on from where Stop left it for 5 more steps (IPython expands the {})
+CONTINUED_CELL = STOPPED_CELL.replace(
+    "--epochs 40\n", "--epochs 40 --steps {stopped_at + 5} --continue\n", 1
+)
+WENT_ON_CELL = """print(f"went on: {smp_result.status} | segments {smp_result.segments} | "
+      f"steps {smp_result.history[0]['step']}-{smp_result.history[-1]['step']}")
 """
 STOP_NOTEBOOK = code_notebook(
-    "%load_ext sagenb\n%smp_cluster start -n 2", STOPPED_CELL, QUEUED_CELL, "%smp_cluster stop"
-)
+    "%load_ext sagenb\n%smp_cluster start -n 2", STOPPED_CELL, QUEUED_CELL, CONTINUED_CELL,
+    WENT_ON_CELL, "%smp_cluster stop",
+)  # fmt: skip
+WENT_ON = re.compile(r"went on: done \| segments \[1, (\d+)\] \| steps 1-(\d+)")
 STOP = ".smp-dashboard button.smp-stop"
 STOPPED = re.compile(r"stopped at step (\d+) of (\d+) by the dashboard's Stop button \|")
 QUEUED = re.compile(
@@ -437,7 +447,8 @@ def test_the_stop_button_ends_the_run_at_a_step_boundary(home, tmp_path, request
     """Run All, then Stop pressed on the live dashboard while its cell is busy following the
     run: every rank ends at the same step boundary long before the last step, "stopped" in the
     header and in smp_result, by the button; the cell Run All queued behind it runs after it,
-    once. The live screenshot (the button in the header) is docs/dashboard.md's."""
+    once; the same cell with --continue then goes on from that step. The live screenshot (the
+    button in the header) is docs/dashboard.md's."""
     from playwright.sync_api import expect
 
     cluster.stop_pool()  # the notebook's kernel starts its own pool; keep the cores for it
@@ -456,7 +467,7 @@ def test_the_stop_button_ends_the_run_at_a_step_boundary(home, tmp_path, request
             _screenshot(page, shot("dashboard_stop_button.png"))
             stop.click()
             _wait(page, ALL_RAN, RUN_S, "not every cell ran after Stop")
-            header = page.locator(".smp-static-copy .smp-header").inner_text()
+            header = page.locator(".smp-static-copy .smp-header").first.inner_text()
             outputs = page.evaluate(OUTPUTS)
             buttons_left = page.locator(STOP).count()  # the static copy has none
             _screenshot(page, ARTIFACTS / "dashboard-stopped.png")
@@ -470,4 +481,6 @@ def test_the_stop_button_ends_the_run_at_a_step_boundary(home, tmp_path, request
     queued = QUEUED.findall(outputs)
     # the queued cell ran once, after the run, which every rank ended at the header's step
     assert queued == [("1", str(step), str(step), str(step))], outputs[-3000:]
+    # and --continue went on from that step: one history, the second segment from step + 1
+    assert WENT_ON.findall(outputs) == [(str(step + 1), str(step + 5))], outputs[-3000:]
     keep("dashboard_stop_button.png", request)

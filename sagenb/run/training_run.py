@@ -95,11 +95,7 @@ class TrainingRun:
         # one history across a run's segments (--continue appends to the kept run's)
         self.history = going_on.history if going_on else History(self.engines, config.batch_size)
         self.first_row = len(self.history.steps)
-        self.dashboard = (
-            _make_dashboard(config, self.cost, self.history, live, on_stop=self.stop)
-            if config.dashboard
-            else None
-        )
+        self.dashboard = self._dashboard(live)
         # after the history, which they read: the event files (--log-dir), the dashboard
         self.event_log = (
             event_log.EventLog(config, self.history, self.engines) if config.log_dir else None
@@ -110,8 +106,6 @@ class TrainingRun:
             *([self.event_log] if self.event_log else []),
             *([self.dashboard] if self.dashboard else []),
         ]
-        if self.dashboard is not None and going_on is not None:
-            self.dashboard.segments = [*going_on.segments, going_on.step + 1]
         self.first_step_s: float | None = None
         self.ended: float | None = None  # when the run ended (before any repair of the pool)
         self.last_progress = time.monotonic()
@@ -122,6 +116,15 @@ class TrainingRun:
         #: what such a run is: "stopped" when asked through `stop`, "interrupted" otherwise
         self.stop_status = "interrupted"
         self.nonfinite_step: int | None = None
+
+    def _dashboard(self, live: bool | None) -> Any:
+        """The run's dashboard (None with --no-dashboard), marking the segments gone on from."""
+        if not self.config.dashboard:
+            return None
+        board = _make_dashboard(self.config, self.cost, self.history, live, on_stop=self.stop)
+        if self.going_on is not None:
+            board.segments = [*self.going_on.segments, self.going_on.step + 1]
+        return board
 
     def execute(self) -> TrainResult:
         self.token = secrets.token_hex(16)  # never written to the store before a stop request
