@@ -174,13 +174,14 @@ def test_quickstart_runs_in_jupyterlab(lab, page, request):
         panel.wait_for(state="visible", timeout=KERNEL_S * 1000)
         for button in ("Start", "Stop", "Restart", "Plan"):
             assert panel.get_by_role("button", name=button, exact=True).is_visible()
-        # its text can be laid out after its buttons are (one CI run read it empty between)
+        # Its rendered text can read empty after its buttons were seen: laid out later, or the
+        # cell scrolled out by Run All (JupyterLab skips the layout of cells out of view; two CI
+        # runs read it empty). So scroll it in and wait for the text itself, as rendered.
         from playwright.sync_api import expect
 
-        expect(panel).to_contain_text("%%smp_train --engines 2", timeout=KERNEL_S * 1000)
-        panel_text = panel.inner_text()
-        assert "%%smp_train --engines 2" in panel_text, panel_text
-        assert re.search(r"2 engines: rank 0 .*, rank 1 ", panel_text), panel_text
+        panel.scroll_into_view_if_needed()
+        for text in ("%%smp_train --engines 2", re.compile(r"2 engines: rank 0 .*, rank 1 ")):
+            expect(panel).to_contain_text(text, use_inner_text=True, timeout=KERNEL_S * 1000)
         # one tab per section of the options, the first (Parallelism) open
         tabs = panel.get_by_role("tab").all_inner_texts()
         assert tabs[:2] == ["Parallelism", "Training"] and "Output" in tabs, tabs

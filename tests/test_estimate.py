@@ -264,25 +264,22 @@ def test_a_cell_run_again_is_projected_at_once_without_a_second_child():
     estimated, --steps and --epochs aside (they change how many steps, not a step's cost), and
     a run of the same before it came takes the figure of the child at work; a run of other
     options makes its own."""
+    # a cell of its own: figures are kept for the whole process, and another test's run of
+    # REGRESSION_CELL may have made the one `other` must make
+    job = Job.of(REGRESSION_CELL + "\n# projected by this test alone\n")
     config = TrainConfig(engines=2, batch_size=16, steps=4).with_engines(2)
-    first = Projection.for_run(None, Job.of(REGRESSION_CELL), config)
+    first = Projection.for_run(None, job, config)
     assert first.pending
     # run again before the figure came: it follows the child at work, starting none
-    follows = Projection.for_run(
-        None, Job.of(REGRESSION_CELL), dataclasses.replace(config, steps=2)
-    )
+    follows = Projection.for_run(None, job, dataclasses.replace(config, steps=2))
     assert follows.pending and follows._child is None
     assert first.wait(120) and follows.wait(10), first.why
     assert first.step_time_s is not None
     assert follows.step_time_s == first.step_time_s
-    again = Projection.for_run(
-        None, Job.of(REGRESSION_CELL), dataclasses.replace(config, steps=9, epochs=3)
-    )
+    again = Projection.for_run(None, job, dataclasses.replace(config, steps=9, epochs=3))
     assert not again.pending and again._child is None
     assert again.step_time_s == first.step_time_s
-    other = Projection.for_run(
-        None, Job.of(REGRESSION_CELL), dataclasses.replace(config, batch_size=8)
-    )
+    other = Projection.for_run(None, job, dataclasses.replace(config, batch_size=8))
     assert other.pending and other._child is not None
     other.cancel("not needed")
 

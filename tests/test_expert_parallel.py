@@ -216,7 +216,9 @@ def test_an_exported_script_spreads_the_experts_as_the_pool_does(pool, tmp_path)
     result = sagenb.train(MOE_CELL, **options)
     sagenb.export(MOE_CELL, tmp_path / "train.py", **options)
     command = [str(TORCHRUN), "--nproc-per-node", "2", "--master-port", str(free_port())]
-    run([*command, "train.py", "--metrics-file", "metrics.jsonl"], cwd=tmp_path)
+    # every step's routing is compared, so every step is logged (the default is every 10th)
+    flags = ["--metrics-file", "metrics.jsonl", "--log-every", "1"]
+    run([*command, "train.py", *flags], cwd=tmp_path)
     state = torch.load(tmp_path / "train_state.pt", weights_only=True)
     assert_params_equal(state, result.state_dict(), tol=1e-6)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
