@@ -17,6 +17,8 @@ import sagenb
 from sagenb.engine import clean_slate
 
 from .helpers import check_equal
+from .models import llama_cell
+from .test_collate import cell as collate_cell
 
 # a classifier whose loss looks F.cross_entropy up at each call, as nn.CrossEntropyLoss does; it
 # scales its loss by SAGENB_TEST_SCALE, as a cell reading its settings from the environment would
@@ -123,3 +125,16 @@ def test_restore_puts_back_what_a_cell_changes_in_a_millisecond():
         times.append(time.perf_counter() - started)
     # measured: 0.4-1.2 ms on the 2-core test machine; 20 ms leaves room for a loaded one
     assert statistics.median(times) < 0.02, times
+
+
+def test_a_replaced_engine_splits_tensors_as_the_one_beside_it(pool):
+    """DTensor keeps its sharding decisions in per-process caches. An engine that ran a
+    tensor-parallel Llama on samples of other lengths kept them, the engine that replaced its
+    peer had none, and the next tensor-parallel run took wrong gradients (its loss was right):
+    parameters 0.04 apart after one step. Every run starts with them emptied."""
+    sagenb.train(collate_cell("own"), strategy="tensor", batch_size=16, steps=2, dashboard=False)
+    pool.kill([pool.engine_ids[0]])
+    pool.heal()
+    cell, options = llama_cell(), dict(batch_size=16, steps=2)
+    result = sagenb.train(cell, strategy="tensor", dashboard=False, **options)
+    check_equal(result, cell, **options)

@@ -15,7 +15,9 @@ every run (`restore`, a task of its own on each engine, pool/clean.py):
   import happens once per process;
 - `os.environ` (variables set since are removed, changed ones put back);
 - the soft resource limits (`resource.setrlimit`);
-- `sys.stdout` and `sys.stderr`, where a cell replaced them.
+- `sys.stdout` and `sys.stderr`, where a cell replaced them;
+- DTensor's caches of sharding decisions, emptied: a replaced engine starts with none, and ranks
+  that decide differently compute wrong gradients (engine/torch_private.py).
 
 What a process cannot undo is reported instead, and the notebook replaces that engine: a hard
 limit lowered below its start (only a privileged process may raise one, man 2 setrlimit),
@@ -40,6 +42,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from sagenb.engine import torch_private
 from sagenb.engine.live import kept
 
 __all__ = ["Baseline", "remember", "restore", "Restored"]
@@ -154,6 +157,7 @@ def restore(base: Baseline | None = None) -> Restored:
     state kept for --continue is released first (live/kept.py): every run but a
     continuation starts clean."""
     kept.release()
+    torch_private.forget_dtensor_shardings()
     if base is None and _baseline is None:
         remember()
         return Restored([], [])

@@ -18,6 +18,7 @@ torch build may lack, only by `dump_flight_recorder_json`.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterator
 from functools import partial
 from importlib import import_module
@@ -85,6 +86,7 @@ __all__ = [
     "dump_flight_recorder_json",
     "end_step",
     "exchange",
+    "forget_dtensor_shardings",
     "forget_failed_init",
     "interleaved_order",
     "loss_of",
@@ -372,6 +374,25 @@ def shipped_tp_plan(model: nn.Module) -> dict[str, str] | None:
     return plan if plan is not None else getattr(model, "_tp_plan", None)
 
 
+def forget_dtensor_shardings() -> None:
+    """Empty DTensor's caches of sharding decisions (the C++ dispatch's and the Python
+    propagator's), as a fresh process has them, when DTensor was imported.
+
+    The caches are per process and outlive a run. An engine that had run a tensor-parallel
+    model kept them, and a replaced engine beside it started empty: the two ranks then took
+    different decisions for the same ops of the next tensor-parallel run and computed wrong
+    gradients, silently (the loss was right). Their keys leave some arguments out
+    (pytorch/pytorch#178301, #183021)."""
+    # no public equivalent in torch 2.13: the caches are an implementation detail of dispatch
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    if dtensor is None:
+        return
+    torch._C._clear_DTensor_sharding_propagator_cache()
+    propagator = dtensor.DTensor._op_dispatcher.sharding_propagator
+    propagator.propagate_op_sharding.cache_clear()
+    propagator._propagate_tensor_meta_cached.cache_clear()
+
+
 def warm_dynamo() -> None:
     """Import torch._dynamo, which DDP's constructor would otherwise import on the first run."""
     # no public equivalent in torch 2.13: torch.compile imports it on its first call too
@@ -512,6 +533,20 @@ PRIVATE_NAMES: tuple[PrivateName, ...] = (
         "engine.checkpoint.reader.SafePlanner (resuming a checkpoint)",
     ),
     PrivateName("torch._dynamo", "", "engine.entry.warm (the pool's warm-up)"),
+    *(
+        PrivateName(module, name, "engine.clean_slate.restore (the ranks decide shardings alike)")
+        for module, name in (
+            ("torch._C", "_clear_DTensor_sharding_propagator_cache"),
+            (
+                "torch.distributed.tensor",
+                "DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear",
+            ),
+            (
+                "torch.distributed.tensor",
+                "DTensor._op_dispatcher.sharding_propagator._propagate_tensor_meta_cached",
+            ),
+        )
+    ),
     PrivateName(
         "transformers.modeling_utils",
         "PreTrainedModel._tp_plan",
