@@ -85,6 +85,19 @@ def test_what_a_continue_may_change_and_what_it_may_not(pool):
         sagenb.train(REGRESSION_CELL, steps=3, continue_=True, **SHORT)
     lowered = sagenb.train(REGRESSION_CELL, steps=5, lr=1e-4, continue_=True, **SHORT)
     assert [row["lr"] for row in lowered.history] == [1e-3] * 3 + [1e-4] * 2
+    # the first segment's result stays what it was; its state went on, and it says where
+    assert len(first.history) == 3 and lowered.segments == [1, 4]
+    assert ": 5 steps, the last 2 after --continue (cpu) in " in lowered.summary()
+    went_on = r"released by its --continue to step 5, whose result holds it now"
+    with pytest.raises(ConfigError, match=went_on):
+        first.on_engines(_rank_of)
+    with pytest.raises(ConfigError, match=went_on):
+        first.go_on(steps=8)  # not from step 5 with the first segment's lr
+    # a larger --steps cannot go past the --epochs that ended the run
+    ended = sagenb.train(REGRESSION_CELL, **{**SHORT, "epochs": 1})
+    assert len(ended.history) == 24
+    with pytest.raises(ConfigError, match=r"ended with its --epochs 1 at step 24.*larger --epochs"):
+        sagenb.train(REGRESSION_CELL, steps=30, continue_=True, **{**SHORT, "epochs": 1})
     sagenb.train(REGRESSION_CELL, steps=2, **SHORT)  # the same cell, without --continue
     ran = sagenb.train(REGRESSION_CELL, steps=4, continue_=True, **SHORT)
     assert ran.history[0]["step"] == 1 and ran.segments == [1, 3]
@@ -167,6 +180,14 @@ def test_generate_on_the_engines_equals_one_process(pool, strategy):
             logits, _ = model(ids)
             ids = torch.cat([ids, logits[:, -1, :].argmax(-1, keepdim=True)], dim=1)
     assert torch.equal(tokens, ids)
+    # past the context of its learned positions: said before the position embedding fails
+    with pytest.raises(
+        Exception,
+        match=r"3 prompt tokens \+ max_new_tokens 14 = 17 pass the model's "
+        r"context, model.config.block_size = 16",
+    ):
+        result.generate(prompt, max_new_tokens=14)
+    assert torch.equal(result.generate(prompt, max_new_tokens=5), tokens)  # the state as it was
 
 
 def test_generate_through_a_pipeline_equals_one_process(pool):

@@ -217,8 +217,12 @@ class TrainResult:
         if self.stopped_by:
             status = f"{self.status} by {self.stopped_by}: "
         layout = describe(self.config.strategy).layout(self.config, self.engines)
+        steps = f"{len(self.history)} steps"
+        if len(self.segments) > 1:  # the time and the cost are the last segment's
+            segment = sum(1 for row in self.history if row[keys.STEP] >= self.segments[-1])
+            steps = f"{steps}, the last {segment} after --continue"
         return (
-            f"{status}{layout}: {len(self.history)} steps ({self.device}) in "
+            f"{status}{layout}: {steps} ({self.device}) in "
             f"{self.wall_time_s:.1f} s, {loss}; {self.cost_label}"
         )
 

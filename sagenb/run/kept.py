@@ -148,7 +148,12 @@ def keep(run: KeptRun) -> None:
     """`run` is now the one the engines keep (what they kept before was released)."""
     global _current
     if _current is not None and _current is not run:
-        _current.release("a later run")
+        went_on = _current.lineage == run.lineage
+        _current.release(
+            f"its --continue to step {run.step}, whose result holds it now (smp_result)"
+            if went_on
+            else "a later run"
+        )
         _past[:] = [r for r in _past if r.job != _current.job][-(PAST - 1) :] + [_current]
     _current = run
 
@@ -210,7 +215,20 @@ def going_on(config: TrainConfig, job: Job, pool: EnginePool | None) -> KeptRun 
             f"the run it would go on from trained all its {run.step} steps: give a larger "
             f"--steps or --epochs (they are the run's total, as with --resume)"
         )
+    _check_epochs(run, config)
     return run
+
+
+def _check_epochs(run: KeptRun, config: TrainConfig) -> None:
+    """A larger --steps cannot go past the --epochs that ended the run: it would train nothing."""
+    ended = run.planned is not None and run.step >= run.planned
+    by_epochs = run.config.steps is None or (run.planned or 0) < run.config.steps
+    if ended and by_epochs and config.epochs == run.config.epochs:
+        raise refuse(
+            f"the run it would go on from ended with its --epochs {run.config.epochs} at step "
+            f"{run.step}, so --steps {config.steps} would train nothing: give a larger --epochs "
+            "(it is the run's total, as --steps is)"
+        )
 
 
 def check_engines(run: KeptRun, pool: EnginePool | None) -> None:

@@ -42,6 +42,8 @@ class LiveRun:
         return self.run.describe(name)
 
     def go_on(self, **options: Any) -> TrainResult:
+        if not self.run.live:  # an earlier segment's result: the state went on, or is gone
+            raise self._released()
         config = dataclasses.replace(self.run.config, continue_=True, **options)
         return self._train(self.run.job, config, pool=self.run.pool)
 
@@ -74,13 +76,19 @@ class LiveRun:
     # -- on every rank -------------------------------------------------------------------
     def _everywhere(self, work: Callable[..., Any], *args: Any) -> list[Any]:
         if not self.run.live:
-            raise refuse(
-                f"the state of the run of {self.run.job.first_line()!r} was released by "
-                f"{self.run.why_released}; {self.run.checkpoint_hint()}"
-            )
+            raise self._released()
         with self._locked(getattr(work, "__name__", "a call")):
             tasks = self.run.pool.submit(work, [(self.run.lineage, *args)] * len(self.run.ids))
             return self._follow(tasks)
+
+    def _released(self) -> Exception:
+        run = self.run
+        why = run.why_released or ""
+        hint = "" if why.startswith("its --continue") else f"; {run.checkpoint_hint()}"
+        return refuse(
+            f"the state of the run of {run.job.first_line()!r} (step {run.step}) was released "
+            f"by {why}{hint}"
+        )
 
     def _follow(self, tasks: list[Any]) -> list[Any]:
         """Every rank's value; the first failure raised once every rank has ended, those

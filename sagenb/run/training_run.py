@@ -295,8 +295,9 @@ class TrainingRun:
         cost, label = self._cost(wall)
         return TrainResult(
             config=self.config,
-            history=self.history.steps,
-            metrics=self.history.records,
+            # copies: a --continue appends to the kept run's history, not to this result's
+            history=list(self.history.steps),
+            metrics=list(self.history.records),
             wall_time_s=wall,
             time_to_first_step_s=self.first_step_s if self.first_step_s is not None else wall,
             cost_usd=cost,

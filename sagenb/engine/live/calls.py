@@ -68,6 +68,7 @@ def generate(lineage: str, input_ids: torch.Tensor, max_new_tokens: int) -> torc
 
     def work() -> torch.Tensor:
         module = strategy.module
+        _check_context(module, input_ids.shape[1], max_new_tokens)
         was_training = module.training
         module.eval()
         ids = input_ids.to(device)
@@ -80,6 +81,26 @@ def generate(lineage: str, input_ids: torch.Tensor, max_new_tokens: int) -> torc
         return ids.cpu()
 
     return _contained(work)
+
+
+#: the config fields that fix a model's context: nanoGPT's block_size, GPT-2's n_positions
+CONTEXT_FIELDS = ("block_size", "n_positions")
+
+
+def _check_context(module: torch.nn.Module, length: int, new: int) -> None:
+    """Refused, naming the field, when the sequence would outgrow a context of learned
+    positions (its embedding would be read past its last row: a bare IndexError)."""
+    for path, sub in module.named_modules():
+        config = sub.__dict__.get("config")
+        for name in CONTEXT_FIELDS:
+            limit = getattr(config, name, None)
+            if isinstance(limit, int) and length + new > limit:
+                where = f"{path}.config" if path else "model.config"
+                raise ValueError(
+                    f"generate: {length} prompt tokens + max_new_tokens {new} = "
+                    f"{length + new} pass the model's context, {where}.{name} = {limit}: "
+                    f"give a shorter prompt or fewer new tokens"
+                )
 
 
 def _next(strategy: Any, objective: Any, ids: torch.Tensor) -> torch.Tensor:
