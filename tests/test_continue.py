@@ -9,6 +9,7 @@ import time
 
 import pytest
 import torch
+from IPython.core.error import UsageError
 
 import sagenb
 from sagenb.config import ConfigError
@@ -265,3 +266,23 @@ def test_an_engine_that_died_takes_the_state_with_it(pool):
     with pytest.raises(ConfigError, match="engines that kept the run of .* are gone"):
         sagenb.train(REGRESSION_CELL, steps=4, continue_=True, **SHORT)
     assert sagenb.train(REGRESSION_CELL, steps=2, **SHORT).status == "done"
+
+
+def test_a_continue_line_gives_only_what_it_changes(shell, pool):
+    """`%%smp_train --continue --steps N`: the pipeline's layout, the batch size and the
+    result's name are the kept run's; what the line gives (--lr) changes; the two segments
+    equal one run of the whole, bit for bit."""
+    layout = "--strategy model --partitions 2 --microbatches 2 --batch-size 8 --epochs 2"
+    whole = sagenb.train(GPT_CELL, steps=4, **STRATEGIES["model"], **SHORT)
+    shell.run_cell_magic("smp_train", f"{layout} --steps 2 --out seg --no-dashboard", GPT_CELL)
+    shell.run_cell_magic("smp_train", "--continue --steps 4", GPT_CELL)
+    then = shell.user_ns["seg"]
+    assert then.segments == [1, 3] and then.config.strategy == "model"
+    assert then.config.option("partitions") == 2 and then.config.dashboard is False
+    assert_params_equal(then.state_dict(), whole.state_dict(), tol=0)
+    shell.run_cell_magic("smp_train", "--continue --steps 5 --lr 1e-4", GPT_CELL)
+    # the cell's own optimizer (lr 0.1) scaled by the new --lr / the kept run's (1e-3)
+    lrs = [row["lr"] for row in shell.user_ns["seg"].history][-2:]
+    assert lrs == pytest.approx([0.1, 0.01], rel=1e-9)
+    with pytest.raises(UsageError, match=r"--batch-size 16 \(was 8\)"):
+        shell.run_cell_magic("smp_train", "--continue --steps 6 --batch-size 16", GPT_CELL)

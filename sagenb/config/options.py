@@ -420,8 +420,8 @@ class TrainConfig(EngineConfig):
         False,
         "go on from the state the engines keep of this cell's last run (after its last "
         "step; --steps and --epochs stay the run's total; --lr, --eval-every and the stop "
-        "options may change), without disk; refused when the state was released or the cell "
-        "or its layout changed",
+        "options may change; the options left out are that run's), without disk; refused "
+        "when the state was released or the cell or its layout changed",
         panel=False,
     )
     # -- display --

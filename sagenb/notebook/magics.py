@@ -210,6 +210,17 @@ def parse_train_line(line: str) -> TrainConfig | None:
     return None if args is None else _config(vars(args), "%%smp_train")
 
 
+def given_train_options(line: str) -> dict[str, Any]:
+    """The options a `%%smp_train` line gives, and only those (a --continue takes the rest
+    from the run it goes on from)."""
+    parser = MagicParser(prog="%%smp_train", allow_abbrev=False)
+    for option in every_option(TrainConfig):
+        names, keywords = flag_arguments(option)
+        parser.add_argument(*names, **{**keywords, "default": argparse.SUPPRESS})
+    args = _parse(parser, line)
+    return {} if args is None else vars(args)
+
+
 def parse_export_line(line: str) -> tuple[str, str, TrainConfig] | None:
     """(--to, FILE, the TrainConfig) of a `%%smp_export` line (None for --help); bad input
     gets the same UsageErrors as %%smp_train's."""
@@ -290,22 +301,28 @@ class SmpMagics(Magics):
         pool = cluster.current_pool()
         try:
             # the last %%smp_plan's estimate projects the run when it has the same flags
-            result = train(cell, config, pool=pool, estimate=self._estimate)
+            if config.continue_:  # what the line leaves out is the kept run's
+                given = given_train_options(line)
+                result = train(cell, pool=pool, estimate=self._estimate, **given)
+            else:
+                result = train(cell, config, pool=pool, estimate=self._estimate)
         except BaseException as exc:
-            self._keep_failed(exc, config.out)
+            self._keep_failed(exc)
             if isinstance(exc, (ConfigError, JobError)):
                 raise UsageError(f"%%smp_train: {exc}") from None
             raise
-        self._user_ns[config.out] = result
-        print(f"{result.summary()}\nresult in `{config.out}`")
+        out = result.config.out
+        self._user_ns[out] = result
+        print(f"{result.summary()}\nresult in `{out}`")
         if result.live is not None:  # what the engines keep for --continue, and its memory
-            print(result.live.describe(config.out))
+            print(result.live.describe(out))
 
-    def _keep_failed(self, exc: BaseException, out: str) -> None:
-        """A run that failed or was interrupted still leaves what it did in `out` (status,
+    def _keep_failed(self, exc: BaseException) -> None:
+        """A run that failed or was interrupted still leaves what it did in its --out (status,
         history so far, parameters when they could be collected), not the previous run."""
         failed = getattr(exc, "result", None)
         if isinstance(failed, TrainResult):
+            out = failed.config.out
             self._user_ns[out] = failed
             print(f"{failed.summary()}\nwhat was done is in `{out}`")
             if failed.live is not None:  # stopped at a step boundary: --continue goes on

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from sagenb.config.errors import ConfigError
 from sagenb.config.job import Job
@@ -32,6 +32,7 @@ __all__ = [
     "keep",
     "going_on",
     "check_engines",
+    "continued",
     "forget",
     "released",
     "STEERABLE",
@@ -229,6 +230,24 @@ def _check_epochs(run: KeptRun, config: TrainConfig) -> None:
             f"{run.step}, so --steps {config.steps} would train nothing: give a larger --epochs "
             "(it is the run's total, as --steps is)"
         )
+
+
+def continued(options: dict[str, Any], job: Job) -> TrainConfig | None:
+    """A --continue's config when the engines keep this cell's run: that run's options with
+    those given, so a --continue repeats only what it changes. None otherwise (and when it
+    names another strategy, which `going_on` refuses with the reason)."""
+    run = _current
+    if not options.get("continue_") or run is None or run.job != job:
+        return None
+    if options.get("strategy", run.config.strategy) != run.config.strategy:
+        return None
+    before = {
+        f.name: getattr(run.config, f.name)
+        for f in dataclasses.fields(run.config)
+        if f.init and f.name != "strategy_options"
+    }
+    before["resume"] = False  # the run may have begun from a checkpoint; this goes on from memory
+    return TrainConfig(**{**before, **dict(run.config.strategy_options), **options})
 
 
 def check_engines(run: KeptRun, pool: EnginePool | None) -> None:

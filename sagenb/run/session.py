@@ -47,7 +47,8 @@ def train(
 ) -> TrainResult:
     """Train `job` (cell source, or a callable returning {'model', 'dataset', 'loss_fn', ...}).
 
-    Options are the fields of TrainConfig (`batch_size=64, strategy="data"`), or pass a config.
+    Options are the fields of TrainConfig (`batch_size=64, strategy="data"`), or pass a config;
+    with `continue_=True`, the options not given are those of the run it goes on from.
     Uses the running pool (or `pool`), starting one of `engines` engines when none runs.
     `live` shows the dashboard as a live widget (default: when running in a Jupyter kernel);
     `on_failure(kind)` is called when the notebook notices a failure ("rank failed", "stalled",
@@ -57,8 +58,8 @@ def train(
     process while the engines train, or once they end where they fill this machine's cores
     (sagenb/sizing/projection.py).
     """
-    config = _checked(config, options, pool)
     prepared = Job.of(job)
+    config = _checked(config, options, pool, prepared)
     # --continue: whether the engines keep this cell's run, before any engine works; any
     # other run releases what they keep (run/kept.py)
     going_on = kept.going_on(config, prepared, pool or cluster.current_pool())
@@ -104,11 +105,15 @@ def _executed(run: TrainingRun, notes: list[str]) -> TrainResult:
 
 
 def _checked(
-    config: TrainConfig | None, options: dict[str, Any], pool: cluster.EnginePool | None
+    config: TrainConfig | None,
+    options: dict[str, Any],
+    pool: cluster.EnginePool | None,
+    job: Job,
 ) -> TrainConfig:
-    """The run's config, with what can be checked before any engine checked."""
+    """The run's config, with what can be checked before any engine checked. Options given
+    without a config to a --continue change the kept run's (run/kept.py: `continued`)."""
     if config is None:
-        config = TrainConfig(**options)
+        config = kept.continued(options, job) or TrainConfig(**options)
     elif options:
         config = dataclasses.replace(config, **options)
     check_price(config)  # reads the price table: not the config's validation, yet before engines
