@@ -68,27 +68,26 @@ def test_each_private_torch_name_resolves(entry: torch_private.PrivateName):
         )
 
 
-@pytest.mark.parametrize("entry", ipyparallel_private.PRIVATE_NAMES, ids=lambda e: e[1])
-def test_each_private_ipyparallel_name_resolves(entry: tuple[str, str, str]):
+#: each other library's shim: its name, its private names, the module to fix
+SHIMS = (
+    ("ipyparallel", ipyparallel_private.PRIVATE_NAMES, "sagenb/pool/ipyparallel_private.py"),
+    ("ipykernel", ipykernel_private.PRIVATE_NAMES, "sagenb/display/ipykernel_private.py"),
+)
+
+
+@pytest.mark.parametrize(
+    "library, entry, shim",
+    [(library, entry, shim) for library, names, shim in SHIMS for entry in names],
+    ids=lambda e: e[1] if isinstance(e, tuple) else None,
+)
+def test_each_private_name_of_another_library_resolves(library, entry, shim):
     module, attribute, used_by = entry
     try:
         resolve(module, attribute)
     except (ImportError, AttributeError) as exc:
         pytest.fail(
-            f"{module} {attribute!r} is gone from this ipyparallel ({exc}): sagenb's {used_by} "
-            "depends on it; replace it in sagenb/pool/ipyparallel_private.py"
-        )
-
-
-@pytest.mark.parametrize("entry", ipykernel_private.PRIVATE_NAMES, ids=lambda e: e[1])
-def test_each_private_ipykernel_name_resolves(entry: tuple[str, str, str]):
-    module, attribute, used_by = entry
-    try:
-        resolve(module, attribute)
-    except (ImportError, AttributeError) as exc:
-        pytest.fail(
-            f"{module} {attribute!r} is gone from this ipykernel ({exc}): sagenb's {used_by} "
-            "depends on it; replace it in sagenb/display/ipykernel_private.py"
+            f"{module} {attribute!r} is gone from this {library} ({exc}): sagenb's {used_by} "
+            f"depends on it; replace it in {shim}"
         )
 
 
