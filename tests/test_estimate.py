@@ -21,7 +21,7 @@ from sagenb.notebook.examples import gpt_cell
 from sagenb.pool import cluster
 from sagenb.sizing.cost import CostMeter, instance_price, seconds_span, seconds_text
 from sagenb.sizing.hardware import hardware_table
-from sagenb.sizing.projection import DEFERRED, Projection, saturates
+from sagenb.sizing.projection import DEFERRED, LATER_RUN, Projection, saturates
 from sagenb.sizing.step_model import MFU_RANGE, memory_limit_mib
 
 from .conftest import REGRESSION_CELL
@@ -223,9 +223,7 @@ def test_a_run_makes_its_own_projection_off_the_notebooks_process():
     # a cell that only runs where a process group is up (the engines): its estimate fails;
     # and it replaces the first, still pending: one child at a time
     failing = Projection.start(Job.of(NEEDS_ENGINES_CELL), config)
-    assert not first.pending and first.why == (
-        "no estimate (a later run started before it was made)"
-    )
+    assert not first.pending and first.why == LATER_RUN
     assert failing.wait(120)
     made = Projection.start(Job.of(REGRESSION_CELL), config)
     assert made.wait(120), made.why

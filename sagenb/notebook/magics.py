@@ -313,7 +313,7 @@ class SmpMagics(Magics):
             raise
         out = result.config.out
         self._user_ns[out] = result
-        print(f"{result.summary()}\nresult in `{out}`")
+        _summary_line(result, f"result in `{out}`")
         if result.live is not None:  # what the engines keep for --continue, and its memory
             print(result.live.describe(out))
 
@@ -324,7 +324,7 @@ class SmpMagics(Magics):
         if isinstance(failed, TrainResult):
             out = failed.config.out
             self._user_ns[out] = failed
-            print(f"{failed.summary()}\nwhat was done is in `{out}`")
+            _summary_line(failed, f"what was done is in `{out}`")
             if failed.live is not None:  # stopped at a step boundary: --continue goes on
                 print(failed.live.describe(out))
 
@@ -387,6 +387,22 @@ def _plan_config(config: TrainConfig, pool: cluster.EnginePool | None) -> TrainC
     if config.engines is not None or pool is None:
         return config
     return config.with_engines(describe(config.strategy).engines_for(config, pool.size))
+
+
+def _summary_line(result: TrainResult, where: str) -> None:
+    """The run's summary and where its result is. In a kernel, while the run's projection on
+    --instance is still being made, the line is a display that the projection redraws when it
+    comes (or says why none came), after the cell has ended, where the user reads it."""
+    from sagenb.display.dashboard import _in_kernel
+
+    projection = result.projection
+    if projection is None or not projection.pending or not _in_kernel():
+        print(f"{result.summary()}\n{where}")
+        return
+    from IPython.display import Pretty, display
+
+    handle = display(Pretty(f"{result.summary()}\n{where}"), display_id=True)
+    projection.on_end(lambda: handle.update(Pretty(f"{result.summary()}\n{where}")))
 
 
 def _show(answer: Any, figure: Any) -> None:

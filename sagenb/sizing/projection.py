@@ -55,7 +55,7 @@ import psutil
 from sagenb.pool import reaper
 from sagenb.sizing.cost import NO_ESTIMATE
 
-__all__ = ["DEFERRED", "Projection", "saturates"]
+__all__ = ["DEFERRED", "LATER_RUN", "Projection", "saturates"]
 
 #: most seconds the child may take; past them it is ended and the header says so
 ESTIMATE_TIMEOUT_S = 600.0
@@ -121,7 +121,7 @@ class Projection:
         global _latest
         with _starting:  # one estimate at a time: a run's own is moot once the next starts
             if _latest is not None:
-                _latest.cancel("no estimate (a later run started before it was made)")
+                _latest.cancel(LATER_RUN)
             _latest = projection
         if defer:
             projection._later = (job, config)
@@ -216,6 +216,11 @@ class Projection:
             _tell(listener)
         self._done.set()
 
+
+#: why a run's own estimate was not made: the next run ended its child (one at a time)
+LATER_RUN = (
+    "no estimate (a later run started before it was made; %%smp_plan with the same flags makes one)"
+)
 
 #: what the header says of a run's own estimate until its run ends (`saturates`)
 DEFERRED = "estimating after the run (its engines fill every core here)"
