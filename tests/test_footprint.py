@@ -285,3 +285,29 @@ def test_a_lora_models_state_is_estimated_as_the_engines_hold_it(pool):
     for rec in result.metrics:
         for key in (keys.MEMORY_PARAMS, keys.MEMORY_GRADS, keys.MEMORY_OPTIMIZER):
             assert fp.ranks[rec.rank][key] == pytest.approx(rec.values[key], rel=0.02), key
+
+
+WIDE = """
+import torch
+from torch import nn
+model = nn.Sequential(nn.Linear(512, 512), nn.Tanh(), nn.Linear(512, 512), nn.Tanh(),
+                      nn.Linear(512, 4))
+X = torch.randn(8, 512)
+dataset = torch.utils.data.TensorDataset(X, torch.randint(0, 4, (8,)))
+loss_fn = nn.functional.cross_entropy
+"""
+
+
+def test_bf16_activations_leave_out_autocasts_copies_of_the_weights():
+    """Autocast keeps a bf16 copy of each weight that backward multiplies by (the second and
+    third Linear's: the first's input needs no gradient): copies of the weights, as FSDP's
+    gathered blocks are, not activations. Counted as activations they made bf16's exceed
+    fp32's wherever weights outweigh a batch's activations (a 1B GPT at sequence length 512)."""
+    fp32, bf16 = (
+        footprint(WIDE, EngineConfig(batch_size=4, precision=p), 2).ranks[0]
+        for p in ("fp32", "bf16")
+    )
+    copies = (512 * 512 + 4 * 512) * 2  # the two weights backward multiplies by, in bf16
+    assert bf16[keys.MEMORY_ACTIVATIONS] <= fp32[keys.MEMORY_ACTIVATIONS]
+    assert bf16[keys.MEMORY_ACTIVATIONS] * MIB < copies  # none of them counted
+    assert bf16[keys.MEMORY_PARAMS] == fp32[keys.MEMORY_PARAMS]  # the fp32 parameters

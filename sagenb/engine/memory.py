@@ -2,7 +2,7 @@
 
 torch keeps no allocator statistics on the CPU, so the bytes are counted from the tensors
 themselves; the peak of activations saved for backward is tracked with saved-tensor hooks,
-deduplicated by storage and leaving parameters out.
+deduplicated by storage and leaving parameters out, and autocast's copies of them.
 On CUDA the allocator's own peak is reported beside it.
 
 With --offload-activations the same hooks also move each saved activation (not a parameter,
@@ -103,6 +103,20 @@ def _to_host(tensor: torch.Tensor) -> torch.Tensor:
     return packed
 
 
+def _weight_copy(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` (or the tensor it views: linear saves weight.t()) is autocast's cast of
+    a parameter to the compute dtype, which it keeps for backward as FSDP keeps a block's
+    gathered weights: a copy of the weights, not an activation, so neither counts as one. Its
+    grad_fn is the cast (ToCopyBackward0) of a parameter's gradient accumulator; a frozen
+    parameter's cast has no grad_fn and still counts."""
+    base = view_base(tensor)
+    fn = (base if base is not None else tensor).grad_fn
+    if fn is None or fn.name() != "ToCopyBackward0" or not fn.next_functions:
+        return False
+    source = fn.next_functions[0][0]
+    return isinstance(getattr(source, "variable", None), nn.Parameter)
+
+
 class MemoryMeter:
     """Counts one engine's training memory; `track()` wraps each forward+backward.
 
@@ -145,6 +159,8 @@ class MemoryMeter:
         # a parameter, or a view of one (linear saves weight.t()): not an activation. This also
         # catches the weights FSDP gathers for a block, whose storages are not the shards'
         if isinstance(tensor, nn.Parameter) or isinstance(view_base(tensor), nn.Parameter):
+            return _Saved(tensor, None)
+        if _weight_copy(tensor):  # autocast's: a copy of a weight, not an activation
             return _Saved(tensor, None)
         key, nbytes = self._storage_of(tensor)
         if key in self._param_storages or key == 0:
