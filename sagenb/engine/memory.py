@@ -103,12 +103,18 @@ def _to_host(tensor: torch.Tensor) -> torch.Tensor:
     return packed
 
 
+#: the dtypes autocast computes in (--precision bf16, fp16)
+COMPUTE_DTYPES = (torch.bfloat16, torch.float16)
+
+
 def _weight_copy(tensor: torch.Tensor) -> bool:
     """Whether `tensor` (or the tensor it views: linear saves weight.t()) is autocast's cast of
     a parameter to the compute dtype, which it keeps for backward as FSDP keeps a block's
     gathered weights: a copy of the weights, not an activation, so neither counts as one. Its
     grad_fn is the cast (ToCopyBackward0) of a parameter's gradient accumulator; a frozen
     parameter's cast has no grad_fn and still counts."""
+    if tensor.dtype not in COMPUTE_DTYPES:  # an fp32 run's tensors: no hook work per tensor
+        return False
     base = view_base(tensor)
     fn = (base if base is not None else tensor).grad_fn
     if fn is None or fn.name() != "ToCopyBackward0" or not fn.next_functions:

@@ -56,7 +56,9 @@ class MagicParser(argparse.ArgumentParser):
         raise _HelpShown()
 
 
-def train_parser() -> MagicParser:
+def train_parser(*, given_only: bool = False) -> MagicParser:
+    """`%%smp_train`'s flags; `given_only`: an option the line leaves out is not in the
+    parsed namespace (a --continue takes it from the run it goes on from)."""
     parser = MagicParser(
         prog="%%smp_train",
         epilog="%%smp_train --config panel trains with the options of the last "
@@ -70,7 +72,7 @@ def train_parser() -> MagicParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         allow_abbrev=False,
     )
-    _add_config_flags(parser)
+    _add_config_flags(parser, given_only=given_only)
     return parser
 
 
@@ -92,11 +94,13 @@ def export_parser() -> MagicParser:
     return parser
 
 
-def _add_config_flags(parser: MagicParser) -> None:
+def _add_config_flags(parser: MagicParser, *, given_only: bool = False) -> None:
     """One flag per option of TrainConfig, a strategy's own included, spelled as its type and
-    default say (config/options.py)."""
+    default say (config/options.py); `given_only`: none has a default."""
     for option in every_option(TrainConfig):
         names, keywords = flag_arguments(option)
+        if given_only:
+            keywords["default"] = argparse.SUPPRESS
         parser.add_argument(*names, **keywords)
 
 
@@ -213,11 +217,7 @@ def parse_train_line(line: str) -> TrainConfig | None:
 def given_train_options(line: str) -> dict[str, Any]:
     """The options a `%%smp_train` line gives, and only those (a --continue takes the rest
     from the run it goes on from)."""
-    parser = MagicParser(prog="%%smp_train", allow_abbrev=False)
-    for option in every_option(TrainConfig):
-        names, keywords = flag_arguments(option)
-        parser.add_argument(*names, **{**keywords, "default": argparse.SUPPRESS})
-    args = _parse(parser, line)
+    args = _parse(train_parser(given_only=True), line)
     return {} if args is None else vars(args)
 
 

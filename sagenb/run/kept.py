@@ -81,6 +81,8 @@ class KeptRun:
     mib: list[float]
     #: what released the state, once it is released
     why_released: str | None = None
+    #: the step a --continue of this run went on to (its state is that segment's now)
+    went_on_to: int | None = None
     #: why a --continue was refused, kept for the error that follows it
     notes: list[str] = field(default_factory=list)
 
@@ -120,6 +122,15 @@ class KeptRun:
         ids = self.pool.engine_ids[: len(self.ids)]
         return ids == self.ids and [self.pool.pids.get(e) for e in ids] == self.pids
 
+    def gone(self) -> str:
+        """What released the state, said to a --continue or a call after it, and whether a
+        checkpoint can take its place (not where a later segment holds it)."""
+        said = (
+            f"the state of the run of {self.job.first_line()!r} (step {self.step}) was "
+            f"released by {self.why_released}"
+        )
+        return said if self.went_on_to is not None else f"{said}; {self.checkpoint_hint()}"
+
     def checkpoint_hint(self) -> str:
         """Whether a checkpoint can take the kept state's place."""
         directory = self.config.checkpoint_dir
@@ -149,12 +160,11 @@ def keep(run: KeptRun) -> None:
     """`run` is now the one the engines keep (what they kept before was released)."""
     global _current
     if _current is not None and _current is not run:
-        went_on = _current.lineage == run.lineage
-        _current.release(
-            f"its --continue to step {run.step}, whose result holds it now (smp_result)"
-            if went_on
-            else "a later run"
-        )
+        if _current.lineage == run.lineage:  # a --continue went on from it
+            _current.went_on_to = run.step
+            _current.release(f"its --continue to step {run.step}, whose result holds it now")
+        else:
+            _current.release("a later run")
         _past[:] = [r for r in _past if r.job != _current.job][-(PAST - 1) :] + [_current]
     _current = run
 
@@ -199,10 +209,7 @@ def going_on(config: TrainConfig, job: Job, pool: EnginePool | None) -> KeptRun 
             "(or go on from a checkpoint with --resume --checkpoint-dir DIR)"
         )
     if not run.live:
-        raise refuse(
-            f"the state of the run of {run.job.first_line()!r} (step {run.step}) was released "
-            f"by {run.why_released}; {run.checkpoint_hint()}"
-        )
+        raise refuse(run.gone())
     check_engines(run, pool)
     if job != run.job:
         raise refuse(
@@ -211,20 +218,22 @@ def going_on(config: TrainConfig, job: Job, pool: EnginePool | None) -> KeptRun 
             f"(that releases the kept state), or --resume from a checkpoint. {_diff(run, job)}"
         )
     _check_layout(run, config)
-    if run.planned is not None and run.step >= run.planned and _same_length(run.config, config):
+    _check_more_to_train(run, config)
+    return run
+
+
+def _check_more_to_train(run: KeptRun, config: TrainConfig) -> None:
+    """A run that made all its planned steps goes on only with a larger total: the same
+    --steps and --epochs, or a larger --steps past the --epochs that ended it, train nothing."""
+    if run.planned is None or run.step < run.planned:
+        return
+    if _same_length(run.config, config):
         raise refuse(
             f"the run it would go on from trained all its {run.step} steps: give a larger "
             f"--steps or --epochs (they are the run's total, as with --resume)"
         )
-    _check_epochs(run, config)
-    return run
-
-
-def _check_epochs(run: KeptRun, config: TrainConfig) -> None:
-    """A larger --steps cannot go past the --epochs that ended the run: it would train nothing."""
-    ended = run.planned is not None and run.step >= run.planned
-    by_epochs = run.config.steps is None or (run.planned or 0) < run.config.steps
-    if ended and by_epochs and config.epochs == run.config.epochs:
+    by_epochs = run.config.steps is None or run.planned < run.config.steps
+    if by_epochs and config.epochs == run.config.epochs:
         raise refuse(
             f"the run it would go on from ended with its --epochs {run.config.epochs} at step "
             f"{run.step}, so --steps {config.steps} would train nothing: give a larger --epochs "
@@ -241,13 +250,8 @@ def continued(options: dict[str, Any], job: Job) -> TrainConfig | None:
         return None
     if options.get("strategy", run.config.strategy) != run.config.strategy:
         return None
-    before = {
-        f.name: getattr(run.config, f.name)
-        for f in dataclasses.fields(run.config)
-        if f.init and f.name != "strategy_options"
-    }
-    before["resume"] = False  # the run may have begun from a checkpoint; this goes on from memory
-    return TrainConfig(**{**before, **dict(run.config.strategy_options), **options})
+    # resume: the run may have begun from a checkpoint; this goes on from memory
+    return dataclasses.replace(run.config, resume=False, **options)
 
 
 def check_engines(run: KeptRun, pool: EnginePool | None) -> None:

@@ -11,7 +11,6 @@ the kept state, which they held, is released.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -43,9 +42,9 @@ class LiveRun:
 
     def go_on(self, **options: Any) -> TrainResult:
         if not self.run.live:  # an earlier segment's result: the state went on, or is gone
-            raise self._released()
-        config = dataclasses.replace(self.run.config, continue_=True, **options)
-        return self._train(self.run.job, config, pool=self.run.pool)
+            raise refuse(self.run.gone())
+        # the options left out are the kept run's (run/kept.py: continued)
+        return self._train(self.run.job, pool=self.run.pool, continue_=True, **options)
 
     def release(self) -> None:
         if not self.run.live:
@@ -76,19 +75,10 @@ class LiveRun:
     # -- on every rank -------------------------------------------------------------------
     def _everywhere(self, work: Callable[..., Any], *args: Any) -> list[Any]:
         if not self.run.live:
-            raise self._released()
+            raise refuse(self.run.gone())
         with self._locked(getattr(work, "__name__", "a call")):
             tasks = self.run.pool.submit(work, [(self.run.lineage, *args)] * len(self.run.ids))
             return self._follow(tasks)
-
-    def _released(self) -> Exception:
-        run = self.run
-        why = run.why_released or ""
-        hint = "" if why.startswith("its --continue") else f"; {run.checkpoint_hint()}"
-        return refuse(
-            f"the state of the run of {run.job.first_line()!r} (step {run.step}) was released "
-            f"by {why}{hint}"
-        )
 
     def _follow(self, tasks: list[Any]) -> list[Any]:
         """Every rank's value; the first failure raised once every rank has ended, those
