@@ -6,6 +6,8 @@ publish them. tests/test_notebooks.py grades the real answers on the notebooks' 
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -20,6 +22,7 @@ from sagenb.teaching.exercises import (
     check_equal,
     check_number,
     check_same_model,
+    draw,
     idle_share,
     last_step_memory,
 )
@@ -28,7 +31,7 @@ from sagenb.teaching.exercises import (
 @pytest.mark.parametrize("blank", [None, ...])
 def test_a_blank_answer_is_not_answered_yet(blank, capsys):
     check_number(1, blank, measured=2.0, what="the measured MiB", rel=0.05)
-    check_choice(2, blank, options={"a": "x", "b": "y"}, correct="a", why="")
+    check_choice(2, blank, options={"a": "x", "b": "y"}, correct="a", wrong={"b": ""})
     check_equal(3, blank, expected=4, what="the steps")
     check_same_model(4, blank, expected={}, what="the run", atol=1e-5)
     assert capsys.readouterr().out.splitlines() == [
@@ -36,24 +39,64 @@ def test_a_blank_answer_is_not_answered_yet(blank, capsys):
     ]
 
 
-def test_a_number_within_the_tolerance_passes_and_outside_fails_with_its_ratio(capsys):
+def test_a_number_within_the_tolerance_passes_and_outside_says_only_which_way(capsys):
     check_number(1, 1.04, measured=1.0, what="the measured MiB", rel=0.05)
     check_number(2, torch.tensor(0.98), measured=1.0, what="the measured MiB", rel=0.05)
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("Exercise 1: correct: 1.04 against the measured MiB of 1")
     assert out[1].startswith("Exercise 2: correct: 0.98")
     with pytest.raises(WrongAnswer) as wrong:
-        check_number(1, 2.0, measured=1.0, what="the measured MiB", rel=0.05, hint="AdamW: 2")
-    text = str(wrong.value)
-    assert "2x the measured MiB (within 5% needed). Hint: AdamW: 2" in text
-    assert "1.0 " not in text  # the ratio, not the measurement to copy
+        check_number(1, 3.0, measured=1.3, what="the measured MiB", rel=0.05, hint="AdamW: 2")
+    assert str(wrong.value) == (
+        "Exercise 1: 3.0 is not the measured MiB: too high; within 5% needed. Hint: AdamW: 2"
+    )
+    with pytest.raises(WrongAnswer, match="too low; within 0.03 needed"):
+        check_number(1, 0.01, measured=0.10, what="the idle share", absolute=0.03)
 
 
 def test_an_absolute_tolerance_and_a_zero_measurement(capsys):
     check_number(1, 0.12, measured=0.10, what="the idle share", absolute=0.03)
     assert "Exercise 1: correct" in capsys.readouterr().out
-    with pytest.raises(WrongAnswer, match=r"\+2 from the steps computed twice"):
+    with pytest.raises(
+        WrongAnswer, match="2 is not the steps computed twice: too high; within 0.5"
+    ):
         check_number(1, 2, measured=0, what="the steps computed twice", absolute=0.5)
+
+
+def test_a_known_factor_off_says_the_kind_of_error():
+    ring = {0.5: "a factor of 2: count both halves of the ring"}
+    with pytest.raises(WrongAnswer, match=r"count both halves of the ring \(too low\)"):
+        check_number(1, 0.876, measured=1.75, what="the MB", rel=0.02, mistakes=ring)
+    with pytest.raises(WrongAnswer, match=r"a factor of 1024: check the unit.*\(too high\)"):
+        check_number(1, 3.5 * 1024, measured=3.5, what="the MiB", rel=0.05)
+    with pytest.raises(WrongAnswer, match=r"a percentage where a fraction is asked.*\(too high\)"):
+        check_number(1, 45.0, measured=0.45, what="the idle share", absolute=0.02)
+    with pytest.raises(WrongAnswer, match=r"MB \(10\*\*6 bytes\) where MiB .* \(too high\)"):
+        check_number(1, 2.0 * 2**20 / 1e6 / 1.1, measured=2.0 / 1.1, what="the MiB", rel=0.02)
+
+
+@pytest.mark.parametrize(
+    "measured, rel, absolute",
+    [(3.1853, 0.02, 0.0), (0.3545, 0.0, 0.02), (1.75e6, 0.02, 0.0), (0.0123, 0.05, 0.0)],
+)
+def test_feedback_never_leads_to_the_answer(measured, rel, absolute):
+    """The attack that beat the old feedback: answer 1, read the ratio (or any number) the
+    message gives, and answer it, its inverse, or the first answer scaled by it."""
+
+    def grade(answer):
+        check_number(1, answer, measured=measured, what="the figure", rel=rel, absolute=absolute)
+
+    for probe in (1.0, 2.0, measured * 3.7, -measured):
+        with pytest.raises(WrongAnswer) as wrong:
+            grade(probe)
+        text = str(wrong.value).replace(repr(probe), "the answer")  # its own answer, echoed
+        assert f"{measured:.3g}" not in text
+        for number in map(float, re.findall(r"\d+(?:\.\d+)?(?:e[+-]?\d+)?", text)):
+            for tried in {number, probe * number, probe / number if number else 0.0}:
+                for answer in (tried, 1 / tried) if tried else (tried,):
+                    with pytest.raises(WrongAnswer):
+                        grade(answer)
+                        print(f"{answer} passed, from {number} in {text!r}")
 
 
 @pytest.mark.parametrize("bad", ["0.5", True, [1]])
@@ -63,13 +106,39 @@ def test_a_number_exercise_names_what_it_expected(bad):
 
 
 def test_a_choice_right_wrong_and_not_an_option(capsys):
-    options = {"a": "the network", "b": "the epochs"}
-    check_choice(1, " A ", options=options, correct="a", why="")
+    options = {"a": "the network", "b": "the epochs", "c": "the price"}
+    wrong = {"b": "both count the same epochs", "c": "hours have no price in them"}
+    check_choice(1, " A ", options=options, correct="a", wrong=wrong)
     assert "correct: (a) the network" in capsys.readouterr().out
-    with pytest.raises(WrongAnswer, match="not \\(b\\) 'the epochs': comm is 2 ms"):
-        check_choice(1, "b", options=options, correct="a", why="comm is 2 ms")
-    with pytest.raises(WrongAnswer, match="answer one of 'a', 'b'"):
-        check_choice(1, "c", options=options, correct="a", why="")
+    with pytest.raises(WrongAnswer) as said:
+        check_choice(1, "b", options=options, correct="a", wrong=wrong)
+    assert str(said.value) == "Exercise 1: not (b) 'the epochs': both count the same epochs"
+    with pytest.raises(WrongAnswer, match="answer one of 'a', 'b', 'c'"):
+        check_choice(1, "d", options=options, correct="a", wrong=wrong)
+
+
+def test_a_choice_feedback_that_names_the_right_option_is_refused():
+    """04's old feedback ruled out every option but the right one, by name; the grader now
+    takes a text per wrong option and refuses one that names the right option."""
+    options = {"a": "the network", "b": "the epochs"}
+    with pytest.raises(ValueError, match="the feedback for 'b' names the right option"):
+        check_choice(1, "b", options=options, correct="a", wrong={"b": "it is the network"})
+    with pytest.raises(ValueError, match="the feedback for 'b' names the right option"):
+        check_choice(1, "b", options=options, correct="a", wrong={"b": "(a) fits"})
+    with pytest.raises(ValueError, match=r"no feedback for the wrong option\(s\) \['b'\]"):
+        check_choice(1, "b", options=options, correct="a", wrong={})
+
+
+def test_each_student_draws_their_own_figure():
+    choices = tuple(range(3, 40))
+    mine = draw("ada", choices, what="05 every")
+    assert mine == draw(" Ada ", choices, what="05 every")  # the same student, each run
+    assert mine in choices
+    others = {draw(f"student {k}", choices, what="05 every") for k in range(40)}
+    assert len(others) > 10  # spread over the choices, not one answer for all
+    for blank in (None, "", "  "):
+        with pytest.raises(ValueError, match="student: type your name or a number"):
+            draw(blank, choices, what="05 every")
 
 
 def test_an_exact_answer_and_a_set_given_as_a_list(capsys):
@@ -229,3 +298,21 @@ def test_plain_answers_still_pass(capsys):
 def test_a_number_that_cannot_be_compared_is_wrong_not_a_crash(answer, says):
     with pytest.raises(WrongAnswer, match=says):
         check_number(1, answer, measured=1.0, what="the measured MiB", rel=0.05)
+
+
+def test_the_graders_figures_and_a_derived_answer():
+    """sagenb/teaching/graders: a notebook's figures follow from the student alone, and 08's
+    ZeRO-2 count is the fewest whole GPUs, not a power of 2."""
+    from sagenb.teaching.graders import communication_and_scaling as nb08
+    from sagenb.teaching.graders import time_and_money as nb04
+    from sagenb.teaching.graders import when_things_go_wrong as nb05
+
+    assert nb08.figures("ada") == nb08.figures("ada")
+    assert nb08.figures("ada")["limit_gib"] in nb08.LIMIT_GIB
+    assert nb04.figures("ada")["engines"] in nb04.ENGINES
+    assert nb05.figures("ada")["every"] in nb05.EVERY
+    # P + (G + O) / N < limit: 4 + 12 / N < 6.5 from N = 5 (4.8 would do), not from 8
+    assert nb08.smallest_zero2_gpus(4.0, 4.0, 8.0, 6.5) == 5
+    assert nb08.smallest_zero2_gpus(4.0, 4.0, 8.0, 7.0) == 5  # 4 gives exactly 7: not under
+    with pytest.raises(ValueError, match="limit=4.0: the parameters alone take 4.00 GiB"):
+        nb08.smallest_zero2_gpus(4.0, 4.0, 8.0, 4.0)

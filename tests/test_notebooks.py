@@ -13,6 +13,7 @@ executed notebooks, as shipped, go into a jupyter-cache from which the site's bu
 from __future__ import annotations
 
 import copy
+import json
 import re
 import shutil
 import subprocess
@@ -37,6 +38,7 @@ from .prose import contradictions
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 SOLUTIONS = ROOT / "notebooks" / "solutions"
+TAMPER = Path(__file__).resolve().parent / "tamper.py"
 # the cell tags of the exercises: an answer, its check, the one extra run a notebook may make
 ANSWER, CHECK, RUN = "exercise-answer", "exercise-check", "exercise-run"
 # the notebooks run one after another: their sum, with room for a busy machine
@@ -55,6 +57,8 @@ class Executed:
     #: what each check printed after the solution ran (a traceback where one raised)
     graded: list[str] = field(default_factory=list)
     solve_seconds: float = 0.0  # the solution and the checks again
+    #: what the checks accepted of tampered answers (tests/tamper.py); None where not run
+    tampered: list[str] | None = None
 
 
 @dataclass
@@ -117,8 +121,23 @@ def execute(path: Path, cwd: Path) -> Executed:
             done.graded = [_text(c) for c in checks]
             if failed:
                 done.graded.append(failed)
+            else:
+                done.tampered = _tamper(client, nb, checks)
             done.solve_seconds = time.monotonic() - start
     return done
+
+
+def _tamper(
+    client: NotebookClient, nb: nbformat.NotebookNode, checks: list[nbformat.NotebookNode]
+) -> list[str] | None:
+    """Every check again on tampered answers, in the kernel (tests/tamper.py): what it accepted."""
+    sources = json.dumps([c.source for c in checks])
+    cell = nbformat.v4.new_code_cell(f"_tamper_checks = {sources}\n%run -i {TAMPER}")
+    nb.cells.append(cell)
+    if _run(client, [cell], len(nb.cells) - 1):
+        return None
+    found = re.search(r"^tamper report: (.*)$", _text(cell), re.M)
+    return json.loads(found.group(1)) if found else None
 
 
 def _cache(executed: dict[str, Executed], folder: Path) -> Path:
@@ -264,6 +283,18 @@ def test_exercises_are_solvable(path, site):
     for number, text in enumerate(run.graded, start=1):
         print(text.strip().splitlines()[0] if text.strip() else "(nothing printed)")
         assert text.strip().startswith(f"Exercise {number}: correct"), text
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
+def test_exercises_reject_tampered_answers(path, site):
+    """After the solution passed, each check rejects what a student might try instead of
+    solving it (tests/tamper.py): the solution scaled, negated, inverted or off by one, the
+    other options, the numbers its feedback on a wrong answer shows, and the answer of
+    another student whose drawn figures differ (issue 55)."""
+    run = site.notebooks[path.name]
+    assert run.error is None, f"{path.name} raised before its exercises:\n{run.error}"
+    assert run.tampered is not None, f"{path.name}: the tampered answers were not graded"
+    assert run.tampered == [], f"{path.name}: accepted {run.tampered}"
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])

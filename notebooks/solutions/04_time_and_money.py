@@ -1,7 +1,8 @@
 """Solutions to the exercises of notebook 04 (04_time_and_money.ipynb).
 
-They use what the notebook defined (scaling, instance_price): run them in its kernel after it
-ran, `%run -i solutions/04_time_and_money.py`, then run the check cells again.
+They use what the notebook defined (scaling, instance_price, student, time_and_money): run
+them in its kernel after it ran, `%run -i solutions/04_time_and_money.py`, then run the check
+cells again.
 """
 
 import math
@@ -13,6 +14,7 @@ answer_1 = 1 / ((1 - p) + p / 4)
 # 2. The estimate adds the inter-instance all-reduce; the fit came from one machine.
 answer_2 = "b"
 
-# 3. Ten engines: ceil(10 / 4) = 3 instances of 4 GPUs, or 10 of one.
+# 3. n engines: ceil(n / 4) instances of 4 GPUs, or n of one.
+n = time_and_money.figures(student)["engines"]  # noqa: F821
 big, small = instance_price("ml.g5.12xlarge"), instance_price("ml.g5.xlarge")  # noqa: F821
-answer_3 = math.ceil(10 / 4) * big.usd_per_hour / (10 * small.usd_per_hour)
+answer_3 = math.ceil(n / 4) * big.usd_per_hour / (n * small.usd_per_hour)

@@ -16,7 +16,7 @@ answer_1 = counted[0] / sum(counted.values())
 # 2. Every tensor in the plan is halved; the RMSNorm weights, not in it, stay whole.
 total = sum(p.numel() for p in llama.parameters())  # noqa: F821
 whole = sum(p.numel() for name, p in llama.named_parameters() if "norm" in name)  # noqa: F821
-answer_2 = ((total - whole) / 2 + whole) / total
+answer_2 = whole / total
 
 # 3. Normalised over the global batch: one forward per optimizer step, as in one process.
 answer_3 = len(resnet_run.history)  # noqa: F821

@@ -8,8 +8,9 @@ against a result's `state_dict()`, an estimate. Every check reads the same way:
 - a blank answer (None, or `...`) prints "Exercise N: not answered yet", so a notebook runs top
   to bottom as shipped;
 - a right one prints "Exercise N: correct" with the measurement it matched;
-- a wrong one raises `WrongAnswer`, whose message says what the measurement shows (a ratio, a
-  trend, the option that fits it), not the answer to copy.
+- a wrong one raises `WrongAnswer`, whose message says the direction or the kind of error ("a
+  factor of 2: count both directions of the ring"), never the measurement, its ratio to the
+  answer, or which option is right.
 
 Checks grade in trends and ratios, never in absolute CPU seconds: memory is counted in exact
 bytes, and a time enters only as a share of its own step.
@@ -20,9 +21,10 @@ each after its notebook, in the same kernel, and requires every check to pass.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import numbers
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -39,6 +41,7 @@ __all__ = [
     "check_choice",
     "check_equal",
     "check_same_model",
+    "draw",
     "last_step_memory",
     "idle_share",
 ]
@@ -74,6 +77,18 @@ def _wrong(exercise: int | str, text: str) -> WrongAnswer:
     return WrongAnswer(f"Exercise {exercise}: {text}")
 
 
+#: factors a wrong number often is off by, and what they say of it: the kind of error, never
+#: the measurement (checked after an exercise's own `mistakes`)
+UNIT_FACTORS: dict[float, str] = {
+    100.0: "a factor of 100: a percentage where a fraction is asked, or the other way round",
+    1000.0: "a factor of 1000: check the unit (kB against B, ms against s)",
+    1024.0: "a factor of 1024: check the unit (KiB against B, MiB against GiB)",
+    1e6: "a factor of a million: check the unit (MB against B)",
+    2.0**20: "a factor of 2**20: check the unit (MiB against B)",
+    1e6 / 2**20: "MB (10**6 bytes) where MiB (2**20) is asked, or the other way round",
+}
+
+
 def check_number(
     exercise: int | str,
     answer: Any,
@@ -83,12 +98,34 @@ def check_number(
     rel: float = 0.0,
     absolute: float = 0.0,
     hint: str = "",
+    mistakes: Mapping[float, str] | None = None,
 ) -> None:
     """Grade a number against a measured one: right within `rel` (a fraction of the measured
-    value) or `absolute`, whichever is wider. A wrong answer's message gives its ratio to the
-    measurement (or its distance from it, when that is zero), not the measurement itself."""
+    value) or `absolute`, whichever is wider.
+
+    A wrong answer's message never gives the measurement, its ratio to the answer or their
+    distance (answering 1 and inverting the ratio passed): it says whether the answer is too
+    high or too low, and the kind of error where the answer is a known factor off. `mistakes`
+    maps such a factor (answer / right answer, as a common mistake gives it: 0.5 for a ring
+    all-reduce's one direction) to what it says; UNIT_FACTORS (and their inverses) follow."""
     if _blank(exercise, answer):
         return
+    value = _number(exercise, answer, what, hint)
+    tolerance = max(rel * abs(measured), absolute)
+    if math.isfinite(value) and abs(value - measured) <= tolerance:
+        _say(exercise, f"correct: {value:.4g} against {what} of {measured:.4g}")
+        return
+    within = f"{rel:.0%}" if rel * abs(measured) >= absolute else f"{absolute:g}"
+    kind = _kind_of_error(value, measured, rel, mistakes or {})
+    way = "too high" if value > measured else "too low"
+    said = f"{kind} ({way})" if kind else way
+    raise _wrong(
+        exercise, f"{_shown(answer)} is not {what}: {said}; within {within} needed{_hint(hint)}"
+    )
+
+
+def _number(exercise: int | str, answer: Any, what: str, hint: str) -> float:
+    """The answer as a float, or WrongAnswer saying why it is not a number."""
     if isinstance(answer, torch.Tensor) and answer.is_meta:
         raise _wrong(exercise, f"a meta tensor, which holds no value: give the number ({what})")
     if isinstance(answer, torch.Tensor) and answer.numel() == 1:
@@ -96,19 +133,29 @@ def check_number(
     if isinstance(answer, bool) or not isinstance(answer, numbers.Real):
         raise _wrong(exercise, f"expected a number ({what}), got {_shown(answer)}")
     try:
-        answer = float(answer)
-    except (OverflowError, ValueError):  # an int past float's range: no ratio to give
+        return float(answer)
+    except (OverflowError, ValueError):  # an int past float's range
         raise _wrong(exercise, f"{_shown(answer)} is far from {what}{_hint(hint)}") from None
-    tolerance = max(rel * abs(measured), absolute)
-    if math.isfinite(answer) and abs(answer - measured) <= tolerance:
-        _say(exercise, f"correct: {answer:.4g} against {what} of {measured:.4g}")
-        return
-    if measured and math.isfinite(answer):
-        off = f"{answer / measured:.3g}x {what}"
-    else:
-        off = f"{answer - measured:+.3g} from {what}"
-    within = f"{rel:.0%}" if rel * abs(measured) >= absolute else f"{absolute:g}"
-    raise _wrong(exercise, f"{answer!r} is {off} (within {within} needed){_hint(hint)}")
+
+
+def _kind_of_error(
+    answer: float, measured: float, rel: float, mistakes: Mapping[float, str]
+) -> str:
+    """What a known factor between the answer and the measurement says, or "" where the
+    answer is no such factor off (within the exercise's own relative tolerance, at least 2%)."""
+    if not (measured and math.isfinite(answer) and answer / measured > 0):
+        return ""
+    ratio = answer / measured
+    close = max(rel, 0.02)
+    for factor, says in mistakes.items():
+        if abs(ratio / factor - 1) <= close:
+            return says
+    # the nearest unit factor, either way round (1000 and 1024 are 2.4% apart)
+    off = {
+        abs(math.log(ratio * f**way)): says for f, says in UNIT_FACTORS.items() for way in (1, -1)
+    }
+    nearest = min(off)
+    return off[nearest] if nearest <= math.log1p(close) else ""
 
 
 def check_choice(
@@ -117,19 +164,28 @@ def check_choice(
     *,
     options: Mapping[str, str],
     correct: str,
-    why: str,
+    wrong: Mapping[str, str],
 ) -> None:
     """Grade a multiple-choice answer: one of `options`' keys (case and spaces ignored).
-    `correct` is the option the measurement supports, `why` what the measurement shows."""
+    `correct` is the option the measurement supports; `wrong` says, for each other option,
+    what the measurement shows against it. A wrong choice's message is that option's own
+    text alone: it never names, or rules everything out but, the right one."""
     if _blank(exercise, answer):
         return
     choice = str(answer).strip().lower()
     if choice not in options:
         allowed = ", ".join(repr(k) for k in options)
         raise _wrong(exercise, f"{answer!r} is not an option: answer one of {allowed}")
-    if choice != correct:
-        raise _wrong(exercise, f"not ({choice}) {options[choice]!r}: {why}")
-    _say(exercise, f"correct: ({choice}) {options[choice]}")
+    if choice == correct:
+        _say(exercise, f"correct: ({choice}) {options[choice]}")
+        return
+    missing = sorted(set(options) - {correct} - set(wrong))
+    if missing:
+        raise ValueError(f"check_choice: no feedback for the wrong option(s) {missing}")
+    says = wrong[choice]
+    if options[correct].lower() in says.lower() or f"({correct})" in says:
+        raise ValueError(f"check_choice: the feedback for {choice!r} names the right option")
+    raise _wrong(exercise, f"not ({choice}) {options[choice]!r}: {says}")
 
 
 def check_equal(
@@ -258,6 +314,18 @@ def _difference(exercise: int | str, key: str, given: Any, run: torch.Tensor) ->
     if not math.isfinite(diff):  # finite values whose difference overflows float64
         raise _wrong(exercise, f"the model's {key} differs from the run's past float64's range")
     return diff
+
+
+def draw(student: Any, choices: Sequence[Any], *, what: str) -> Any:
+    """One student's own figure for an exercise: one of `choices`, picked by a hash of
+    `student` (the name or number they typed) and `what` the figure is, so that answers
+    differ between students and cannot be copied, while one student gets the same figure
+    every time the notebook runs. A blank `student` (None, "") is refused with what to type."""
+    if student is None or not str(student).strip():
+        raise ValueError("student: type your name or a number of your own, e.g. student = 'ada'")
+    key = f"{str(student).strip().lower()}\0{what}".encode()
+    index = int.from_bytes(hashlib.sha256(key).digest()[:8], "big") % len(choices)
+    return choices[index]
 
 
 # -- what the checks read from a result's metrics ---------------------------------------------
