@@ -25,7 +25,7 @@ from .conftest import REGRESSION_CELL
 from .helpers import check_equal
 
 SAGENB = Path(sagenb.__file__).parent
-NAMES = ("data", "model", "hybrid", "sharded", "tensor")
+NAMES = ("data", "model", "hybrid", "sharded", "tensor", "own")
 
 #: a made-up strategy, written as a user of the architecture page would: one module, its option
 #: included. By default every engine trains on the whole global batch and DDP averages equal

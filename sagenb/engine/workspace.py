@@ -36,6 +36,8 @@ class Workspace:
     tp_plan: dict[str, Any] | None = None
     #: the cell's collate_fn(samples) -> batch, or None: torch's default_collate
     collate_fn: Collate | None = None
+    #: the cell's own gradient synchronisation, class DDP(module) (--strategy own), or None
+    own_ddp: Callable[[nn.Module], nn.Module] | None = None
     #: the pretrained weights the cell names (its `pretrained` variable, or what its
     #: from_pretrained loaded under --delay-init), which each strategy reads only its part of
     checkpoint: Checkpoint | None = None
@@ -83,6 +85,7 @@ def build_workspace(
         eval_dataset=ns.get("eval_dataset"),
         tp_plan=ns.get("tp_plan"),
         collate_fn=ns.get("collate_fn"),
+        own_ddp=ns.get("DDP"),
     )
     _check(ws)
     ws.cell_parameters = cell_parameters(ws.model)

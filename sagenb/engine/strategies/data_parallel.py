@@ -89,14 +89,19 @@ class DataParallel:
                 rank=rank, world_size=world_size, degree=expert_parallel, device=device
             )
 
-    def setup(self, ws: Workspace) -> None:
+    def setup_replica(self, ws: Workspace) -> nn.Module:
+        """The whole model for this engine: materialised (--delay-init: every engine needs
+        all of it), its BatchNorm over the global batch where there is more than one replica,
+        as one process would see it."""
         self.key_order = list(ws.model.state_dict().keys())
-        if any(p.is_meta for p in ws.model.parameters()):  # --delay-init: every engine needs all
+        if any(p.is_meta for p in ws.model.parameters()):
             materialize(
                 ws.model, [ws.model], seed=self.seed, device=self.device, checkpoint=ws.checkpoint
             )
-        # More than one replica: BatchNorm over the global batch, as one process would see it
-        model = sync_batchnorm(ws.model, device=self.device) if self.world_size > 1 else ws.model
+        return sync_batchnorm(ws.model, device=self.device) if self.world_size > 1 else ws.model
+
+    def setup(self, ws: Workspace) -> None:
+        model = self.setup_replica(ws)
         if self.experts is not None:
             self.experts.spread(model)
             self.routing = self.experts.counts
