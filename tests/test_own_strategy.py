@@ -98,6 +98,17 @@ def test_a_cells_own_ddp_equals_one_process(pool, ddp):
     grads = sum(p.numel() for p in pool_model_parameters()) * 4
     sent = typical_step(measure_traffic(result)[0])
     assert sent.get("all_reduce", 0) >= grads
+    # what the DDP overlapped with backward: the hooks' all-reduces began during it
+    shares = [m.values["overlapped"] for m in result.metrics if "overlapped" in m.values]
+    assert len(shares) == 12  # every step, on both ranks
+    if ddp is OVERLAPPED:
+        assert min(shares) >= 0.99
+    else:
+        assert max(shares) == 0.0
+    counts = {m.values["all_reduces"] for m in result.metrics if "all_reduces" in m.values}
+    assert counts == ({1} if ddp is FLAT else {4})  # 4 parameters, or one flat tensor
+    bytes_ = {m.values["all_reduced(B)"] for m in result.metrics if "all_reduced(B)" in m.values}
+    assert bytes_ == {grads}
 
 
 def pool_model_parameters():

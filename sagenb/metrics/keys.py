@@ -76,6 +76,13 @@ CUTS: Final = "cuts"  # the first step's: the blocks where stages 1, 2, ... begi
 #: the MoE layers (a list, one count per expert); history rows: summed over the ranks
 EXPERT_TOKENS: Final = "expert_tokens"
 
+# -- --strategy own (engine/strategies/own.py) ----------------------------------------------------
+#: the share of the step's all-reduced bytes whose all-reduce began before backward ended:
+#: what the cell's DDP overlapped with backward (0 for one that reduces after it)
+OVERLAPPED: Final = "overlapped"
+ALL_REDUCES: Final = "all_reduces"  # the all-reduces the step's forward, backward and sync made
+ALL_REDUCED: Final = "all_reduced(B)"  # and the bytes they reduced
+
 # -- history rows only (metrics.History: the ranks of one step combined) ----------------------
 RANK_LOSSES: Final = "rank_losses"  # each reporting rank's loss, in rank order
 BUSY: Final = "busy(s)"  # mean over the engines of forward + backward

@@ -18,7 +18,10 @@ cell's `make_optimizer`, which may shard its state over the ranks (ZeRO-1) as it
 
 What sagenb does around it: the same sample order, loss weighting and parameters as one
 process, so a run is checked against one like any strategy's; the run's collectives are
-counted by the flight recorder (sizing/traffic.py) as for DDP; and after every step the ranks
+counted by the flight recorder (sizing/traffic.py) as for DDP, and each step's own in each
+rank's metrics (`all_reduces`, `all_reduced(B)`, and `overlapped`: the share of those bytes
+whose all-reduce began before backward ended, 0 for a DDP that reduces after backward); and
+after every step the ranks
 compare a fingerprint of their parameters, so a synchronisation that leaves the replicas apart
 fails the run with the step and the parameter, instead of training on silently. A collective
 one rank never joins ends at the run's --collective-timeout, as any strategy's would.
@@ -26,6 +29,7 @@ one rank never joins ends at the run's --collective-timeout, as any strategy's w
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -38,12 +42,14 @@ from sagenb.engine.objective import Objective, piece_loss
 from sagenb.engine.strategies.data_parallel import DataParallel, ReplicatedAttribution
 from sagenb.engine.strategies.description import Description, plural
 from sagenb.engine.strategies.experts import count_routing, find_packed
+from sagenb.engine.wire.traffic import collectives_since
 from sagenb.engine.workspace import Workspace
+from sagenb.metrics import keys
 
 if TYPE_CHECKING:
     from sagenb.config.options import EngineConfig
 
-__all__ = ["DESCRIPTIONS", "OwnDataParallel", "replicas_apart"]
+__all__ = ["DESCRIPTIONS", "OwnDataParallel", "reduced", "replicas_apart"]
 
 #: the relative difference of two ranks' parameter fingerprints that counts as apart: a
 #: synchronisation that reduces the same bytes gives every rank the same update, bit for bit
@@ -84,8 +90,11 @@ class OwnDataParallel(DataParallel):
     def forward_backward(
         self, batch: Any, objective: Objective, *, scale: float, sync: bool
     ) -> torch.Tensor | None:
+        started = time.time_ns()
         loss = piece_loss(objective, self.wrapper, batch, scale)
+        backward_end = time.time_ns()
         self._finish()
+        self._window = (started, backward_end, time.time_ns())
         return loss
 
     def step_metrics(self) -> dict[str, Any]:
@@ -99,7 +108,26 @@ class OwnDataParallel(DataParallel):
                 "once finish_gradient_synchronization() returns: does it wait for every "
                 "all-reduce it started, on every rank?"
             )
-        return super().step_metrics()
+        return {**super().step_metrics(), **reduced(*self._window)}
+
+
+def reduced(started_ns: int, backward_end_ns: int, finished_ns: int) -> dict[str, Any]:
+    """What the cell's DDP all-reduced in one step, from the flight recorder
+    (engine/wire/traffic.py): how many all-reduces began from the forward's start until
+    finish_gradient_synchronization() returned, their bytes, and the share of those bytes
+    whose all-reduce began before backward ended. Nothing where this torch build has no
+    recorder."""
+    found = collectives_since(started_ns)
+    if found is None:
+        return {}
+    mine = [c for c in found if c["kind"] == "all_reduce" and c["time_ns"] < finished_ns]
+    total = sum(c["input_bytes"] for c in mine)
+    early = sum(c["input_bytes"] for c in mine if c["time_ns"] < backward_end_ns)
+    return {
+        keys.ALL_REDUCES: len(mine),
+        keys.ALL_REDUCED: total,
+        keys.OVERLAPPED: early / total if total else 0.0,
+    }
 
 
 def replicas_apart(module: nn.Module, world_size: int) -> tuple[str, float] | None:
