@@ -24,8 +24,11 @@ from sagenb.teaching import graders as _graders
 from sagenb.teaching.exercises import WrongAnswer as _WrongAnswer
 
 
-def _tampered(right):
-    """(label, answer) pairs a check must reject, made from the right answer."""
+def _tampered(right, others=()):
+    """(label, answer) pairs a check must reject, made from the right answer; where it is a
+    class of the student's (a DDP of notebook 10), the other exercises' classes."""
+    if isinstance(right, type):
+        return [(f"exercise {k}'s {c.__name__}", c) for k, c in others if c is not right]
     if isinstance(right, str):
         return [(f"option {o!r}", o) for o in "abcd" if o != right.strip().lower()]
     if isinstance(right, _torch.nn.Module):
@@ -87,7 +90,8 @@ def _tamper(checks):
     rights = {k: globals()[f"answer_{k}"] for k in range(1, len(checks) + 1)}
     for k, source in enumerate(checks, start=1):
         name = f"answer_{k}"
-        for label, answer in _tampered(rights[k]):
+        classes = [(j, a) for j, a in rights.items() if j != k and isinstance(a, type)]
+        for label, answer in _tampered(rights[k], classes):
             if _grade(source, name, answer) is None:
                 accepted.append(f"exercise {k}: {label}")
         if isinstance(rights[k], (int, float)) and not isinstance(rights[k], bool):

@@ -191,7 +191,7 @@ MAY_IMPORT = {
     "metrics": {"config"},
     "display": {"config", "metrics", "sizing"},
     "sizing": {"config", "engine", "metrics", "pool"},
-    "teaching": {"metrics", "engine", "display", "sizing"},
+    "teaching": {"metrics", "engine", "display", "run", "sizing"},
 }
 
 
